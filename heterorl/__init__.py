@@ -1,0 +1,3 @@
+"""heterorl: asynchronous, heterogeneous RL post-training for language models."""
+
+__version__ = "0.1.0"

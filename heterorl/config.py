@@ -1,0 +1,175 @@
+"""Typed run configuration: dataclasses, loaded from YAML with dotted overrides.
+
+    cfg = load_config("my.yaml", ["loss.name=grpo", "rollout.temperature=0.7"])
+
+Built on OmegaConf structured configs, so an unknown key or a value of the
+wrong type is an error that names the full key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from heterorl.errors import ConfigError
+from heterorl.policies.tiny import TinyModelConfig
+
+
+@dataclass
+class TaskConfig:
+    name: str = "maze"  # maze | arithmetic | jsonl
+    options: Dict[str, Any] = field(default_factory=lambda: {"size": 5, "wall_density": 0.3})
+    reward_fn: Optional[str] = None  # "my_pkg.rewards:score" replaces the task's reward
+
+
+@dataclass
+class PolicyConfig:
+    model: str = "tiny"  # tiny | smollm2 | path to a local Hugging Face folder
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    device: str = "cpu"
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 8  # completions per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 32
+
+
+@dataclass
+class LossConfig:
+    name: str = "grpo"
+    advantage: str = "group_normalized"  # group_normalized | group_centered
+    options: Dict[str, Any] = field(default_factory=dict)  # fields of the loss's own config dataclass
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 3000
+    batch_size: int = 64
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    eval_every: int = 100
+    stop_success: Optional[float] = None  # stop as soon as greedy eval success reaches this
+    output: str = "runs/sft-base"
+
+
+@dataclass
+class RLConfig:
+    base: Optional[str] = None  # policy folder to start from (the SFT base); None = policy.model
+    steps: int = 100
+    prompts_per_step: int = 32
+    updates_per_batch: int = 1  # optimizer steps on each sampled batch (minibatches)
+    eval_every: int = 10
+    eval_max_tokens: Optional[int] = None  # None = rollout.max_tokens
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/demo"
+    wandb_project: Optional[str] = None  # None: log to an offline wandb run in run_dir
+    wandb_mode: str = "offline"  # offline | online | disabled
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    task: TaskConfig = field(default_factory=TaskConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+_CHOICES = {
+    "loss.advantage": ("group_normalized", "group_centered"),
+    "optim.schedule": ("constant", "cosine"),
+    "logging.wandb_mode": ("offline", "online", "disabled"),
+}
+
+
+def _explain(exc: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(exc, "full_key", None) or "?"
+    message = str(exc).split("\n")[0]
+    if "not in" in message or "Key '" in message and "not" in message:
+        hint = "unknown key: check its spelling against `heterorl <command> --dry-run`"
+    else:
+        hint = message
+    return ConfigError(f"config key `{key}` ({source}): {hint}")
+
+
+def _check(cfg: Config) -> None:
+    for dotted, choices in _CHOICES.items():
+        section, name = dotted.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in choices:
+            raise ConfigError(f"config key `{dotted}` = {value!r}: must be one of {', '.join(choices)}")
+    positive = {
+        "rollout.group_size": cfg.rollout.group_size, "rollout.max_tokens": cfg.rollout.max_tokens,
+        "rl.steps": cfg.rl.steps, "rl.prompts_per_step": cfg.rl.prompts_per_step,
+        "rl.updates_per_batch": cfg.rl.updates_per_batch, "rl.eval_every": cfg.rl.eval_every,
+        "sft.steps": cfg.sft.steps, "sft.batch_size": cfg.sft.batch_size, "sft.eval_every": cfg.sft.eval_every,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"config key `{key}` = {value}: must be > 0")
+    if cfg.rollout.temperature < 0:
+        raise ConfigError(f"config key `rollout.temperature` = {cfg.rollout.temperature}: must be >= 0")
+    if cfg.optim.lr <= 0 or cfg.sft.lr <= 0:
+        raise ConfigError("config keys `optim.lr` and `sft.lr` must be > 0")
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults ← YAML file ← ``key=value`` overrides, validated into a ``Config``."""
+    merged = OmegaConf.structured(Config)
+    try:
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise ConfigError(f"config file {path} does not exist")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+    except OmegaConfBaseException as exc:
+        raise _explain(exc, str(path)) from None
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} is not of the form key=value (e.g. loss.name=gepo)")
+    try:
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        cfg: Config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise _explain(exc, "command line") from None
+    _check(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+__all__ = ["Config", "ConfigError", "load_config", "to_dict", "to_yaml"]

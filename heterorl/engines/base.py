@@ -1,0 +1,95 @@
+"""The sampling-engine contract: what a rollout needs from a generator.
+
+Engines (the torch engine here, vLLM behind the ``[vllm]`` extra) return, for
+each sample, the tokens, the per-token log-probs of the distribution the token
+was actually drawn from (after temperature / top-k / top-p), and why it stopped.
+Those log-probs are the *behaviour* log-probs the losses need.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from heterorl.errors import SamplingError
+
+STOP_EOS = "eos"  # the model's end-of-sequence token was sampled
+STOP_TOKEN = "stop"  # one of SamplingParams.stop_token_ids was sampled
+STOP_LENGTH = "length"  # max_tokens was reached
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy decoding.
+
+    With ``temperature == 0`` the reported log-probs are those of the unmodified
+    model (temperature 1), since the greedy "distribution" is a point mass.
+    """
+
+    max_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks: every sample gets max_tokens tokens)
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise SamplingError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+            raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass
+class SampleOutput:
+    """One completion: its tokens (the stop token included), their log-probs, and the stop reason."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+    text: str = field(default="", compare=False)
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    """Check prompts are non-empty lists of in-vocabulary token ids; return them as lists."""
+    if len(prompts) == 0:
+        raise SamplingError("no prompts given: pass at least one prompt (a list of token ids)")
+    checked = []
+    for i, prompt in enumerate(prompts):
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise SamplingError(f"prompt {i} is empty: a prompt needs at least one token")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise SamplingError(
+                f"prompt {i} holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}; "
+                "was it encoded with another model's tokenizer?"
+            )
+        checked.append(prompt)
+    return checked
+
+
+class SamplingEngine(ABC):
+    """Generates completions from a fixed set of weights."""
+
+    @abstractmethod
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, num_samples: int = 1
+    ) -> list[list[SampleOutput]]:
+        """For each prompt, ``num_samples`` completions (outer list: prompts)."""
+
+    @abstractmethod
+    def compute_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Teacher-forced log p(token_t | tokens_<t) for t >= 1 of each sequence."""
+
+    @abstractmethod
+    def load_state_dict(self, state_dict) -> None:
+        """Replace the engine's weights."""

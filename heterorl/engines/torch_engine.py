@@ -1,0 +1,163 @@
+"""Batched generation with a KV cache on any Hugging Face causal LM (CPU or GPU).
+
+Prompts are left-padded into one batch (each prompt repeated ``num_samples``
+times), prefilled once, then decoded one token per step through the model's
+KV cache. Rows that have stopped keep decoding padding until every row stops,
+so the batch shape stays fixed; their extra tokens are discarded.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Sequence
+
+import torch
+
+from heterorl.engines.base import (
+    STOP_EOS,
+    STOP_LENGTH,
+    STOP_TOKEN,
+    SampleOutput,
+    SamplingEngine,
+    SamplingParams,
+    validate_prompts,
+)
+from heterorl.errors import SamplingError
+from heterorl.logprobs import pad_right, selected_logprobs, token_logprobs
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / nucleus (top-p) set to -inf."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the mass *before* it already reaches top_p (the top token always stays)
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class TorchEngine(SamplingEngine):
+    """Sampling engine over a Hugging Face ``*ForCausalLM`` module.
+
+    ``max_batch_sequences`` bounds how many sequences decode together (memory).
+    """
+
+    def __init__(self, model, tokenizer, *, device: str | torch.device = "cpu", max_batch_sequences: int = 1024):
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.max_batch_sequences = max_batch_sequences
+        self.eos_token_id = tokenizer.eos_token_id
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        # transformers ≥ 5.2x renamed the KV-cache argument from `past_key_values` to `cache`
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def _cache_of(self, out):
+        return out.cache if self._cache_kwarg == "cache" else out.past_key_values
+
+    def load_state_dict(self, state_dict) -> None:
+        self.model.load_state_dict(state_dict)
+
+    @torch.inference_mode()
+    def compute_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        sequences = validate_prompts(sequences, self.vocab_size)
+        input_ids, attention_mask = pad_right(sequences, self.pad_token_id, self.device)
+        logprobs = token_logprobs(self.model, input_ids, attention_mask).cpu()
+        return [logprobs[i, : len(s) - 1].tolist() for i, s in enumerate(sequences)]
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, num_samples: int = 1
+    ) -> list[list[SampleOutput]]:
+        prompts = validate_prompts(prompts, self.vocab_size)
+        if not isinstance(num_samples, int) or num_samples < 1:
+            raise SamplingError(f"num_samples must be a positive integer, got {num_samples!r}")
+        longest = max(len(p) for p in prompts) + params.max_tokens
+        if self.max_positions is not None and longest > self.max_positions:
+            raise SamplingError(
+                f"prompt length + max_tokens = {longest} exceeds the model's max_position_embeddings "
+                f"({self.max_positions}); lower max_tokens or shorten the prompt"
+            )
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        rows = [p for p in prompts for _ in range(num_samples)]
+        outputs: list[SampleOutput] = []
+        for start in range(0, len(rows), self.max_batch_sequences):
+            outputs.extend(self._generate_batch(rows[start : start + self.max_batch_sequences], params, generator))
+        return [outputs[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
+
+    def _generate_batch(self, rows: list[list[int]], params: SamplingParams, generator) -> list[SampleOutput]:
+        batch = len(rows)
+        prompt_len = max(len(r) for r in rows)
+        input_ids = torch.full((batch, prompt_len), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, prompt_len), dtype=torch.long)
+        for i, row in enumerate(rows):  # left padding: every prompt ends at the same column
+            input_ids[i, prompt_len - len(row) :] = torch.tensor(row)
+            attention_mask[i, prompt_len - len(row) :] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+        stop_set = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.eos_token_id})
+        stop_ids = torch.tensor(sorted(stop_set), dtype=torch.long, device=self.device)
+        tokens = torch.zeros((batch, params.max_tokens), dtype=torch.long, device=self.device)
+        logprobs = torch.zeros((batch, params.max_tokens), dtype=torch.float32, device=self.device)
+        lengths = torch.full((batch,), params.max_tokens, dtype=torch.long, device=self.device)
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+        cache, next_logits = self._cache_of(out), out.logits[:, -1]
+        next_position = position_ids[:, -1:] + 1
+        for step in range(params.max_tokens):
+            token, token_logprob = self._sample(next_logits, params, generator)
+            token = torch.where(done, torch.full_like(token, self.pad_token_id), token)
+            tokens[:, step], logprobs[:, step] = token, token_logprob
+            stopped_now = ~done & torch.isin(token, stop_ids)
+            lengths = torch.where(stopped_now, torch.full_like(lengths, step + 1), lengths)
+            done |= stopped_now
+            if bool(done.all()) or step == params.max_tokens - 1:
+                break
+            attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long, device=self.device)], 1)
+            out = self.model(
+                input_ids=token[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_position,
+                use_cache=True,
+                **{self._cache_kwarg: cache},
+            )
+            cache, next_logits = self._cache_of(out), out.logits[:, -1]
+            next_position = next_position + 1
+
+        tokens, logprobs, lengths = tokens.cpu(), logprobs.cpu(), lengths.cpu()
+        results = []
+        for i in range(batch):
+            n = int(lengths[i])
+            row_tokens = tokens[i, :n].tolist()
+            last = row_tokens[-1] if row_tokens else None
+            if n == params.max_tokens and last not in stop_set:
+                reason = STOP_LENGTH
+            elif last == self.eos_token_id:
+                reason = STOP_EOS
+            elif last in params.stop_token_ids:
+                reason = STOP_TOKEN
+            else:
+                reason = STOP_LENGTH
+            results.append(SampleOutput(tokens=row_tokens, logprobs=logprobs[i, :n].tolist(), stop_reason=reason))
+        return results
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw one token per row; return it with its log-prob under the sampling distribution."""
+        logits = logits.float()
+        if params.temperature == 0:
+            token = logits.argmax(-1)
+            return token, selected_logprobs(logits, token)
+        logits = _filter_logits(logits / params.temperature, params.top_k, params.top_p)
+        logp = torch.log_softmax(logits, dim=-1)
+        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1)

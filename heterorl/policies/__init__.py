@@ -1,0 +1,29 @@
+"""Policy loaders: tiny (built from a config), a local Hugging Face folder, smollm2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from heterorl.policies.hf_folder import load_hf_folder, validate_hf_folder
+from heterorl.policies.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_policy, save_policy
+
+
+def load_policy(model: str, *, alphabet: str | None = None, tiny: TinyModelConfig | None = None,
+                device: str = "cpu"):
+    """``(model, tokenizer)`` for ``model`` = "tiny" (fresh, needs ``alphabet``), "smollm2", or a local folder."""
+    if model == "tiny":
+        if alphabet is None:
+            raise ValueError("the tiny policy needs the task's alphabet to build its tokenizer")
+        net, tokenizer = build_tiny_policy(alphabet, tiny)
+        return net.to(device), tokenizer
+    if model == "smollm2":
+        from heterorl.policies.smollm2 import smollm2_folder
+
+        return load_hf_folder(smollm2_folder(), device=device)
+    return load_hf_folder(Path(model).expanduser(), device=device)
+
+
+__all__ = [
+    "TinyModelConfig", "build_char_tokenizer", "build_tiny_policy", "load_hf_folder", "load_policy",
+    "save_policy", "validate_hf_folder",
+]

@@ -1,0 +1,126 @@
+"""Load a policy (causal LM + tokenizer) from a local Hugging Face folder, and check the two fit.
+
+Nothing is downloaded: the folder must hold ``config.json``, the weights and the tokenizer files,
+as written by ``model.save_pretrained(folder)`` and ``tokenizer.save_pretrained(folder)``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from heterorl.errors import PolicyLoadError
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_SAVE_HINT = "write it with model.save_pretrained(folder) and tokenizer.save_pretrained(folder)"
+
+
+def validate_hf_folder(path: str | Path) -> Path:
+    """Return ``path`` as a Path if it looks like a complete Hugging Face model folder.
+
+    Raises PolicyLoadError naming the path and what is missing: the path itself, a folder,
+    ``config.json``, weights (``*.safetensors`` or ``pytorch_model*.bin``) or tokenizer files.
+    """
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise PolicyLoadError(
+            f"policy folder {folder} does not exist: pass the path of a local Hugging Face model folder "
+            f"({_SAVE_HINT})"
+        )
+    if not folder.is_dir():
+        raise PolicyLoadError(
+            f"policy path {folder} is a file, not a folder: pass the folder that holds config.json, "
+            "the weights and the tokenizer files"
+        )
+    if not (folder / "config.json").is_file():
+        raise PolicyLoadError(f"policy folder {folder} has no config.json: {_SAVE_HINT}")
+    if not any(any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        raise PolicyLoadError(
+            f"policy folder {folder} has no weights (*.safetensors or pytorch_model*.bin): {_SAVE_HINT}"
+        )
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise PolicyLoadError(
+            f"policy folder {folder} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): "
+            f"save the model's tokenizer there with tokenizer.save_pretrained({str(folder)!r})"
+        )
+    return folder
+
+
+def load_hf_folder(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[torch.nn.Module, object]:
+    """Load ``(model, tokenizer)`` from a local folder, the model in eval mode on ``device``.
+
+    The tokenizer must fit the model (no more tokens than embedding rows), be loaded as the class
+    the folder declares (not swapped by AutoTokenizer for the model type) and have an eos token;
+    a missing pad token is set to the eos token, and the model's generation config gets the
+    tokenizer's eos/pad ids where it has none. Every failure is a PolicyLoadError naming the folder.
+    """
+    folder = validate_hf_folder(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
+    except Exception as exc:
+        raise PolicyLoadError(f"could not load the model in {folder}: {exc}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:
+        raise PolicyLoadError(f"could not load the tokenizer in {folder}: {exc}") from exc
+
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise PolicyLoadError(
+            f"policy folder {folder}: tokenizer has {len(tokenizer)} tokens but the model's embedding has "
+            f"{rows} rows: the tokenizer does not belong to this model; save the model's own tokenizer there"
+        )
+    _check_tokenizer_class(folder, tokenizer)
+    if tokenizer.eos_token_id is None:
+        raise PolicyLoadError(
+            f"policy folder {folder}: the tokenizer has no eos token, so generation could not stop; "
+            "set eos_token in its tokenizer_config.json"
+        )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    generation = model.generation_config
+    if generation.eos_token_id is None:
+        generation.eos_token_id = tokenizer.eos_token_id
+    if generation.pad_token_id is None:
+        generation.pad_token_id = tokenizer.pad_token_id
+
+    try:
+        model.to(device)
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        raise PolicyLoadError(f"could not move the model from {folder} to device {device!r}: {exc}") from exc
+    model.eval()
+    return model, tokenizer
+
+
+def _check_tokenizer_class(folder: Path, tokenizer: object) -> None:
+    """Refuse a tokenizer that AutoTokenizer silently swapped for the model type's own class.
+
+    transformers 5 loads e.g. ``Qwen2Tokenizer`` for any ``qwen2`` folder even when
+    tokenizer_config.json declares a generic ``TokenizersBackend``; the swapped class re-tokenizes
+    text differently from what was saved (and from what another engine loading the folder expects).
+    """
+    try:
+        declared = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return
+    loaded = type(tokenizer).__name__
+    if declared in _GENERIC_TOKENIZERS and loaded not in _GENERIC_TOKENIZERS:
+        raise PolicyLoadError(
+            f"policy folder {folder}: tokenizer_config.json declares {declared} but transformers loads it "
+            f"as {loaded} for this model type, which tokenizes differently; save a {loaded} built from "
+            "your vocabulary instead"
+        )

@@ -1,0 +1,114 @@
+"""The synchronous GRPO-style loop, written over the session primitives (cookbook style).
+
+Each step: sample G completions for P prompts with the current weights, score
+them with the task's reward, estimate group advantages, run
+``forward_backward`` + ``optim_step`` on ``updates_per_batch`` minibatches of
+whole groups, publish the new weights. On-policy up to the minibatch split.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import gepo
+from heterorl.config import Config
+from heterorl.engines.base import SamplingParams
+from heterorl.evaluation import evaluate
+from heterorl.schedule import learning_rate
+from heterorl.session import AdamParams, Datum, TrainingClient
+from heterorl.tasks.base import Task
+from heterorl.textcodec import encode
+
+ADVANTAGES = {"group_normalized": gepo.group_normalized, "group_centered": gepo.group_centered}
+
+
+@dataclass
+class RLResult:
+    base_success: float
+    final_success: float
+    best_success: float
+    steps: int
+    minutes: float
+    history: list[dict] = field(default_factory=list)  # {"step", "eval/success", ...}
+
+
+def rollout_datums(sampler, task: Task, problems, cfg: Config, seed: int) -> tuple[list[Datum], dict]:
+    """Sample a group per problem, score it, and turn it into datums with advantages."""
+    tokenizer = sampler.tokenizer
+    prompts = [encode(tokenizer, p.prompt, "prompt") for p in problems]
+    params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
+                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, seed=seed)
+    groups = sampler.sample(prompts, cfg.rollout.group_size, params).result()
+    rows = [(gid, prompt, s, task.reward(problem, s.text))
+            for gid, (problem, prompt, group) in enumerate(zip(problems, prompts, groups)) for s in group]
+    rewards = torch.tensor([r for *_, r in rows])
+    group_ids = torch.tensor([gid for gid, *_ in rows])
+    advantages = ADVANTAGES[cfg.loss.advantage](rewards, group_ids)
+    datums = [
+        Datum(tokens=prompt + s.tokens, prompt_len=len(prompt), advantage=float(a), reward=r, group_id=gid,
+              behaviour_logprobs=s.logprobs, policy_versions=[sampler.version] * len(s.tokens))
+        for (gid, prompt, s, r), a in zip(rows, advantages)
+    ]
+    lengths = torch.tensor([len(s.tokens) for _, _, s, _ in rows], dtype=torch.float)
+    stats = {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/reward_std": float(rewards.std()),
+        "rollout/completion_len": float(lengths.mean()),
+        "rollout/truncated_frac": sum(s.stop_reason == "length" for _, _, s, _ in rows) / len(rows),
+        "rollout/mixed_groups_frac": float((advantages.view(len(problems), -1).abs().sum(-1) > 0).float().mean()),
+    }
+    return datums, stats
+
+
+def minibatches(datums: list[Datum], count: int) -> list[list[Datum]]:
+    """Split into ``count`` minibatches of whole groups (groups are contiguous in ``datums``)."""
+    groups: dict[int, list[Datum]] = {}
+    for d in datums:
+        groups.setdefault(d.group_id, []).append(d)
+    ordered = list(groups.values())
+    size = max(1, -(-len(ordered) // count))
+    return [[d for g in ordered[i:i + size] for d in g] for i in range(0, len(ordered), size)]
+
+
+def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, progress=None) -> RLResult:
+    """Train ``training``'s policy on ``task`` for ``cfg.rl.steps`` steps; evaluate every ``cfg.rl.eval_every``."""
+    rng = random.Random(cfg.seed)
+    eval_problems = task.eval_problems()
+    eval_tokens = cfg.rl.eval_max_tokens or cfg.rollout.max_tokens
+    start = time.time()
+    sampler = training.save_weights_and_get_sampling_client()
+    base = evaluate(sampler, task, eval_problems, eval_tokens).success
+    history = [{"step": 0, "eval/success": base, "time_s": 0.0}]
+    if logger:
+        logger.log(0, {"eval/success": base})
+    total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
+    for step in range(1, cfg.rl.steps + 1):
+        problems = [task.sample_train(rng) for _ in range(cfg.rl.prompts_per_step)]
+        datums, metrics = rollout_datums(sampler, task, problems, cfg, seed=cfg.seed * 100_003 + step)
+        for batch in minibatches(datums, cfg.rl.updates_per_batch):
+            if all(d.advantage == 0 for d in batch):
+                continue  # no learning signal in this minibatch: every group scored alike
+            out = training.forward_backward(batch, cfg.loss.name, dict(cfg.loss.options)).result()
+            lr = learning_rate(training.step + 1, cfg.optim.lr, total_updates, cfg.optim.warmup_steps,
+                               cfg.optim.schedule, cfg.optim.min_lr_ratio)
+            optim = training.optim_step(AdamParams(
+                learning_rate=lr, beta1=cfg.optim.beta1, beta2=cfg.optim.beta2,
+                weight_decay=cfg.optim.weight_decay, grad_clip_norm=cfg.optim.grad_clip_norm)).result()
+            metrics.update(out.metrics)
+            metrics.update({"optim/lr": lr, "optim/grad_norm": optim.grad_norm})
+        sampler = training.save_weights_and_get_sampling_client()
+        metrics["policy/version"] = sampler.version
+        if step % cfg.rl.eval_every == 0 or step == cfg.rl.steps:
+            metrics["eval/success"] = evaluate(sampler, task, eval_problems, eval_tokens).success
+            history.append({"step": step, "eval/success": metrics["eval/success"], "time_s": time.time() - start})
+        if logger:
+            logger.log(step, metrics)
+        if progress:
+            progress(step, metrics)
+    successes = [h["eval/success"] for h in history]
+    return RLResult(base_success=base, final_success=successes[-1], best_success=max(successes),
+                    steps=cfg.rl.steps, minutes=(time.time() - start) / 60, history=history)

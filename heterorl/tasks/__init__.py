@@ -1,0 +1,56 @@
+"""Tasks by name: ``make_task("maze", {"size": 6})`` builds a configured task.
+
+``TASKS`` maps each name to its (task class, config class); options are the
+config dataclass's fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from heterorl.errors import TaskError
+from heterorl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
+from heterorl.tasks.base import Problem, Task
+from heterorl.tasks.jsonl import JsonlConfig, JsonlTask
+from heterorl.tasks.maze import MazeConfig, MazeTask
+from heterorl.tasks.rewards import CustomRewardTask, load_reward_fn
+
+TASKS: dict[str, tuple[type, type]] = {
+    "maze": (MazeTask, MazeConfig),
+    "arithmetic": (ArithmeticTask, ArithmeticConfig),
+    "jsonl": (JsonlTask, JsonlConfig),
+}
+
+
+def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str | None = None) -> Task:
+    """Build task ``name`` from ``options`` (its config's fields).
+
+    When ``reward_fn`` (``"package.module:function"``) is given, the task is
+    wrapped in :class:`CustomRewardTask` and scored by that function. Raises
+    TaskError for an unknown task name, an unknown or missing option, or a
+    bad reward function path.
+    """
+    if name not in TASKS:
+        raise TaskError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    task_cls, config_cls = TASKS[name]
+    options = dict(options or {})
+    fields = [f.name for f in dataclasses.fields(config_cls)]
+    for key in options:
+        if key not in fields:
+            raise TaskError(f"unknown option {key!r} for task {name!r}; valid options: {', '.join(fields)}")
+    required = [
+        f.name
+        for f in dataclasses.fields(config_cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    missing = [key for key in required if key not in options]
+    if missing:
+        raise TaskError(f"task {name!r} needs option(s) {', '.join(missing)}")
+    task = task_cls(config_cls(**options))
+    if reward_fn is not None:
+        task = CustomRewardTask(task, load_reward_fn(reward_fn))
+    return task
+
+
+__all__ = ["Problem", "Task", "TASKS", "make_task"]

@@ -1,0 +1,76 @@
+"""The command line, run as real processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from heterorl.metrics import read_metrics
+from heterorl.policies import load_policy
+
+ENV = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+
+
+def heterorl(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "heterorl.cli", *args], capture_output=True, text=True,
+                          env=ENV, cwd=cwd, timeout=600)
+
+
+def test_help_names_every_command():
+    out = heterorl("--help")
+    assert out.returncode == 0
+    for command in ("demo", "sft", "rl", "bench"):
+        assert command in out.stdout
+
+
+def test_dry_run_prints_the_resolved_config():
+    out = heterorl("demo", "--dry-run", "loss.name=grpo", "rollout.temperature=0.7")
+    assert out.returncode == 0, out.stderr
+    assert "name: grpo" in out.stdout and "temperature: 0.7" in out.stdout
+    assert "maze" in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["rl", "rl.stepz=3"], "`rl.stepz`"),
+    (["sft", "sft.steps=x"], "`sft.steps`"),
+    (["sft", "--config", "/nonexistent.yaml"], "does not exist"),
+    (["rl", "task.name=chess", "rl.steps=1"], "chess"),
+    (["rl", "loss.name=nope", "rl.steps=1", "rl.base=maze-sft-base", "logging.wandb_mode=disabled"], "nope"),
+    (["rl", "rl.base=/nonexistent/policy", "logging.wandb_mode=disabled"], "/nonexistent/policy"),
+])
+def test_bad_input_exits_2_with_a_message(args, message, tmp_path):
+    out = heterorl(*args, f"logging.run_dir={tmp_path / 'run'}")
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_sft_end_to_end_writes_policy_logs_and_wandb(tmp_path):
+    policy = tmp_path / "policy"
+    out = heterorl("sft", "sft.steps=12", "sft.eval_every=6", "sft.batch_size=16", "task.options.size=3",
+                   "task.options.eval_size=32", "policy.tiny.hidden_size=32", "policy.tiny.num_layers=1",
+                   "policy.tiny.intermediate_size=64", f"sft.output={policy}",
+                   f"logging.run_dir={tmp_path / 'run'}", "logging.progress=false")
+    assert out.returncode == 0, out.stderr
+    assert "held-out greedy success" in out.stdout
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert records[0]["sft/loss"] > records[-1]["sft/loss"]
+    assert [r["step"] for r in records if "eval/success" in r] == [6, 12]
+    summary = json.loads((policy / "sft_summary.json").read_text())
+    assert summary["steps"] == 12 and summary["config"]["sft"]["steps"] == 12
+    model, tokenizer = load_policy(str(policy))
+    assert tokenizer.decode(tokenizer("S.#\n>")["input_ids"]) == "S.#\n>"
+    # wandb ran for real, offline, inside the run directory
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+
+
+def test_bench_engine_prints_a_ratio():
+    out = heterorl("bench", "engine", "--batch", "8", "--max-tokens", "4", "--repeats", "1")
+    assert out.returncode == 0, out.stderr
+    assert "ratio (ours / generate)" in out.stdout
+    ratio = float(out.stdout.split("ratio (ours / generate)")[1].split("x")[0])
+    assert ratio > 0

@@ -1,0 +1,48 @@
+"""Configuration: YAML + dotted overrides, typed, with errors that name the key."""
+
+import pytest
+
+from heterorl.config import Config, ConfigError, load_config, to_yaml
+
+
+def test_defaults_yaml_and_overrides_merge_in_order(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("loss:\n  name: gepo\nrollout:\n  temperature: 0.5\n  group_size: 4\n")
+    cfg = load_config(path, ["rollout.temperature=0.7", "task.options.size=4"])
+    assert isinstance(cfg, Config)
+    assert cfg.loss.name == "gepo"  # from the file
+    assert cfg.rollout.group_size == 4 and cfg.rollout.temperature == 0.7  # override wins
+    assert cfg.task.options == {"size": 4, "wall_density": 0.3}  # free-form options merge
+    assert cfg.rl.steps == Config().rl.steps  # untouched default
+    assert load_config(None, []).loss.name == "grpo"
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = load_config(None, ["optim.lr=3e-4", "logging.wandb_project=p"])
+    path = tmp_path / "dump.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["loss.nmae=gepo"], "`loss.nmae`"),
+    (["nosuch=1"], "`nosuch`"),
+    (["rl.steps=many"], "`rl.steps`"),
+    (["rollout.temperature=hot"], "`rollout.temperature`"),
+    (["optim.schedule=linear"], "must be one of constant, cosine"),
+    (["rollout.group_size=0"], "`rollout.group_size` = 0: must be > 0"),
+    (["rollout.temperature=-1"], "`rollout.temperature`"),
+    (["loss.name"], "not of the form key=value"),
+])
+def test_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(None, overrides)
+
+
+def test_file_errors_name_the_key_and_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rl:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"`rl.stepz` \(.*bad.yaml\)"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")

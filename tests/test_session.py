@@ -1,0 +1,125 @@
+"""Session primitives: futures in order, real learning, snapshots, state round trip, bad input."""
+
+import copy
+
+import pytest
+import torch
+
+import gepo
+from heterorl.engines import SamplingParams
+from heterorl.errors import HeteroRLError
+from heterorl.session import AdamParams, Datum, TrainingClient
+
+
+@pytest.fixture()
+def training(tiny_policy):
+    model, tok = tiny_policy
+    return TrainingClient(copy.deepcopy(model), tok, seed=0)
+
+
+def _datums(tok):
+    pairs = [("S.#\n..G\n>", "DRR"), ("S.\n.G\n>", "RD"), ("S..\n#.G\n>", "RRD")]
+    out = []
+    for prompt, moves in pairs:
+        p = tok(prompt)["input_ids"]
+        out.append(Datum(tokens=p + tok(moves)["input_ids"] + [tok.eos_token_id], prompt_len=len(p)))
+    return out
+
+
+def test_cross_entropy_training_lowers_the_loss(training, tiny_policy):
+    _, tok = tiny_policy
+    datums = _datums(tok)
+    before = training.forward(datums).result().loss
+    for _ in range(30):
+        training.forward_backward(datums, "cross_entropy")
+        training.optim_step(AdamParams(learning_rate=3e-3))
+    after = training.forward(datums).result().loss
+    assert after < 0.5 * before
+    assert training.step == 30
+
+
+def test_futures_run_in_submission_order(training, tiny_policy):
+    _, tok = tiny_policy
+    datums = _datums(tok)
+    futures = [training.forward_backward(datums), training.optim_step(), training.forward(datums)]
+    results = [f.result() for f in futures]
+    assert results[1].step == 1
+    assert results[2].loss < results[0].loss  # the forward ran after the optimizer step
+
+
+def test_forward_reports_completion_logprobs(training, tiny_policy):
+    model, tok = tiny_policy
+    d = _datums(tok)[0]
+    out = training.forward([d]).result()
+    with torch.no_grad():
+        logits = training.model(torch.tensor([d.tokens])).logits[0]
+    expected = torch.log_softmax(logits, -1)[torch.arange(d.prompt_len - 1, len(d.tokens) - 1),
+                                             torch.tensor(d.tokens[d.prompt_len:])]
+    assert torch.allclose(torch.tensor(out.logprobs[0]), expected, atol=1e-5)
+    # cross entropy = mean negative log-prob of the completion tokens
+    assert out.loss == pytest.approx(float(-expected.mean()), abs=1e-5)
+
+
+def test_sampling_client_is_a_frozen_versioned_snapshot(training, tiny_policy):
+    _, tok = tiny_policy
+    sampler = training.save_weights_and_get_sampling_client()
+    assert sampler.version == 1
+    prompt = tok("S.\n.G\n>")["input_ids"]
+    before = sampler.compute_logprobs(prompt + [3, 4]).result()
+    training.forward_backward(_datums(tok))
+    training.optim_step(AdamParams(learning_rate=1e-2)).result()
+    assert sampler.compute_logprobs(prompt + [3, 4]).result() == before  # training does not leak into it
+    newer = training.save_weights_and_get_sampling_client()
+    assert newer.version == 2
+    assert newer.compute_logprobs(prompt + [3, 4]).result() != before
+    samples = sampler.sample(prompt, num_samples=3, sampling_params=SamplingParams(max_tokens=5, seed=0)).result()
+    assert len(samples) == 3 and all(isinstance(s.text, str) for s in samples)
+
+
+def test_state_round_trip(training, tiny_policy, tmp_path):
+    _, tok = tiny_policy
+    datums = _datums(tok)
+    training.forward_backward(datums)
+    training.optim_step(AdamParams(learning_rate=1e-3)).result()
+    training.save_weights_and_get_sampling_client()
+    training.save_state(tmp_path / "state.pt").result()
+    loss_saved = training.forward(datums).result().loss
+    training.forward_backward(datums)
+    training.optim_step(AdamParams(learning_rate=1e-2)).result()
+    assert training.forward(datums).result().loss != loss_saved
+    assert training.load_state(tmp_path / "state.pt").result() == 1
+    assert training.forward(datums).result().loss == pytest.approx(loss_saved, abs=1e-7)
+    assert (training.version, training.step) == (1, 1)
+    assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]  # written atomically, no temp left
+
+
+def test_callable_loss_and_registered_policy_loss(training, tiny_policy):
+    _, tok = tiny_policy
+    datums = _datums(tok)
+    for d, a in zip(datums, (1.0, -1.0, 0.5)):
+        d.advantage = a
+        d.behaviour_logprobs = [-1.0] * d.completion_len
+    out = training.forward(datums, lambda batch, cfg: (batch.logprobs.sum() * 0, {"custom": 1.0})).result()
+    assert out.metrics == {"custom": 1.0}
+    out = training.forward(datums, "grpo", {"clip_eps": 0.1}).result()
+    assert "is/clip_frac" in out.metrics and torch.isfinite(torch.tensor(out.loss))
+
+
+def test_bad_input_is_a_clear_error(training, tiny_policy):
+    _, tok = tiny_policy
+    with pytest.raises(HeteroRLError, match="no datums"):
+        training.forward([]).result()
+    with pytest.raises(HeteroRLError, match="prompt_len"):
+        training.forward([Datum(tokens=[3, 4], prompt_len=2)]).result()
+    with pytest.raises(HeteroRLError, match="behaviour_logprobs has 1 entries"):
+        training.forward([Datum(tokens=[3, 4, 5], prompt_len=1, behaviour_logprobs=[0.0])]).result()
+    with pytest.raises(HeteroRLError, match="unknown loss 'nope'"):
+        training.forward(_datums(tok), "nope").result()
+    with pytest.raises(HeteroRLError, match="no option"):
+        training.forward(_datums(tok), "grpo", {"clip": 0.1}).result()
+    with pytest.raises(gepo.LossInputError, match="behaviour_logprobs"):
+        training.forward(_datums(tok), "grpo").result()
+    with pytest.raises(HeteroRLError, match="no gradients"):
+        training.optim_step().result()
+    with pytest.raises(HeteroRLError, match="no training state"):
+        training.load_state("/nonexistent/state.pt").result()
