@@ -22,7 +22,7 @@ from heterorl.policies.tiny import TinyModelConfig
 @dataclass
 class TaskConfig:
     name: str = "maze"  # maze | arithmetic | jsonl
-    options: Dict[str, Any] = field(default_factory=lambda: {"size": 5, "wall_density": 0.3})
+    options: Dict[str, Any] = field(default_factory=dict)  # fields of the task's config dataclass
     reward_fn: Optional[str] = None  # "my_pkg.rewards:score" replaces the task's reward
 
 
