@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 from heterorl.errors import TaskError
 from heterorl.tasks.answers import answers_match, extract_hash_answer
-from heterorl.tasks.base import Problem
+from heterorl.tasks.base import GeneratedTask, Problem
 
 OPERATORS = "+-*"
-MAX_EVAL_REDRAWS = 1_000
 
 
 def _require_int(name: str, value: object, minimum: int | None = None) -> None:
@@ -53,15 +52,15 @@ def _evaluate(a: int, op: str, b: int) -> int:
     return a * b
 
 
-class ArithmeticTask:
+class ArithmeticTask(GeneratedTask):
     """``a<op>b=`` problems; reward 1.0 iff the number after the last ``####`` equals the result."""
 
     name = "arithmetic"
 
+    redraw_hint = "raise digits or lower eval_size so training problems remain"
+
     def __init__(self, config: ArithmeticConfig | None = None) -> None:
-        self.config = config or ArithmeticConfig()
-        self._eval: list[Problem] | None = None
-        self._eval_prompts: set[str] = set()
+        super().__init__(config or ArithmeticConfig())
 
     def alphabet(self) -> str:
         return "0123456789+-*= #,\n"
@@ -73,28 +72,6 @@ class ArithmeticTask:
         op = rng.choice(self.config.ops)
         prompt = f"{a}{op}{b}="
         return Problem(problem_id=f"arithmetic-{a}{op}{b}", prompt=prompt, answer=str(_evaluate(a, op, b)))
-
-    def eval_problems(self) -> list[Problem]:
-        if self._eval is None:
-            rng = random.Random(self.config.eval_seed)
-            problems: dict[str, Problem] = {}
-            for _ in range(self.config.eval_size):
-                problem = self.generate(rng)
-                problems.setdefault(problem.prompt, problem)
-            self._eval = list(problems.values())
-            self._eval_prompts = set(problems)
-        return list(self._eval)
-
-    def sample_train(self, rng: random.Random) -> Problem:
-        self.eval_problems()
-        for _ in range(MAX_EVAL_REDRAWS):
-            problem = self.generate(rng)
-            if problem.prompt not in self._eval_prompts:
-                return problem
-        raise TaskError(
-            f"{MAX_EVAL_REDRAWS} arithmetic draws in a row were all in the eval set; "
-            "raise digits or lower eval_size so training problems remain"
-        )
 
     def demonstration(self, problem: Problem) -> str:
         return f"#### {problem.answer}"

@@ -10,6 +10,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from heterorl.errors import TaskError
+
+MAX_EVAL_REDRAWS = 1_000
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -47,3 +51,43 @@ class Task(Protocol):
 
     def reward(self, problem: Problem, completion: str) -> float:
         """Score one completion (decoded text, end-of-sequence token removed) in [0, 1]."""
+
+
+class GeneratedTask:
+    """Shared by procedurally generated tasks: a seeded held-out eval set, and
+    training draws that never hit it. Subclasses set ``config`` (with
+    ``eval_size`` and ``eval_seed``), define ``generate(rng)`` and
+    ``redraw_hint`` (what to change when training problems run out)."""
+
+    redraw_hint = "lower eval_size so training problems remain"
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self._eval: list[Problem] | None = None
+        self._eval_prompts: set[str] = set()
+
+    def generate(self, rng: random.Random) -> Problem:
+        raise NotImplementedError
+
+    def eval_problems(self) -> list[Problem]:
+        """``eval_size`` problems drawn from ``Random(eval_seed)``, duplicates dropped; cached."""
+        if self._eval is None:
+            rng = random.Random(self.config.eval_seed)
+            problems: dict[str, Problem] = {}
+            for _ in range(self.config.eval_size):
+                problem = self.generate(rng)
+                problems.setdefault(problem.prompt, problem)
+            self._eval = list(problems.values())
+            self._eval_prompts = set(problems)
+        return list(self._eval)
+
+    def sample_train(self, rng: random.Random) -> Problem:
+        """A fresh problem whose prompt is not in the eval set."""
+        self.eval_problems()
+        for _ in range(MAX_EVAL_REDRAWS):
+            problem = self.generate(rng)
+            if problem.prompt not in self._eval_prompts:
+                return problem
+        raise TaskError(
+            f"{MAX_EVAL_REDRAWS} {self.name} draws in a row were all in the eval set; {self.redraw_hint}"
+        )

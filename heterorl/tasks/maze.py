@@ -12,11 +12,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from heterorl.errors import TaskError
-from heterorl.tasks.base import Problem
+from heterorl.tasks.base import GeneratedTask, Problem
 
 MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
 MAX_TRIES = 10_000
-MAX_EVAL_REDRAWS = 1_000
 
 
 def _require_int(name: str, value: object, minimum: int | None = None) -> None:
@@ -111,15 +110,15 @@ def maze_problem(grid: list[str]) -> Problem:
     return _problem(grid, start, goal, path)
 
 
-class MazeTask:
+class MazeTask(GeneratedTask):
     """Procedurally generated mazes; reward 1.0 for a legal walk that ends on G."""
 
     name = "maze"
 
+    redraw_hint = "raise size or lower eval_size so training mazes remain"
+
     def __init__(self, config: MazeConfig | None = None) -> None:
-        self.config = config or MazeConfig()
-        self._eval: list[Problem] | None = None
-        self._eval_prompts: set[str] = set()
+        super().__init__(config or MazeConfig())
 
     def alphabet(self) -> str:
         return ".#SG\n>UDLR"
@@ -150,28 +149,6 @@ class MazeTask:
             f"{cfg.max_path_len if cfg.max_path_len is not None else 'any'} moves found in {MAX_TRIES} tries "
             f"at wall_density={cfg.wall_density}; lower wall_density or min_path_len, "
             "raise max_path_len or size"
-        )
-
-    def eval_problems(self) -> list[Problem]:
-        if self._eval is None:
-            rng = random.Random(self.config.eval_seed)
-            problems: dict[str, Problem] = {}
-            for _ in range(self.config.eval_size):
-                problem = self.generate(rng)
-                problems.setdefault(problem.prompt, problem)
-            self._eval = list(problems.values())
-            self._eval_prompts = set(problems)
-        return list(self._eval)
-
-    def sample_train(self, rng: random.Random) -> Problem:
-        self.eval_problems()
-        for _ in range(MAX_EVAL_REDRAWS):
-            problem = self.generate(rng)
-            if problem.prompt not in self._eval_prompts:
-                return problem
-        raise TaskError(
-            f"{MAX_EVAL_REDRAWS} maze draws in a row were all in the eval set; "
-            "raise size or lower eval_size so training mazes remain"
         )
 
     def demonstration(self, problem: Problem) -> str:
