@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     from heterorl.tasks import make_task
     from heterorl.textcodec import encode
 
+    from heterorl.cli import quiet_transformers
+
+    quiet_transformers()
     model, tokenizer = _policy(args.policy)
     task = make_task("maze")
     rng = random.Random(0)

@@ -72,6 +72,13 @@ def _progress(total: int, desc: str, enabled: bool):
     return bar, update
 
 
+def quiet_transformers() -> None:
+    """Our own progress bar is the one to watch: hide transformers' load/save bars."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def _setup(cfg, name: str, policy: str):
     from heterorl.config import to_dict, to_yaml
     from heterorl.metrics import MetricsLogger
@@ -79,6 +86,7 @@ def _setup(cfg, name: str, policy: str):
     from heterorl.session import TrainingClient
     from heterorl.tasks import make_task
 
+    quiet_transformers()
     task = make_task(cfg.task.name, dict(cfg.task.options), cfg.task.reward_fn)
     model, tokenizer = load_policy(policy, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=cfg.policy.device)
     run_dir = Path(cfg.logging.run_dir)
@@ -135,7 +143,8 @@ def _rl(cfg, title: str) -> int:
         logger.close()
     save_policy(training.model, training.tokenizer, run_dir / "policy")
     plot = plot_curves({cfg.loss.name: [(h["step"], h["eval/success"]) for h in result.history]},
-                       run_dir / "success.png", title=f"{task.name}: held-out greedy success ({title})")
+                       run_dir / "success.png", title=f"{task.name}: held-out greedy success ({title})",
+                       xlabel="RL step")
     summary = {"base_success": result.base_success, "final_success": result.final_success,
                "best_success": result.best_success, "steps": result.steps, "minutes": result.minutes,
                "loss": cfg.loss.name, "history": result.history}
