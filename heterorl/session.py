@@ -141,7 +141,10 @@ class SamplingClient:
 
 
 class TrainingClient:
-    """Owns the trainable model, its optimizer and the policy version counter."""
+    """Owns the trainable model, its optimizer and the policy version counter.
+
+    ``seed`` (optional) seeds torch's global RNG, so runs that pass one are reproducible.
+    """
 
     def __init__(self, model, tokenizer, *, device: str = "cpu", seed: int | None = None):
         self.model = model.to(device)
