@@ -35,9 +35,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from heterorl.engines import SamplingParams, TorchEngine
     from heterorl.tasks import make_task
-    from heterorl.textcodec import encode
-
     from heterorl.cli import quiet_transformers
+    from heterorl.textcodec import encode
 
     quiet_transformers()
     model, tokenizer = _policy(args.policy)

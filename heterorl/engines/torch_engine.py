@@ -111,10 +111,9 @@ class TorchEngine(SamplingEngine):
         lengths = torch.full((batch,), params.max_tokens, dtype=torch.long, device=self.device)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
 
-        # with no padding the mask is all ones: leave it out so attention takes its plain causal path
-        padded = any(len(r) != prompt_len for r in rows)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask if padded else None,
-                         position_ids=position_ids, use_cache=True)
+        if all(len(r) == prompt_len for r in rows):
+            attention_mask = None  # all ones: leave it out so attention takes its plain causal path
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
         cache, next_logits = self._cache_of(out), out.logits[:, -1]
         next_position = position_ids[:, -1:] + 1
         for step in range(params.max_tokens):
@@ -126,12 +125,12 @@ class TorchEngine(SamplingEngine):
             done |= stopped_now
             if bool(done.all()) or step == params.max_tokens - 1:
                 break
-            if padded:
+            if attention_mask is not None:
                 ones = torch.ones((batch, 1), dtype=torch.long, device=self.device)
                 attention_mask = torch.cat([attention_mask, ones], 1)
             out = self.model(
                 input_ids=token[:, None],
-                attention_mask=attention_mask if padded else None,
+                attention_mask=attention_mask,
                 position_ids=next_position,
                 use_cache=True,
                 **{self._cache_kwarg: cache},
