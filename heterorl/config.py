@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+import gepo
 from heterorl.errors import ConfigError
 from heterorl.policies.tiny import TinyModelConfig
 
@@ -45,7 +46,8 @@ class RolloutConfig:
 @dataclass
 class LossConfig:
     name: str = "grpo"
-    advantage: str = "group_normalized"  # group_normalized | group_centered
+    # auto = the loss's own default estimator (its config's `advantage`); a name overrides it
+    advantage: str = "auto"  # auto | group_normalized | group_centered | bnpo
     options: Dict[str, Any] = field(default_factory=dict)  # fields of the loss's own config dataclass
 
 
@@ -104,7 +106,7 @@ class Config:
 
 
 _CHOICES = {
-    "loss.advantage": ("group_normalized", "group_centered"),
+    "loss.advantage": ("auto", *gepo.ADVANTAGE_ESTIMATORS),
     "optim.schedule": ("constant", "cosine"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
 }
@@ -135,10 +137,22 @@ def _check(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"config key `{key}` = {value}: must be > 0")
+    chosen = cfg.loss.options.get("advantage")
+    if cfg.loss.advantage != "auto" and chosen is not None and chosen != cfg.loss.advantage:
+        raise ConfigError(f"config keys `loss.advantage` = {cfg.loss.advantage!r} and `loss.options.advantage` = "
+                          f"{chosen!r} disagree: set only one")
     if cfg.rollout.temperature < 0:
         raise ConfigError(f"config key `rollout.temperature` = {cfg.rollout.temperature}: must be >= 0")
     if cfg.optim.lr <= 0 or cfg.sft.lr <= 0:
         raise ConfigError("config keys `optim.lr` and `sft.lr` must be > 0")
+
+
+def loss_options(cfg: Config) -> dict:
+    """The options of the loss's config dataclass, with ``loss.advantage`` applied unless it is "auto"."""
+    options = dict(cfg.loss.options)
+    if cfg.loss.advantage != "auto":
+        options["advantage"] = cfg.loss.advantage
+    return options
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -172,4 +186,4 @@ def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
-__all__ = ["Config", "ConfigError", "load_config", "to_dict", "to_yaml"]
+__all__ = ["Config", "ConfigError", "load_config", "loss_options", "to_dict", "to_yaml"]

@@ -38,13 +38,15 @@ class Datum:
 
     Per-completion-token lists (``behaviour_logprobs``, ``policy_versions``,
     ``weights``) have ``len(tokens) - prompt_len`` entries; ``weights`` scales
-    each token's mask (default 1).
+    each token's mask (default 1). RL losses estimate advantages from ``reward``
+    by ``group_id`` (their config's ``advantage``), or take ``advantage`` as it
+    is with ``loss_config={"advantage": "given"}``; give either to all datums of a call or to none.
     """
 
     tokens: list[int]
     prompt_len: int
-    advantage: float = 0.0
-    reward: float = 0.0
+    advantage: float | None = None
+    reward: float | None = None
     group_id: int = 0
     behaviour_logprobs: list[float] | None = None
     policy_versions: list[int] | None = None
@@ -183,17 +185,28 @@ class TrainingClient:
                 if d.behaviour_logprobs is None:
                     raise HeteroRLError(f"datum {i} has no behaviour_logprobs but datum 0 does: give all or none")
                 behaviour[i, :n] = torch.tensor(d.behaviour_logprobs)
-            if versions is not None and d.policy_versions is not None:
+            if versions is not None:
+                if d.policy_versions is None:
+                    raise HeteroRLError(f"datum {i} has no policy_versions but datum 0 does: give all or none")
                 versions[i, :n] = torch.tensor(d.policy_versions)
-        as_tensor = lambda name: torch.tensor([getattr(d, name) for d in datums], device=self.device)
+
+        def per_datum(name: str, dtype) -> torch.Tensor | None:
+            values = [getattr(d, name) for d in datums]
+            if all(v is None for v in values):
+                return None
+            if any(v is None for v in values):
+                raise HeteroRLError(f"datum {values.index(None)} has no {name} but others do: give all or none")
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
         return gepo.LossBatch(
             logprobs=completion_logprobs,
             mask=mask,
             behaviour_logprobs=behaviour,
-            advantages=as_tensor("advantage").float(),
-            rewards=as_tensor("reward").float(),
-            group_ids=as_tensor("group_id").long(),
+            advantages=per_datum("advantage", torch.float32),
+            rewards=per_datum("reward", torch.float32),
+            group_ids=per_datum("group_id", torch.long),
             policy_versions=versions,
+            current_version=self.version,
         )
 
     @staticmethod

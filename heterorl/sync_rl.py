@@ -1,9 +1,10 @@
 """The synchronous GRPO-style loop, written over the session primitives (cookbook style).
 
 Each step: sample G completions for P prompts with the current weights, score
-them with the task's reward, estimate group advantages, run
-``forward_backward`` + ``optim_step`` on ``updates_per_batch`` minibatches of
-whole groups, publish the new weights. On-policy up to the minibatch split.
+them with the task's reward, run ``forward_backward`` + ``optim_step`` on
+``updates_per_batch`` minibatches of whole groups (the loss estimates the
+advantages from the rewards, with ``loss.advantage``), publish the new weights.
+On-policy up to the minibatch split.
 """
 
 from __future__ import annotations
@@ -14,16 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-import gepo
-from heterorl.config import Config
+from heterorl.config import Config, loss_options
 from heterorl.engines.base import SamplingParams
 from heterorl.evaluation import evaluate
 from heterorl.schedule import learning_rate
 from heterorl.session import AdamParams, Datum, TrainingClient
 from heterorl.tasks.base import Task
 from heterorl.textcodec import encode
-
-ADVANTAGES = {"group_normalized": gepo.group_normalized, "group_centered": gepo.group_centered}
 
 
 @dataclass
@@ -37,7 +35,7 @@ class RLResult:
 
 
 def rollout_datums(sampler, task: Task, problems, cfg: Config, seed: int) -> tuple[list[Datum], dict]:
-    """Sample a group per problem, score it, and turn it into datums with advantages."""
+    """Sample a group per problem, score it, and turn it into datums with rewards and group ids."""
     tokenizer = sampler.tokenizer
     prompts = [encode(tokenizer, p.prompt, "prompt") for p in problems]
     params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
@@ -46,12 +44,10 @@ def rollout_datums(sampler, task: Task, problems, cfg: Config, seed: int) -> tup
     rows = [(gid, prompt, s, task.reward(problem, s.text))
             for gid, (problem, prompt, group) in enumerate(zip(problems, prompts, groups)) for s in group]
     rewards = torch.tensor([r for *_, r in rows])
-    group_ids = torch.tensor([gid for gid, *_ in rows])
-    advantages = ADVANTAGES[cfg.loss.advantage](rewards, group_ids)
     datums = [
-        Datum(tokens=prompt + s.tokens, prompt_len=len(prompt), advantage=float(a), reward=r, group_id=gid,
+        Datum(tokens=prompt + s.tokens, prompt_len=len(prompt), reward=r, group_id=gid,
               behaviour_logprobs=s.logprobs, policy_versions=[sampler.version] * len(s.tokens))
-        for (gid, prompt, s, r), a in zip(rows, advantages)
+        for gid, prompt, s, r in rows
     ]
     lengths = torch.tensor([len(s.tokens) for _, _, s, _ in rows], dtype=torch.float)
     stats = {
@@ -59,17 +55,27 @@ def rollout_datums(sampler, task: Task, problems, cfg: Config, seed: int) -> tup
         "rollout/reward_std": float(rewards.std()),
         "rollout/completion_len": float(lengths.mean()),
         "rollout/truncated_frac": sum(s.stop_reason == "length" for _, _, s, _ in rows) / len(rows),
-        "rollout/mixed_groups_frac": float((advantages.view(len(problems), -1).abs().sum(-1) > 0).float().mean()),
+        "rollout/mixed_groups_frac": sum(has_signal([g]) for g in group_rows(datums)) / len(problems),
     }
     return datums, stats
 
 
-def minibatches(datums: list[Datum], count: int) -> list[list[Datum]]:
-    """Split into ``count`` minibatches of whole groups (groups are contiguous in ``datums``)."""
+def group_rows(datums: list[Datum]) -> list[list[Datum]]:
+    """The datums of each group, in order of first appearance."""
     groups: dict[int, list[Datum]] = {}
     for d in datums:
         groups.setdefault(d.group_id, []).append(d)
-    ordered = list(groups.values())
+    return list(groups.values())
+
+
+def has_signal(groups: list[list[Datum]]) -> bool:
+    """Whether some group's rewards differ: if none do, every group-relative advantage is 0."""
+    return any(len({d.reward for d in group}) > 1 for group in groups)
+
+
+def minibatches(datums: list[Datum], count: int) -> list[list[Datum]]:
+    """Split into ``count`` minibatches of whole groups (groups are contiguous in ``datums``)."""
+    ordered = group_rows(datums)
     size = max(1, -(-len(ordered) // count))
     return [[d for g in ordered[i:i + size] for d in g] for i in range(0, len(ordered), size)]
 
@@ -90,9 +96,9 @@ def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, 
         problems = [task.sample_train(rng) for _ in range(cfg.rl.prompts_per_step)]
         datums, metrics = rollout_datums(sampler, task, problems, cfg, seed=cfg.seed * 100_003 + step)
         for batch in minibatches(datums, cfg.rl.updates_per_batch):
-            if all(d.advantage == 0 for d in batch):
+            if not has_signal(group_rows(batch)):
                 continue  # no learning signal in this minibatch: every group scored alike
-            out = training.forward_backward(batch, cfg.loss.name, dict(cfg.loss.options)).result()
+            out = training.forward_backward(batch, cfg.loss.name, loss_options(cfg)).result()
             lr = learning_rate(training.step + 1, cfg.optim.lr, total_updates, cfg.optim.warmup_steps,
                                cfg.optim.schedule, cfg.optim.min_lr_ratio)
             optim = training.optim_step(AdamParams(

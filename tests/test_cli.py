@@ -74,3 +74,11 @@ def test_bench_engine_prints_a_ratio():
     assert "ratio (ours / generate)" in out.stdout
     ratio = float(out.stdout.split("ratio (ours / generate)")[1].split("x")[0])
     assert ratio > 0
+
+
+def test_bench_losses_times_every_loss_against_grpo():
+    out = heterorl("bench", "losses", "--batch", "16", "--length", "32", "--repeats", "1", "--warmup", "0")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[2:]}
+    assert {"gepo", "gepo_defensive", "gspo", "tis", "m2po", "decoupled_ppo"} <= set(rows)
+    assert rows["grpo"][-1] == "1.00x" and float(rows["gepo"][-1].rstrip("x")) > 0

@@ -2,7 +2,7 @@
 
 import pytest
 
-from heterorl.config import Config, ConfigError, load_config, to_yaml
+from heterorl.config import Config, ConfigError, load_config, loss_options, to_yaml
 
 
 def test_defaults_yaml_and_overrides_merge_in_order(tmp_path):
@@ -33,6 +33,8 @@ def test_round_trip_through_yaml(tmp_path):
     (["rollout.group_size=0"], "`rollout.group_size` = 0: must be > 0"),
     (["rollout.temperature=-1"], "`rollout.temperature`"),
     (["loss.name"], "not of the form key=value"),
+    (["loss.advantage=given"], "must be one of auto, group_centered, group_normalized, bnpo"),
+    (["loss.advantage=bnpo", "loss.options.advantage=group_centered"], "disagree: set only one"),
 ])
 def test_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -46,3 +48,8 @@ def test_file_errors_name_the_key_and_file(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_loss_advantage_auto_defers_to_the_loss_and_a_name_overrides_it():
+    assert loss_options(load_config(None, ["loss.options.clip_eps=0.1"])) == {"clip_eps": 0.1}  # auto
+    assert loss_options(load_config(None, ["loss.name=gepo", "loss.advantage=bnpo"])) == {"advantage": "bnpo"}

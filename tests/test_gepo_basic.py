@@ -23,8 +23,8 @@ def test_cross_entropy_by_hand():
 def test_grpo_on_policy_ratio_is_one_and_gradient_is_policy_gradient():
     batch = _batch(behaviour_logprobs=torch.tensor([[-1.0, -2.0, 7.0], [-0.5, -0.5, -0.5]]),
                    advantages=torch.tensor([1.0, -2.0]))
-    loss, metrics = gepo.get_loss("grpo").fn(batch, gepo.make_loss_config("grpo"))
-    assert metrics["is/ratio_mean"] == pytest.approx(1.0)
+    loss, metrics = gepo.get_loss("grpo").fn(batch, gepo.make_loss_config("grpo", {"advantage": "given"}))
+    assert metrics["is/weight_mean"] == pytest.approx(1.0)
     assert metrics["is/clip_frac"] == 0.0
     # on-policy: L = mean_i −A_i (seq-mean of ratios = 1) = −(1 − 2)/2
     assert loss.item() == pytest.approx(0.5)
@@ -39,7 +39,7 @@ def test_grpo_clip_zeroes_gradient_where_the_rule_says():
     lp = torch.tensor([[0.0], [0.0]], requires_grad=True)
     batch = gepo.LossBatch(logprobs=lp, mask=torch.ones(2, 1), behaviour_logprobs=torch.full((2, 1), -0.5),
                            advantages=torch.tensor([1.0, -1.0]))
-    loss, metrics = gepo.get_loss("grpo").fn(batch, gepo.make_loss_config("grpo", {"clip_eps": 0.2}))
+    loss, metrics = gepo.get_loss("grpo").fn(batch, gepo.make_loss_config("grpo", {"clip_eps": 0.2, "advantage": "given"}))
     loss.backward()
     assert lp.grad[0, 0] == 0.0
     assert lp.grad[1, 0].item() == pytest.approx(math.exp(0.5) / 2)
@@ -56,9 +56,9 @@ def test_padding_garbage_has_no_influence():
     behaviour[0, 2] = float("inf")
     dirty = gepo.LossBatch(logprobs=dirty_lp, mask=clean.mask, behaviour_logprobs=behaviour,
                            advantages=clean.advantages)
-    for name in ("cross_entropy", "importance_sampling", "grpo"):
-        a, _ = gepo.get_loss(name).fn(clean, gepo.make_loss_config(name))
-        b, _ = gepo.get_loss(name).fn(dirty, gepo.make_loss_config(name))
+    for name, options in (("cross_entropy", {}), ("importance_sampling", {}), ("grpo", {"advantage": "given"})):
+        a, _ = gepo.get_loss(name).fn(clean, gepo.make_loss_config(name, options))
+        b, _ = gepo.get_loss(name).fn(dirty, gepo.make_loss_config(name, options))
         assert torch.isfinite(b) and b.item() == pytest.approx(a.item())
 
 

@@ -101,8 +101,31 @@ def test_callable_loss_and_registered_policy_loss(training, tiny_policy):
         d.behaviour_logprobs = [-1.0] * d.completion_len
     out = training.forward(datums, lambda batch, cfg: (batch.logprobs.sum() * 0, {"custom": 1.0})).result()
     assert out.metrics == {"custom": 1.0}
-    out = training.forward(datums, "grpo", {"clip_eps": 0.1}).result()
+    out = training.forward(datums, "grpo", {"clip_eps": 0.1, "advantage": "given"}).result()
     assert "is/clip_frac" in out.metrics and torch.isfinite(torch.tensor(out.loss))
+    with pytest.raises(gepo.LossInputError, match="needs `rewards`"):  # grpo's default estimates from rewards
+        training.forward(datums, "grpo").result()
+
+
+def test_losses_estimate_advantages_from_rewards_and_see_staleness(training, tiny_policy):
+    _, tok = tiny_policy
+    training.save_weights_and_get_sampling_client()
+    training.save_weights_and_get_sampling_client()  # the learner is at version 2
+    datums = _datums(tok)
+    for d, r in zip(datums, (1.0, 0.0, 0.0)):
+        d.reward, d.group_id = r, 7
+        d.behaviour_logprobs = [-1.0] * d.completion_len
+        d.policy_versions = [1] * d.completion_len
+    out = training.forward(datums, "gepo").result()
+    assert out.metrics["staleness/mean"] == 1.0 and out.metrics["staleness/max"] == 1.0
+    # the loss centred the rewards itself: A = (2/3, −1/3, −1/3); the same run with those advantages given agrees
+    for d, a in zip(datums, (2 / 3, -1 / 3, -1 / 3)):
+        d.advantage = a
+    given = training.forward(datums, "gepo", {"advantage": "given"}).result()
+    assert given.loss == pytest.approx(out.loss, rel=1e-5)
+    datums[1].reward = None
+    with pytest.raises(HeteroRLError, match="datum 1 has no reward"):
+        training.forward(datums, "gepo").result()
 
 
 def test_bad_input_is_a_clear_error(training, tiny_policy):
