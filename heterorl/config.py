@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import gepo
+from heterorl.buffer import BufferConfig
+from heterorl.delay import DelayConfig
 from heterorl.errors import ConfigError
 from heterorl.policies.tiny import TinyModelConfig
+from heterorl.transport import TransportConfig
 
 
 @dataclass
@@ -85,6 +88,32 @@ class RLConfig:
 
 
 @dataclass
+class DelaysConfig:
+    """The network-delay injector, per worker link (docs/DELAY.md)."""
+
+    up: DelayConfig = field(default_factory=DelayConfig)  # trajectories, worker → learner
+    down: DelayConfig = field(default_factory=DelayConfig)  # weights, learner → worker
+    time_scale: float = 1.0  # simulated seconds per real second: 100 lets 1,800 s of delay pass in 18 s
+    seconds_per_step: Optional[float] = None  # stated mapping of seconds to learner steps, for reports
+
+
+@dataclass
+class RuntimeConfig:
+    """The learner + rollout workers system (`heterorl train`, `heterorl learner`, `heterorl rollout`)."""
+
+    mode: str = "async"  # async: workers never wait for new weights | sync: each batch uses the newest version
+    workers: int = 2  # rollout worker processes `heterorl train` starts
+    address: str = "tcp://127.0.0.1:0"  # learner control address (weights on port + 1); port 0 = pick free ports
+    groups_per_call: int = 4  # groups a worker samples per engine call
+    throttle: List[float] = field(default_factory=list)  # slowdown factor of worker i = throttle[i % len]; 1 = full
+    threads: int = 1  # torch threads per process
+    learner_ranks: int = 1  # > 1: `heterorl train` runs the learner under torchrun as this many DDP ranks
+    checkpoint_every: int = 25  # learner steps between checkpoints (0: only at the end)
+    worker_timeout_s: float = 300.0  # learner fails if no data arrives and no worker is alive for this long
+    learner_timeout_s: float = 300.0  # a worker exits if the learner stays silent this long
+
+
+@dataclass
 class LoggingConfig:
     run_dir: str = "runs/demo"
     wandb_project: Optional[str] = None  # None: log to an offline wandb run in run_dir
@@ -103,12 +132,17 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    delay: DelaysConfig = field(default_factory=DelaysConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
 
 
 _CHOICES = {
     "loss.advantage": ("auto", *gepo.ADVANTAGE_ESTIMATORS),
     "optim.schedule": ("constant", "cosine"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
+    "runtime.mode": ("async", "sync"),
 }
 
 
@@ -145,6 +179,24 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"config key `rollout.temperature` = {cfg.rollout.temperature}: must be >= 0")
     if cfg.optim.lr <= 0 or cfg.sft.lr <= 0:
         raise ConfigError("config keys `optim.lr` and `sft.lr` must be > 0")
+    runtime = {"runtime.workers": cfg.runtime.workers, "runtime.groups_per_call": cfg.runtime.groups_per_call,
+               "runtime.threads": cfg.runtime.threads, "runtime.learner_ranks": cfg.runtime.learner_ranks,
+               "delay.time_scale": cfg.delay.time_scale}
+    for key, value in runtime.items():
+        if value <= 0:
+            raise ConfigError(f"config key `{key}` = {value}: must be > 0")
+    if any(f < 1 for f in cfg.runtime.throttle):
+        raise ConfigError(f"config key `runtime.throttle` = {cfg.runtime.throttle}: factors must be >= 1 "
+                          "(2 = a device half as fast)")
+    if cfg.runtime.mode == "sync" and cfg.rl.prompts_per_step % cfg.runtime.workers:
+        raise ConfigError(f"config key `rl.prompts_per_step` = {cfg.rl.prompts_per_step}: in sync mode it must be "
+                          f"a multiple of `runtime.workers` = {cfg.runtime.workers} (each worker makes an equal share)")
+    cfg.buffer.validate("buffer")
+    if cfg.buffer.max_groups < cfg.rl.prompts_per_step:
+        raise ConfigError(f"config key `buffer.max_groups` = {cfg.buffer.max_groups}: must hold at least one batch "
+                          f"(`rl.prompts_per_step` = {cfg.rl.prompts_per_step})")
+    cfg.delay.up.validate("delay.up")
+    cfg.delay.down.validate("delay.down")
 
 
 def loss_options(cfg: Config) -> dict:
@@ -155,11 +207,13 @@ def loss_options(cfg: Config) -> dict:
     return options
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Defaults ← YAML file ← ``key=value`` overrides, validated into a ``Config``."""
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), text: str | None = None) -> Config:
+    """Defaults ← YAML file (or YAML ``text``) ← ``key=value`` overrides, validated into a ``Config``."""
     merged = OmegaConf.structured(Config)
     try:
-        if path is not None:
+        if text is not None:
+            merged = OmegaConf.merge(merged, OmegaConf.create(text))
+        elif path is not None:
             path = Path(path)
             if not path.is_file():
                 raise ConfigError(f"config file {path} does not exist")

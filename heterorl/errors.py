@@ -19,3 +19,15 @@ class TaskError(HeteroRLError, ValueError):
 
 class SamplingError(HeteroRLError, ValueError):
     """Sampling was asked for with invalid parameters or inputs."""
+
+
+class DelayConfigError(ConfigError):
+    """A delay-injector setting (``delay.*``) or its trace file is invalid."""
+
+
+class ClockError(HeteroRLError, ValueError):
+    """A clock was built or driven wrongly (a non-positive scale factor, a virtual clock moved backwards)."""
+
+
+class DelayQueueFullError(HeteroRLError):
+    """A DelayQueue already holds ``max_pending`` undelivered messages; the caller must apply back-pressure."""

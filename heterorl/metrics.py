@@ -17,11 +17,11 @@ class MetricsLogger:
     """Writes one JSON object per ``log`` call to ``run_dir/metrics.jsonl`` and mirrors it to wandb."""
 
     def __init__(self, run_dir: str | Path, *, config: dict | None = None, name: str = "run",
-                 wandb_project: str | None = None, wandb_mode: str = "offline"):
+                 wandb_project: str | None = None, wandb_mode: str = "offline", append: bool = False):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        self._file = self.path.open("w", encoding="utf-8")
+        self._file = self.path.open("a" if append else "w", encoding="utf-8")  # append: a resumed run
         self._start = time.time()
         self._wandb_run = None
         if wandb_mode != "disabled":

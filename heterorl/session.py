@@ -148,7 +148,11 @@ class TrainingClient:
     ``seed`` (optional) seeds torch's global RNG, so runs that pass one are reproducible.
     """
 
-    def __init__(self, model, tokenizer, *, device: str = "cpu", seed: int | None = None):
+    def __init__(self, model, tokenizer, *, device: str = "cpu", seed: int | None = None,
+                 data_parallel: bool = False):
+        """``data_parallel``: when torch.distributed is initialised with several ranks, wrap the model in
+        DistributedDataParallel (gloo on CPU, NCCL on GPU) so ``forward_backward`` averages gradients over the
+        ranks; every rank must then call the same primitives in the same order."""
         self.model = model.to(device)
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -159,6 +163,12 @@ class TrainingClient:
         self._executor = _SerialExecutor("training-client")
         if seed is not None:
             torch.manual_seed(seed)
+        self._forward_model = self.model
+        if data_parallel and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index or 0] if self.device.type == "cuda" else None
+            self._forward_model = DistributedDataParallel(self.model, device_ids=ids)  # syncs rank 0's weights
 
     # -- loss computation -------------------------------------------------
     def _loss_batch(self, datums: Sequence[Datum], with_grad: bool) -> gepo.LossBatch:
@@ -168,7 +178,7 @@ class TrainingClient:
             datum.validate(i)
         input_ids, attention_mask = pad_right([d.tokens for d in datums], self.pad_token_id, self.device)
         with torch.set_grad_enabled(with_grad):
-            logprobs = token_logprobs(self.model, input_ids, attention_mask)  # (B, T-1), predicts tokens[1:]
+            logprobs = token_logprobs(self._forward_model if with_grad else self.model, input_ids, attention_mask)  # (B, T-1), predicts tokens[1:]
         width = max(d.completion_len for d in datums)
         # completion token j of datum i sits at input column prompt_len + j, predicted by logprobs column prompt_len + j − 1
         cols = torch.stack(
@@ -271,6 +281,14 @@ class TrainingClient:
         for p in frozen.parameters():
             p.requires_grad_(False)
         return SamplingClient(TorchEngine(frozen, self.tokenizer, device=self.device), self.tokenizer, self.version)
+
+    def _export(self) -> tuple[int, dict]:
+        self.version += 1
+        return self.version, {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def save_weights_for_sampler(self) -> Future:
+        """Future of (version, state dict): bump the version and copy the weights for remote samplers."""
+        return self._executor.submit(self._export)
 
     def save_weights_and_get_sampling_client(self) -> SamplingClient:
         """Bump the policy version and return a sampler over a frozen copy of the current weights."""

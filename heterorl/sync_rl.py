@@ -80,6 +80,37 @@ def minibatches(datums: list[Datum], count: int) -> list[list[Datum]]:
     return [[d for g in ordered[i:i + size] for d in g] for i in range(0, len(ordered), size)]
 
 
+def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, total_updates: int,
+                   shard: tuple[int, int] = (0, 1)) -> dict:
+    """``forward_backward`` + ``optim_step`` on ``cfg.rl.updates_per_batch`` minibatches of whole groups.
+
+    A minibatch in which every group scored alike carries no learning signal and is skipped. Returns the
+    metrics of the last update (the loss's diagnostics, ``optim/lr``, ``optim/grad_norm``) and
+    ``optim/updates`` (how many updates ran).
+
+    ``shard = (rank, world)``: under data parallelism every rank is given the whole batch, makes the same
+    minibatch and skip decisions, and runs ``forward_backward`` on its share of each minibatch's groups
+    (groups rank, rank + world, ...); the gradient all-reduce in ``optim_step`` averages the shares.
+    """
+    rank, world = shard
+    metrics: dict = {"optim/updates": 0}
+    for batch in minibatches(datums, cfg.rl.updates_per_batch):
+        if not has_signal(group_rows(batch)):
+            continue
+        if world > 1:
+            batch = [d for g in group_rows(batch)[rank::world] for d in g]
+        out = training.forward_backward(batch, cfg.loss.name, loss_options(cfg)).result()
+        lr = learning_rate(training.step + 1, cfg.optim.lr, total_updates, cfg.optim.warmup_steps,
+                           cfg.optim.schedule, cfg.optim.min_lr_ratio)
+        optim = training.optim_step(AdamParams(
+            learning_rate=lr, beta1=cfg.optim.beta1, beta2=cfg.optim.beta2,
+            weight_decay=cfg.optim.weight_decay, grad_clip_norm=cfg.optim.grad_clip_norm)).result()
+        metrics.update(out.metrics)
+        metrics.update({"optim/lr": lr, "optim/grad_norm": optim.grad_norm})
+        metrics["optim/updates"] += 1
+    return metrics
+
+
 def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, progress=None) -> RLResult:
     """Train ``training``'s policy on ``task`` for ``cfg.rl.steps`` steps; evaluate every ``cfg.rl.eval_every``."""
     rng = random.Random(cfg.seed)
@@ -95,17 +126,7 @@ def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, 
     for step in range(1, cfg.rl.steps + 1):
         problems = [task.sample_train(rng) for _ in range(cfg.rl.prompts_per_step)]
         datums, metrics = rollout_datums(sampler, task, problems, cfg, seed=cfg.seed * 100_003 + step)
-        for batch in minibatches(datums, cfg.rl.updates_per_batch):
-            if not has_signal(group_rows(batch)):
-                continue  # no learning signal in this minibatch: every group scored alike
-            out = training.forward_backward(batch, cfg.loss.name, loss_options(cfg)).result()
-            lr = learning_rate(training.step + 1, cfg.optim.lr, total_updates, cfg.optim.warmup_steps,
-                               cfg.optim.schedule, cfg.optim.min_lr_ratio)
-            optim = training.optim_step(AdamParams(
-                learning_rate=lr, beta1=cfg.optim.beta1, beta2=cfg.optim.beta2,
-                weight_decay=cfg.optim.weight_decay, grad_clip_norm=cfg.optim.grad_clip_norm)).result()
-            metrics.update(out.metrics)
-            metrics.update({"optim/lr": lr, "optim/grad_norm": optim.grad_norm})
+        metrics.update(optimize_batch(training, datums, cfg, total_updates))
         sampler = training.save_weights_and_get_sampling_client()
         metrics["policy/version"] = sampler.version
         if step % cfg.rl.eval_every == 0 or step == cfg.rl.steps:

@@ -22,7 +22,7 @@ def heterorl(*args, cwd=None):
 def test_help_names_every_command():
     out = heterorl("--help")
     assert out.returncode == 0
-    for command in ("demo", "sft", "rl", "bench"):
+    for command in ("demo", "sft", "rl", "bench", "keys"):
         assert command in out.stdout
 
 
@@ -82,3 +82,16 @@ def test_bench_losses_times_every_loss_against_grpo():
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[2:]}
     assert {"gepo", "gepo_defensive", "gspo", "tis", "m2po", "decoupled_ppo"} <= set(rows)
     assert rows["grpo"][-1] == "1.00x" and float(rows["gepo"][-1].rstrip("x")) > 0
+
+
+def test_keys_makes_a_curve_pair_and_never_overwrites_one(tmp_path):
+    import zmq.auth
+
+    out = heterorl("keys", "--name", "worker-7", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    public, secret = zmq.auth.load_certificate(str(tmp_path / "worker-7.key_secret"))
+    assert len(public) == len(secret) == 40  # Z85 of 32-byte keys
+    assert zmq.auth.load_certificate(str(tmp_path / "worker-7.key"))[1] is None  # the public file holds no secret
+    assert (tmp_path / "worker-7.key_secret").stat().st_mode & 0o077 == 0
+    again = heterorl("keys", "--name", "worker-7", "--out", str(tmp_path))
+    assert again.returncode == 2 and "exists" in again.stderr

@@ -46,7 +46,7 @@ def test_short_remake_of_the_base_follows_the_recorded_curve():
 
 @pytest.mark.slow
 def test_short_rl_run_improves_held_out_success():
-    cfg = load_config(packaged("demo.yaml"), ["rl.steps=20", "rl.eval_every=10", "logging.wandb_mode=disabled"])
+    cfg = load_config(packaged("maze_rl.yaml"), ["rl.steps=20", "rl.eval_every=10", "logging.wandb_mode=disabled"])
     task = _maze(cfg)
     model, tok = load_policy(str(packaged(SFT_BASE)))
     result = run_sync_rl(cfg, TrainingClient(model, tok, seed=cfg.seed), task)

@@ -8,9 +8,20 @@ from heterorl.policies.hf_folder import load_hf_folder, validate_hf_folder
 from heterorl.policies.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_policy, save_policy
 
 
+SHIPPED = ("maze-sft-base",)  # policy folders inside the package (heterorl/assets/NAME)
+
+
+def shipped_policy(name: str) -> Path:
+    """The folder of a policy shipped inside the package."""
+    from importlib import resources
+
+    return Path(str(resources.files("heterorl"))) / "assets" / name
+
+
 def load_policy(model: str, *, alphabet: str | None = None, tiny: TinyModelConfig | None = None,
                 device: str = "cpu"):
-    """``(model, tokenizer)`` for ``model`` = "tiny" (fresh, needs ``alphabet``), "smollm2", or a local folder."""
+    """``(model, tokenizer)`` for ``model`` = "tiny" (fresh, needs ``alphabet``), "smollm2", a shipped policy
+    (``maze-sft-base``), or a local Hugging Face folder."""
     if model == "tiny":
         if alphabet is None:
             raise ValueError("the tiny policy needs the task's alphabet to build its tokenizer")
@@ -20,10 +31,12 @@ def load_policy(model: str, *, alphabet: str | None = None, tiny: TinyModelConfi
         from heterorl.policies.smollm2 import smollm2_folder
 
         return load_hf_folder(smollm2_folder(), device=device)
+    if model in SHIPPED:
+        return load_hf_folder(shipped_policy(model), device=device)
     return load_hf_folder(Path(model).expanduser(), device=device)
 
 
 __all__ = [
-    "TinyModelConfig", "build_char_tokenizer", "build_tiny_policy", "load_hf_folder", "load_policy",
+    "SHIPPED", "TinyModelConfig", "build_char_tokenizer", "shipped_policy", "build_tiny_policy", "load_hf_folder", "load_policy",
     "save_policy", "validate_hf_folder",
 ]

@@ -1,0 +1,539 @@
+"""Wire protocol between rollout workers and the learner: versioned messages, msgpack frames, strict decoding.
+
+A message travels as one or two ZeroMQ frames: a msgpack map (the header, with
+``"v"`` = schema version and ``"kind"``) and, for a weight chunk only, the raw
+chunk bytes as a second frame so the receiver can view them without a copy.
+Arrays inside the header are raw little-endian buffers (msgpack ``bin``), read
+back with ``numpy.frombuffer`` (a view, no copy). Nothing is ever pickled.
+
+``decode`` trusts nothing: it checks the schema version, the kind, every
+field's type, every array's dtype size, length and bounds, finiteness and the
+size limits of :class:`Limits`, and raises :class:`ProtocolError` naming the
+field. A service catches that one exception type, counts the reason and keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import zlib
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from heterorl.errors import HeteroRLError
+
+SCHEMA_VERSION = 1
+
+_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:@/+=-]+$")
+_INT32_MAX = 2**31 - 1
+
+
+class ProtocolError(HeteroRLError):
+    """A frame that does not decode to a valid message. ``field`` names what is wrong; ``reason`` is a short tag."""
+
+    def __init__(self, field_name: str, message: str, reason: str = "invalid") -> None:
+        super().__init__(f"field `{field_name}`: {message}")
+        self.field = field_name
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size and value bounds the decoder enforces (defaults suit tiny-to-8B models with 32k-token completions)."""
+
+    max_header_bytes: int = 16 * 2**20  # one msgpack header frame
+    max_tokens: int = 131_072  # per token array
+    max_token_id: int = 2**24  # exclusive upper bound on token ids
+    max_id_chars: int = 128
+    max_abs_reward: float = 1e6
+    max_tensors: int = 100_000  # tensors in one weight update
+    max_chunk_bytes: int = 64 * 2**20
+    max_settings: int = 256
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# -- field validators -------------------------------------------------------------------------------
+
+def _int(name: str, value: Any, lo: int, hi: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(name, f"expected an integer, got {type(value).__name__}", "type")
+    if not lo <= value <= hi:
+        raise ProtocolError(name, f"{value} is outside [{lo}, {hi}]", "bounds")
+    return value
+
+
+def _float(name: str, value: Any, limit: float = math.inf) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(name, f"expected a number, got {type(value).__name__}", "type")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ProtocolError(name, f"{value} is not finite", "not_finite")
+    if abs(value) > limit:
+        raise ProtocolError(name, f"|{value}| exceeds {limit}", "bounds")
+    return value
+
+
+def _str(name: str, value: Any, max_chars: int, pattern: re.Pattern | None = None) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(name, f"expected a string, got {type(value).__name__}", "type")
+    if not value or len(value) > max_chars:
+        raise ProtocolError(name, f"length {len(value)} is outside [1, {max_chars}]", "bounds")
+    if pattern is not None and not pattern.match(value):
+        raise ProtocolError(name, f"{value[:40]!r} holds characters outside [A-Za-z0-9_.:@/+=-]", "bounds")
+    return value
+
+
+def _ident(name: str, value: Any, limits: Limits) -> str:
+    return _str(name, value, limits.max_id_chars, _ID_PATTERN)
+
+
+def _array(name: str, value: Any, dtype: str, max_len: int) -> np.ndarray:
+    """A read-only numpy view of a raw little-endian buffer (no copy)."""
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise ProtocolError(name, f"expected raw bytes ({dtype}), got {type(value).__name__}", "type")
+    itemsize = np.dtype(dtype).itemsize
+    if len(value) % itemsize:
+        raise ProtocolError(name, f"{len(value)} bytes is not a multiple of {itemsize} ({dtype})", "length")
+    if len(value) // itemsize > max_len:
+        raise ProtocolError(name, f"{len(value) // itemsize} elements exceed the limit {max_len}", "too_large")
+    return np.frombuffer(value, dtype=dtype)
+
+
+def _str_list(name: str, value: Any, limits: Limits, max_len: int) -> list[str]:
+    if not isinstance(value, list):
+        raise ProtocolError(name, f"expected a list, got {type(value).__name__}", "type")
+    if len(value) > max_len:
+        raise ProtocolError(name, f"{len(value)} entries exceed the limit {max_len}", "too_large")
+    return [_str(f"{name}[{i}]", v, 256) for i, v in enumerate(value)]
+
+
+def _settings(name: str, value: Any, limits: Limits) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ProtocolError(name, f"expected a map, got {type(value).__name__}", "type")
+    if len(value) > limits.max_settings:
+        raise ProtocolError(name, f"{len(value)} entries exceed the limit {limits.max_settings}", "too_large")
+    out = {}
+    for key, item in value.items():
+        _str(f"{name} key", key, 256)
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ProtocolError(f"{name}.{key}", "is not finite", "not_finite")
+        if isinstance(item, str) and len(item) > 1_000_000:
+            raise ProtocolError(f"{name}.{key}", "string exceeds 1,000,000 characters", "too_large")
+        if item is not None and not isinstance(item, (str, int, float, bool)):
+            raise ProtocolError(f"{name}.{key}", f"expected a scalar, got {type(item).__name__}", "type")
+        out[key] = item
+    return out
+
+
+def _le(array: np.ndarray, dtype: str) -> bytes:
+    return np.ascontiguousarray(array, dtype=dtype).tobytes()
+
+
+# -- messages -------------------------------------------------------------------------------------
+
+@dataclass
+class Message:
+    """Base of every message. ``kind`` is the wire tag; subclasses list their fields."""
+
+    kind: ClassVar[str] = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any], limits: Limits) -> "Message":
+        raise NotImplementedError
+
+
+@dataclass
+class Hello(Message):
+    """Worker → learner, repeated until a ``Ready`` answers: who I am and which weights I hold (−1: none)."""
+
+    kind: ClassVar[str] = "hello"
+    worker_id: str
+    host: str
+    pid: int
+    version_held: int = -1
+    sent_at: float = 0.0
+
+    @classmethod
+    def from_wire(cls, body, limits):
+        return cls(
+            worker_id=_ident("worker_id", body["worker_id"], limits),
+            host=_str("host", body["host"], 255),
+            pid=_int("pid", body["pid"], 0, _INT32_MAX),
+            version_held=_int("version_held", body["version_held"], -1, _INT32_MAX),
+            sent_at=_float("sent_at", body["sent_at"]),
+        )
+
+
+@dataclass
+class Ready(Message):
+    """Learner → worker: accepted. ``credits`` trajectories may be sent before the next grant."""
+
+    kind: ClassVar[str] = "ready"
+    worker_id: str
+    credits: int
+    newest_version: int
+    heartbeat_interval_s: float
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_wire(cls, body, limits):
+        return cls(
+            worker_id=_ident("worker_id", body["worker_id"], limits),
+            credits=_int("credits", body["credits"], 0, _INT32_MAX),
+            newest_version=_int("newest_version", body["newest_version"], -1, _INT32_MAX),
+            heartbeat_interval_s=_float("heartbeat_interval_s", body["heartbeat_interval_s"], 3600.0),
+            settings=_settings("settings", body["settings"], limits),
+        )
+
+
+@dataclass
+class Heartbeat(Message):
+    """Either direction, every ``heartbeat_interval_s``: I am alive. From a worker also: the version it holds
+    and its cumulative seconds generating (``busy_s``) and waiting for credit or weights (``idle_s``)."""
+
+    kind: ClassVar[str] = "heartbeat"
+    sender_id: str
+    version_held: int = -1
+    sent_at: float = 0.0
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+
+    @classmethod
+    def from_wire(cls, body, limits):
+        return cls(
+            sender_id=_ident("sender_id", body["sender_id"], limits),
+            version_held=_int("version_held", body["version_held"], -1, _INT32_MAX),
+            sent_at=_float("sent_at", body["sent_at"]),
+            busy_s=_float("busy_s", body["busy_s"], 1e9),
+            idle_s=_float("idle_s", body["idle_s"], 1e9),
+        )
+
+
+@dataclass
+class Trajectory(Message):
+    """One scored completion of a prompt, stamped by the worker that sampled it.
+
+    Arrays are numpy views: ``prompt_tokens`` / ``completion_tokens`` int32,
+    ``behaviour_logprobs`` float32 (log q of each completion token),
+    ``policy_versions`` int32 (the weights version that sampled each completion
+    token; one trajectory may span a weight update). Timestamps are seconds on
+    the worker's clock except ``received_at`` (learner's clock, set on receipt).
+    """
+
+    kind: ClassVar[str] = "trajectory"
+    trajectory_id: str
+    group_id: str
+    prompt_id: str
+    sampler_id: str
+    group_size: int
+    prompt_tokens: np.ndarray
+    completion_tokens: np.ndarray
+    behaviour_logprobs: np.ndarray
+    policy_versions: np.ndarray
+    reward: float
+    generation_start: float
+    generation_end: float
+    sent_at: float = 0.0
+    received_at: float = 0.0
+    stop_reason: str = "stop"
+
+    def to_wire(self):
+        body = super().to_wire()
+        body["prompt_tokens"] = _le(self.prompt_tokens, "<i4")
+        body["completion_tokens"] = _le(self.completion_tokens, "<i4")
+        body["behaviour_logprobs"] = _le(self.behaviour_logprobs, "<f4")
+        body["policy_versions"] = _le(self.policy_versions, "<i4")
+        return body
+
+    @classmethod
+    def from_wire(cls, body, limits):
+        prompt = _array("prompt_tokens", body["prompt_tokens"], "<i4", limits.max_tokens)
+        completion = _array("completion_tokens", body["completion_tokens"], "<i4", limits.max_tokens)
+        logprobs = _array("behaviour_logprobs", body["behaviour_logprobs"], "<f4", limits.max_tokens)
+        versions = _array("policy_versions", body["policy_versions"], "<i4", limits.max_tokens)
+        if len(prompt) == 0:
+            raise ProtocolError("prompt_tokens", "is empty", "length")
+        if len(completion) == 0:
+            raise ProtocolError("completion_tokens", "is empty; drop empty completions on the worker", "length")
+        for name, array in (("behaviour_logprobs", logprobs), ("policy_versions", versions)):
+            if len(array) != len(completion):
+                raise ProtocolError(name, f"has {len(array)} entries for {len(completion)} completion tokens",
+                                    "length_mismatch")
+        for name, tokens in (("prompt_tokens", prompt), ("completion_tokens", completion)):
+            if tokens.min() < 0 or tokens.max() >= limits.max_token_id:
+                raise ProtocolError(name, f"token ids must lie in [0, {limits.max_token_id})", "bounds")
+        if not np.isfinite(logprobs).all():
+            raise ProtocolError("behaviour_logprobs", "holds NaN or inf", "not_finite")
+        if (logprobs > 1e-4).any():
+            raise ProtocolError("behaviour_logprobs", "holds values > 0 (log-probabilities are ≤ 0)", "bounds")
+        if versions.min() < 0:
+            raise ProtocolError("policy_versions", "holds negative versions", "bounds")
+        start = _float("generation_start", body["generation_start"])
+        end = _float("generation_end", body["generation_end"])
+        if end < start:
+            raise ProtocolError("generation_end", f"{end} is before generation_start {start}", "bounds")
+        stop = _str("stop_reason", body["stop_reason"], 32, _ID_PATTERN)
+        return cls(
+            trajectory_id=_ident("trajectory_id", body["trajectory_id"], limits),
+            group_id=_ident("group_id", body["group_id"], limits),
+            prompt_id=_ident("prompt_id", body["prompt_id"], limits),
+            sampler_id=_ident("sampler_id", body["sampler_id"], limits),
+            group_size=_int("group_size", body["group_size"], 1, 65_536),
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            behaviour_logprobs=logprobs,
+            policy_versions=versions,
+            reward=_float("reward", body["reward"], limits.max_abs_reward),
+            generation_start=start,
+            generation_end=end,
+            sent_at=_float("sent_at", body["sent_at"]),
+            received_at=_float("received_at", body["received_at"]),
+            stop_reason=stop,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * (len(self.prompt_tokens) + 3 * len(self.completion_tokens))
+
+
+@dataclass
+class Ack(Message):
+    """Learner → worker: trajectories taken (``accepted``, duplicates included: delivered once) or refused
+    ("id: reason"); ``credits``: the cumulative number of trajectories the worker may have sent this session;
+    ``start_limit``: the cumulative number of groups it may have started (admission control), −1 for no limit."""
+
+    kind: ClassVar[str] = "ack"
+    accepted: list[str] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+    credits: int = 0
+    start_limit: int = -1
+
+    @classmethod
+    def from_wire(cls, body, limits):
+        return cls(
+            accepted=_str_list("accepted", body["accepted"], limits, 65_536),
+            rejected=_str_list("rejected", body["rejected"], limits, 65_536),
+            credits=_int("credits", body["credits"], 0, _INT32_MAX),
+            start_limit=_int("start_limit", body["start_limit"], -1, _INT32_MAX),
+        )
+
+
+@dataclass
+class WeightsNotice(Message):
+    """Learner → worker (control channel): version ``version`` is available on the weights channel."""
+
+    kind: ClassVar[str] = "weights_notice"
+    version: int
+
+    @classmethod
+    def from_wire(cls, body, limits):
+        return cls(version=_int("version", body["version"], 0, _INT32_MAX))
+
+
+@dataclass
+class WeightsRequest(Message):
+    """Worker → learner (weights channel): send me the newest version released to me, if newer than
+    ``have_version``; ``chunk`` > 0 asks for one chunk of ``version`` (a resumed or windowed fetch)."""
+
+    kind: ClassVar[str] = "weights_request"
+    worker_id: str
+    have_version: int = -1
+    version: int = -1
+    chunk: int = -1
+
+    @classmethod
+    def from_wire(cls, body, limits):
+        return cls(
+            worker_id=_ident("worker_id", body["worker_id"], limits),
+            have_version=_int("have_version", body["have_version"], -1, _INT32_MAX),
+            version=_int("version", body["version"], -1, _INT32_MAX),
+            chunk=_int("chunk", body["chunk"], -1, _INT32_MAX),
+        )
+
+
+@dataclass
+class WeightsHeader(Message):
+    """Learner → worker: the layout of version ``version``: tensors packed back to back in ``names`` order,
+    split into ``num_chunks`` chunks of ``chunk_bytes`` (the last may be shorter); ``sha256`` of the whole."""
+
+    kind: ClassVar[str] = "weights_header"
+    version: int
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    total_bytes: int
+    chunk_bytes: int
+    num_chunks: int
+    sha256: str
+
+    @classmethod
+    def from_wire(cls, body, limits):
+        names = _str_list("names", body["names"], limits, limits.max_tensors)
+        dtypes = _str_list("dtypes", body["dtypes"], limits, limits.max_tensors)
+        shapes_raw = body["shapes"]
+        if not isinstance(shapes_raw, list):
+            raise ProtocolError("shapes", f"expected a list, got {type(shapes_raw).__name__}", "type")
+        if not len(names) == len(dtypes) == len(shapes_raw):
+            raise ProtocolError("shapes", f"{len(names)} names, {len(dtypes)} dtypes, {len(shapes_raw)} shapes",
+                                "length_mismatch")
+        for i, dtype in enumerate(dtypes):
+            if dtype not in TENSOR_DTYPES:
+                raise ProtocolError(f"dtypes[{i}]", f"{dtype!r} is not one of {sorted(TENSOR_DTYPES)}", "bounds")
+        shapes = []
+        for i, shape in enumerate(shapes_raw):
+            if not isinstance(shape, list) or len(shape) > 8:
+                raise ProtocolError(f"shapes[{i}]", "expected a list of at most 8 dimensions", "type")
+            shapes.append([_int(f"shapes[{i}]", d, 0, _INT32_MAX) for d in shape])
+        total = _int("total_bytes", body["total_bytes"], 0, 2**50)
+        expected = sum(TENSOR_DTYPES[d][1] * math.prod(s) for d, s in zip(dtypes, shapes))
+        if expected != total:
+            raise ProtocolError("total_bytes", f"{total} != {expected} implied by dtypes and shapes", "length_mismatch")
+        chunk_bytes = _int("chunk_bytes", body["chunk_bytes"], 1, limits.max_chunk_bytes)
+        num_chunks = _int("num_chunks", body["num_chunks"], 0, _INT32_MAX)
+        if num_chunks != -(-total // chunk_bytes):
+            raise ProtocolError("num_chunks", f"{num_chunks} != ceil({total} / {chunk_bytes})", "length_mismatch")
+        sha = _str("sha256", body["sha256"], 64)
+        if not re.fullmatch(r"[0-9a-f]{64}", sha):
+            raise ProtocolError("sha256", "expected 64 lowercase hex digits", "bounds")
+        return cls(version=_int("version", body["version"], 0, _INT32_MAX), names=names, dtypes=dtypes,
+                   shapes=shapes, total_bytes=total, chunk_bytes=chunk_bytes, num_chunks=num_chunks, sha256=sha)
+
+
+@dataclass
+class WeightsChunk(Message):
+    """Learner → worker: chunk ``index`` of ``version``; the bytes travel as the second frame (``data``),
+    ``crc32`` guards the chunk, the header's sha256 the whole."""
+
+    kind: ClassVar[str] = "weights_chunk"
+    version: int
+    index: int
+    crc32: int
+    data: memoryview | bytes = b""
+
+    def to_wire(self):
+        return {"version": self.version, "index": self.index, "crc32": self.crc32}
+
+    @classmethod
+    def from_wire(cls, body, limits):
+        return cls(version=_int("version", body["version"], 0, _INT32_MAX),
+                   index=_int("index", body["index"], 0, _INT32_MAX),
+                   crc32=_int("crc32", body["crc32"], 0, 2**32 - 1))
+
+
+@dataclass
+class Bye(Message):
+    """Either direction: I am leaving (or: you are refused), with a reason for the other side's log."""
+
+    kind: ClassVar[str] = "bye"
+    sender_id: str
+    reason: str = ""
+
+    @classmethod
+    def from_wire(cls, body, limits):
+        reason = body["reason"]
+        if not isinstance(reason, str) or len(reason) > 1000:
+            raise ProtocolError("reason", "expected a string of at most 1000 characters", "type")
+        return cls(sender_id=_ident("sender_id", body["sender_id"], limits), reason=reason)
+
+
+MESSAGES: dict[str, type[Message]] = {
+    cls.kind: cls
+    for cls in (Hello, Ready, Heartbeat, Trajectory, Ack, WeightsNotice, WeightsRequest, WeightsHeader,
+                WeightsChunk, Bye)
+}
+
+# wire dtype name → (numpy dtype, bytes per element); bfloat16 travels as raw 2-byte words
+TENSOR_DTYPES = {
+    "float32": ("<f4", 4), "float16": ("<f2", 2), "bfloat16": ("<u2", 2), "float64": ("<f8", 8),
+    "int64": ("<i8", 8), "int32": ("<i4", 4), "int8": ("i1", 1), "uint8": ("u1", 1), "bool": ("u1", 1),
+}
+
+
+# -- framing --------------------------------------------------------------------------------------
+
+def encode(message: Message) -> list[bytes | memoryview]:
+    """The frames of ``message``: a msgpack header and, for a weight chunk, its raw bytes."""
+    header = {"v": SCHEMA_VERSION, "kind": message.kind, **message.to_wire()}
+    frames: list[bytes | memoryview] = [msgpack.packb(header, use_bin_type=True)]
+    if isinstance(message, WeightsChunk):
+        frames.append(message.data)
+    return frames
+
+
+def decode(frames: list, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Validate and decode the frames of one message (bytes, memoryviews or zmq Frames).
+
+    Raises ProtocolError naming the field for anything malformed; never
+    anything else for any input.
+    """
+    try:
+        return _decode(frames, limits)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a validator missed a case: still a refused frame, never a crash
+        raise ProtocolError("frame", f"undecodable ({type(exc).__name__}: {str(exc)[:120]})", "malformed") from None
+
+
+def _buffer(frame) -> memoryview:
+    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+
+
+def _decode(frames: list, limits: Limits) -> Message:
+    if not frames:
+        raise ProtocolError("frame", "no frames", "malformed")
+    head = _buffer(frames[0])
+    if head.nbytes > limits.max_header_bytes:
+        raise ProtocolError("frame", f"header of {head.nbytes} bytes exceeds {limits.max_header_bytes}", "too_large")
+    try:
+        body = msgpack.unpackb(head, raw=False, strict_map_key=True, max_bin_len=limits.max_header_bytes,
+                               max_str_len=limits.max_header_bytes, max_array_len=limits.max_tensors + 16,
+                               max_map_len=limits.max_settings + 64, max_ext_len=0)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, UnicodeDecodeError) as exc:
+        raise ProtocolError("frame", f"not a msgpack message ({type(exc).__name__})", "malformed") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("frame", f"expected a msgpack map, got {type(body).__name__}", "malformed")
+    version = body.pop("v", None)
+    if version != SCHEMA_VERSION:
+        raise ProtocolError("v", f"schema version {version!r} is not {SCHEMA_VERSION}; upgrade the older side",
+                            "schema_version")
+    kind = body.pop("kind", None)
+    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError("kind", f"unknown message kind {str(kind)[:40]!r}; known: {', '.join(MESSAGES)}",
+                            "unknown_kind")
+    expected = {f.name for f in fields(cls)} - ({"data"} if cls is WeightsChunk else set())
+    missing = sorted(expected - body.keys())
+    if missing:
+        raise ProtocolError(missing[0], f"missing from {kind} message", "missing_field")
+    unknown = sorted(str(k) for k in body.keys() - expected)
+    if unknown:
+        raise ProtocolError(unknown[0][:40], f"is not a field of {kind} (schema v{SCHEMA_VERSION})", "unknown_field")
+    message = cls.from_wire(body, limits)
+    extra = len(frames) - 1
+    if isinstance(message, WeightsChunk):
+        if extra != 1:
+            raise ProtocolError("data", f"a weights_chunk needs exactly one data frame, got {extra}", "malformed")
+        data = _buffer(frames[1])
+        if data.nbytes > limits.max_chunk_bytes:
+            raise ProtocolError("data", f"{data.nbytes} bytes exceed {limits.max_chunk_bytes}", "too_large")
+        if zlib.crc32(data) != message.crc32:
+            raise ProtocolError("data", "crc32 mismatch: the chunk was corrupted in transit", "checksum")
+        message.data = data
+    elif extra:
+        raise ProtocolError("frame", f"{kind} takes one frame, got {extra + 1}", "malformed")
+    return message
+
+
+def now() -> float:
+    """Wall-clock seconds for message timestamps (comparable across machines with synchronised clocks)."""
+    return time.time()

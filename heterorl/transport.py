@@ -1,0 +1,1010 @@
+"""ZeroMQ transport between rollout workers and the learner.
+
+Two channels, each owned by one background I/O thread per endpoint (ZeroMQ
+sockets are never shared between threads; callers talk to the thread through
+locked queues):
+
+control + trajectories — learner ROUTER (bind ``tcp://HOST:PORT``) ↔ one DEALER per worker.
+    Carries hello/ready, heartbeats both ways, trajectories up, acks down.
+    Flow control is by credit: the learner grants each worker a cumulative
+    ``credit_limit`` (trajectories it may have sent this session), which grows
+    only as the learner's consumer takes that worker's trajectories out of the
+    buffer. Buffered + in-flight trajectories per worker therefore never exceed
+    ``credits_per_worker``: a slow learner slows its workers (``send`` blocks,
+    with a timeout) instead of dropping data or growing memory. Credit limits
+    are cumulative, so a lost ack costs nothing: the next one carries a newer
+    limit. HWM ``control_hwm`` messages each way; ROUTER_MANDATORY so a send to
+    a vanished worker is an error we count, not a silent drop.
+
+weights — learner ROUTER (bind PORT+1 unless given) ↔ a DEALER per worker.
+    Pull-based chunked transfer with credit (the ZeroMQ guide's file-transfer
+    pattern): a ``weights_notice`` on the control channel says a version is
+    out; the worker asks for the header of the newest version released to it,
+    then keeps ``weights_pipeline`` chunk requests in flight. Each chunk has a
+    CRC-32, the whole a SHA-256. A worker that joins late or misses notices
+    always gets the newest whole version, never a diff. HWM ``weights_hwm``.
+
+Liveness: both sides send heartbeats every ``heartbeat_interval_s``; a peer
+silent for ``heartbeat_timeout_s`` is marked dead (learner: in the worker
+registry; worker: it re-sends hello until a learner answers). Every blocking
+call takes a timeout.
+
+Security: CurveZMQ (encryption + an allow-list of worker public keys) whenever
+a ``CurveConfig`` is given; without one, the learner refuses to bind a
+non-loopback address unless ``allow_plaintext`` is set.
+
+Delays: an optional per-link delay schedule (see ``heterorl.delay``) holds
+trajectories on the worker before they are sent, and weight notices on the
+learner before they are released to each worker.
+"""
+
+from __future__ import annotations
+
+import heapq
+import ipaddress
+import itertools
+import logging
+import os
+import socket as pysocket
+import threading
+import time
+import zlib
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from heterorl.errors import ConfigError, HeteroRLError
+from heterorl.protocol import (
+    DEFAULT_LIMITS, Ack, Bye, Heartbeat, Hello, Limits, Message, ProtocolError, Ready, Trajectory, WeightsChunk,
+    WeightsHeader, WeightsNotice, WeightsRequest, decode, encode,
+)
+from heterorl.weights import PackedWeights, pack_state_dict, unpack_state_dict
+
+log = logging.getLogger("heterorl.transport")
+
+# (send_time_s, size_bytes) -> delivery_time_s, or None when the link drops the message
+DelaySchedule = Callable[[float, int], "float | None"]
+
+
+class TransportError(HeteroRLError):
+    """A transport operation failed (timeout, refused handshake, closed endpoint)."""
+
+
+class TransportTimeout(TransportError):
+    """A blocking transport call ran out of time."""
+
+
+@dataclass
+class TransportConfig:
+    """Knobs shared by both ends. Times in seconds."""
+
+    control_hwm: int = 1000  # messages queued per peer on the control channel
+    weights_hwm: int = 64  # chunk messages queued per peer on the weights channel
+    credits_per_worker: int = 64  # trajectories buffered + in flight per worker
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    hello_interval_s: float = 0.5
+    weights_chunk_bytes: int = 4 * 2**20
+    weights_pipeline: int = 8  # chunk requests in flight per fetch
+    fetch_timeout_s: float = 30.0  # restart a weights fetch after this long without a chunk
+    max_retained_versions: int = 64  # packed versions kept for workers whose release is still delayed
+    dedup_window: int = 1_000_000  # trajectory ids remembered for duplicate detection
+    max_workers: int = 1024  # registry size; a hello beyond it is refused (bounds memory under a hello flood)
+    linger_ms: int = 1000
+    allow_plaintext: bool = False  # plaintext on a non-loopback address
+
+    def __post_init__(self) -> None:
+        for name in ("control_hwm", "weights_hwm", "credits_per_worker", "weights_chunk_bytes", "weights_pipeline",
+                     "max_retained_versions", "dedup_window", "max_workers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"transport option {name}={getattr(self, name)} must be >= 1")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed "
+                              f"heartbeat_interval_s={self.heartbeat_interval_s}")
+
+
+@dataclass
+class CurveConfig:
+    """CurveZMQ keys (files made by ``heterorl keys``).
+
+    Learner: ``secret_key_file`` (its own ``*.key_secret``) and
+    ``allowed_keys_dir`` (a folder of the workers' public ``*.key`` files).
+    Worker: ``secret_key_file`` (its own) and ``server_key_file`` (the
+    learner's public ``*.key``).
+    """
+
+    secret_key_file: str
+    server_key_file: str | None = None
+    allowed_keys_dir: str | None = None
+
+    def keypair(self) -> tuple[bytes, bytes]:
+        path = Path(self.secret_key_file)
+        if not path.is_file():
+            raise ConfigError(f"CURVE secret key file {path} not found; make one with `heterorl keys --name NAME`")
+        public, secret = zmq.auth.load_certificate(str(path))
+        if secret is None:
+            raise ConfigError(f"{path} holds no secret key; pass the *.key_secret file, not the public *.key")
+        return public, secret
+
+    def server_public_key(self) -> bytes:
+        if not self.server_key_file or not Path(self.server_key_file).is_file():
+            raise ConfigError(f"the learner's public key file {self.server_key_file!r} is missing; copy the "
+                              "learner's *.key file to the worker and pass it as server_key_file (--server-key)")
+        public, _ = zmq.auth.load_certificate(self.server_key_file)
+        return public
+
+
+def make_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
+    """Write ``name.key`` (public) and ``name.key_secret`` (secret, mode 0600) into ``directory``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for suffix in (".key", ".key_secret"):
+        if (directory / (name + suffix)).exists():
+            raise ConfigError(f"{directory / (name + suffix)} exists; choose another --name or remove it")
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    os.chmod(secret, 0o600)
+    return Path(public), Path(secret)
+
+
+def _host_of(address: str) -> str:
+    if "://" not in address:
+        raise ConfigError(f"address {address!r} must look like tcp://HOST:PORT")
+    scheme, rest = address.split("://", 1)
+    if scheme in ("ipc", "inproc"):
+        return "localhost"
+    if scheme != "tcp":
+        raise ConfigError(f"address {address!r}: only tcp://, ipc:// and inproc:// are supported")
+    return rest.rsplit(":", 1)[0].strip("[]")
+
+
+def is_loopback(address: str) -> bool:
+    host = _host_of(address)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _require_security(address: str, curve: CurveConfig | None, config: TransportConfig) -> None:
+    if curve is None and not is_loopback(address) and not config.allow_plaintext:
+        raise ConfigError(
+            f"refusing plaintext on {address}: give CURVE keys (`heterorl keys`, then --curve-secret/--allow-keys) "
+            "or set allow_plaintext=True if this network is trusted"
+        )
+
+
+def _port_of(address: str) -> int:
+    try:
+        return int(address.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        raise ConfigError(f"address {address!r} has no numeric port") from None
+
+
+def _send(sock: zmq.Socket, frames: list, stats: Counter, what: str) -> bool:
+    """Non-blocking send; a full queue or a vanished peer is counted, never raised."""
+    try:
+        sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        return True
+    except zmq.Again:
+        stats[f"send_dropped/{what}"] += 1
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EHOSTUNREACH:
+            raise
+        stats[f"send_unreachable/{what}"] += 1
+    return False
+
+
+class _RateLimitedLog:
+    """Log the first few rejections of each reason, then every 1,000th (a flood must not flood the log)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+
+    def __call__(self, reason: str, message: str) -> None:
+        self.counts[reason] += 1
+        n = self.counts[reason]
+        if n <= 5 or n % 1000 == 0:
+            log.warning("rejected message (%s, #%d): %s", reason, n, message)
+
+
+# -- learner side -----------------------------------------------------------------------------------
+
+@dataclass
+class WorkerInfo:
+    """The learner's view of one worker."""
+
+    worker_id: str
+    host: str
+    pid: int
+    routing_id: bytes
+    public_key: str | None
+    joined_at: float
+    last_seen: float
+    version_held: int = -1
+    trajectories: int = 0  # accepted from this worker (all sessions)
+    duplicates: int = 0
+    buffered: int = 0  # accepted, not yet taken by the consumer
+    received_session: int = 0  # trajectory messages received since its last hello
+    released_version: int = -1  # newest weights version released to it (after the weights delay)
+    alive: bool = True
+    pending_notices: list = field(default_factory=list)  # heap of (due_time, version)
+    acks: list = field(default_factory=list)
+    rejects: list = field(default_factory=list)
+    last_credit_sent: int = -1
+    busy_s: float = 0.0  # the worker's cumulative seconds generating (from its heartbeats)
+    idle_s: float = 0.0  # ... and waiting for credit, permits or weights
+    groups_session: int = 0  # groups whose first trajectory arrived this session
+    last_group_id: str = ""
+    starts_granted_session: int = 0  # admission permits granted this session (cumulative)
+    last_start_limit_sent: int = -2
+
+    def credit_limit(self, window: int) -> int:
+        return self.received_session + max(0, window - self.buffered)
+
+
+class _Endpoint:
+    """Context-manager support: ``with LearnerServer(...) as server:`` closes it on the way out."""
+
+    def close(self, reason: str = "") -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class LearnerServer(_Endpoint):
+    """The learner's end: accepts trajectories, tracks workers, publishes weights. Thread-safe public API."""
+
+    def __init__(self, address: str, config: TransportConfig | None = None, curve: CurveConfig | None = None,
+                 limits: Limits = DEFAULT_LIMITS, weights_address: str | None = None,
+                 weights_delay: Callable[[str], DelaySchedule | None] | None = None,
+                 settings: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or TransportConfig()
+        _require_security(address, curve, self.config)
+        self.limits = limits
+        self._curve = curve
+        self._settings = dict(settings or {})
+        self._clock = clock
+        self._weights_delay = weights_delay
+        self._delay_links: dict[str, DelaySchedule | None] = {}
+        self._address = address
+        self._weights_address = weights_address
+        self._lock = threading.Condition()
+        self._buffer: deque[Trajectory] = deque()
+        self._workers: dict[str, WorkerInfo] = {}
+        self._by_routing: dict[bytes, str] = {}
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._versions: OrderedDict[int, PackedWeights] = OrderedDict()
+        self._publish_times: dict[int, float] = {}
+        self._newest = -1
+        self._admission_cap: int | None = None  # total groups the fleet may start (None: no admission control)
+        self._starts_granted_total = 0
+        self._starts_ahead = 1
+        self.stats: Counter = Counter()
+        self._reject_log = _RateLimitedLog()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.control_endpoint = ""
+        self.weights_endpoint = ""
+        self._thread = threading.Thread(target=self._run, name="heterorl-learner-io", daemon=True)
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+
+    # -- public API (any thread) ------------------------------------------------------------------
+    def get(self, max_items: int, timeout_s: float) -> list[Trajectory]:
+        """Up to ``max_items`` trajectories in arrival order; waits up to ``timeout_s`` for the first one."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while not self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return []
+                self._lock.wait(left)
+            taken = [self._buffer.popleft() for _ in range(min(max_items, len(self._buffer)))]
+            for traj in taken:
+                worker = self._workers.get(traj.sampler_id)
+                if worker is not None:
+                    worker.buffered -= 1
+            return taken
+
+    def buffered(self) -> int:
+        with self._lock:
+            return len(self._buffer)
+
+    def publish(self, version: int, state: dict) -> None:
+        """Make ``state`` available as ``version`` (strictly increasing); workers are notified after their delay."""
+        packed = pack_state_dict(state, version, self.config.weights_chunk_bytes)
+        with self._lock:
+            if version <= self._newest:
+                raise TransportError(f"weights version {version} is not newer than {self._newest}")
+            self._versions[version] = packed
+            self._newest = version
+            now = self._clock()
+            self._publish_times[version] = now
+            for worker in self._workers.values():
+                self._schedule_notice(worker, version, now, packed.header.total_bytes)
+            self._trim_versions()
+
+    def set_admission(self, cap: int | None, ahead: int = 1) -> None:
+        """Admission control: the fleet may start at most ``cap`` groups in total (None: no limit); each worker
+        holds at most ``ahead`` unused permits, so one fast worker cannot take every permit."""
+        with self._lock:
+            self._admission_cap, self._starts_ahead = cap, max(1, ahead)
+
+    def workers(self) -> list[WorkerInfo]:
+        """A snapshot of the worker registry."""
+        with self._lock:
+            return [WorkerInfo(**{k: getattr(w, k) for k in WorkerInfo.__dataclass_fields__
+                                  if k not in ("pending_notices", "acks", "rejects")})
+                    for w in self._workers.values()]
+
+    def close(self, reason: str = "learner closed") -> None:
+        """Say bye to every live worker (they stop their loops) and stop the I/O thread."""
+        self._bye_reason = reason
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+        self._thread.join(timeout=10)
+
+    # -- I/O thread -----------------------------------------------------------------------------
+    def _bind(self, ctx: zmq.Context, address: str, hwm: int) -> tuple[zmq.Socket, str]:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.setsockopt(zmq.LINGER, self.config.linger_ms)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_header_bytes + self.limits.max_chunk_bytes)
+        if self._curve is not None:
+            public, secret = self._curve.keypair()
+            sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+        if address.endswith(":0"):
+            port = sock.bind_to_random_port(address.rsplit(":", 1)[0])
+            address = f"{address.rsplit(':', 1)[0]}:{port}"
+        else:
+            sock.bind(address)
+        return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT) or address
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        auth = None
+        sockets: list[zmq.Socket] = []
+        try:
+            if self._curve is not None:
+                allowed = self._curve.allowed_keys_dir
+                if not allowed or not Path(allowed).is_dir():
+                    raise ConfigError(f"allowed_keys_dir {allowed!r} is not a folder of worker public keys "
+                                      "(*.key files made by `heterorl keys`)")
+                auth = ThreadAuthenticator(ctx, log=logging.getLogger("heterorl.auth"))
+                auth.start()
+                auth.configure_curve(domain="*", location=str(allowed))
+            control, self.control_endpoint = self._bind(ctx, self._address, self.config.control_hwm)
+            sockets.append(control)
+            weights_address = self._weights_address or (
+                f"{self._address.rsplit(':', 1)[0]}:{0 if self._address.endswith(':0') else _port_of(self._address) + 1}")
+            weights, self.weights_endpoint = self._bind(ctx, weights_address, self.config.weights_hwm)
+            sockets.append(weights)
+        except BaseException as exc:  # surfaced to the constructor
+            self._error = exc if isinstance(exc, HeteroRLError) else TransportError(
+                f"cannot bind {self._address}: {exc}")
+            for s in sockets:
+                s.close(0)
+            if auth is not None:
+                auth.stop()
+            ctx.term()
+            self._ready.set()
+            return
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(control, zmq.POLLIN)
+        poller.register(weights, zmq.POLLIN)
+        last_beat = 0.0
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(timeout=5))
+                for _ in range(256 if control in events else 0):
+                    try:
+                        frames = control.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_control(control, frames)
+                for _ in range(256 if weights in events else 0):
+                    try:
+                        frames = weights.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_weights(weights, frames)
+                now = time.monotonic()
+                beat = now - last_beat >= self.config.heartbeat_interval_s
+                if beat:
+                    last_beat = now
+                self._housekeeping(control, now, beat)
+        finally:
+            bye = encode(Bye("learner", getattr(self, "_bye_reason", "learner closed")))
+            for worker in list(self._workers.values()):
+                if worker.alive:
+                    _send(control, [worker.routing_id, *bye], self.stats, "bye")
+            control.close(self.config.linger_ms)
+            weights.close(self.config.linger_ms)
+            if auth is not None:
+                auth.stop()
+            ctx.term()
+
+    def _reject(self, reason: str, message: str, worker: WorkerInfo | None = None, trajectory_id: str = "") -> None:
+        self.stats["rejected"] += 1
+        self.stats[f"rejected/{reason}"] += 1
+        self._reject_log(reason, message)
+        if worker is not None and trajectory_id:
+            worker.rejects.append(f"{trajectory_id}: {message}"[:256])
+
+    def _on_control(self, sock: zmq.Socket, frames: list) -> None:
+        routing_id = frames[0].bytes
+        self.stats["received"] += 1
+        try:
+            message = decode(frames[1:], self.limits)
+        except ProtocolError as exc:
+            worker_id = self._by_routing.get(routing_id)
+            self._reject(exc.reason, f"from {worker_id or 'unknown peer'}: {exc}")
+            return
+        user_id = frames[1].get("User-Id") if self._curve is not None else None
+        with self._lock:
+            if isinstance(message, Hello):
+                self._on_hello(sock, routing_id, message, user_id)
+                return
+            worker_id = self._by_routing.get(routing_id)
+            worker = self._workers.get(worker_id) if worker_id else None
+            if worker is None:
+                self._reject("unknown_peer", f"{message.kind} from a peer that has not said hello")
+                return
+            worker.last_seen = time.monotonic()
+            if not worker.alive:
+                worker.alive = True
+                log.info("worker %s is back", worker.worker_id)
+            if isinstance(message, Trajectory):
+                self._on_trajectory(worker, message)
+            elif isinstance(message, Heartbeat):
+                if message.sender_id != worker.worker_id:
+                    self._reject("forged_id", f"heartbeat names {message.sender_id!r} on {worker.worker_id}'s link")
+                    return
+                worker.version_held = message.version_held
+                worker.busy_s, worker.idle_s = message.busy_s, message.idle_s
+            elif isinstance(message, Bye):
+                worker.alive = False
+                log.info("worker %s left: %s", worker.worker_id, message.reason)
+            else:
+                self._reject("unexpected_kind", f"{message.kind} is not sent by workers", worker)
+
+    def _on_hello(self, sock, routing_id: bytes, hello: Hello, user_id: str | None) -> None:
+        worker = self._workers.get(hello.worker_id)
+        now = time.monotonic()
+        if worker is not None and user_id is not None and worker.public_key not in (None, user_id):
+            self._reject("forged_id", f"worker id {hello.worker_id!r} belongs to another key")
+            _send(sock, [routing_id, *encode(Bye("learner", "worker id taken by another key"))], self.stats, "bye")
+            return
+        if worker is None and len(self._workers) >= self.config.max_workers:
+            self._reject("too_many_workers", f"hello from {hello.worker_id!r}: registry full ({self.config.max_workers})")
+            return
+        if worker is None:
+            worker = WorkerInfo(worker_id=hello.worker_id, host=hello.host, pid=hello.pid, routing_id=routing_id,
+                                public_key=user_id, joined_at=now, last_seen=now)
+            self._workers[hello.worker_id] = worker
+            log.info("worker %s joined from %s (pid %d)", hello.worker_id, hello.host, hello.pid)
+        else:
+            if worker.routing_id != routing_id:
+                self._by_routing.pop(worker.routing_id, None)
+                log.info("worker %s rejoined from %s (pid %d)", hello.worker_id, hello.host, hello.pid)
+            worker.routing_id, worker.host, worker.pid = routing_id, hello.host, hello.pid
+        self._by_routing[routing_id] = hello.worker_id
+        worker.last_seen, worker.alive, worker.version_held = now, True, hello.version_held
+        worker.received_session = 0
+        worker.groups_session = worker.starts_granted_session = 0
+        worker.last_start_limit_sent = -2
+        worker.pending_notices.clear()
+        worker.released_version = self._newest  # a (re)joining worker gets the newest whole version
+        worker.last_credit_sent = worker.credit_limit(self.config.credits_per_worker)
+        ready = Ready(worker_id=hello.worker_id, credits=worker.last_credit_sent, newest_version=self._newest,
+                      heartbeat_interval_s=self.config.heartbeat_interval_s,
+                      settings={**self._settings, "weights_port": _port_of(self.weights_endpoint),
+                                "start_limit": -1 if self._admission_cap is None else 0})
+        _send(sock, [routing_id, *encode(ready)], self.stats, "ready")
+
+    def _on_trajectory(self, worker: WorkerInfo, traj: Trajectory) -> None:
+        worker.received_session += 1
+        if traj.group_id != worker.last_group_id:  # a worker sends each group's members back to back
+            worker.groups_session += 1
+            worker.last_group_id = traj.group_id
+        if traj.sampler_id != worker.worker_id:
+            self._reject("forged_id", f"trajectory names sampler {traj.sampler_id!r} on {worker.worker_id}'s link",
+                         worker, traj.trajectory_id)
+            return
+        if traj.trajectory_id in self._seen:
+            worker.duplicates += 1
+            self.stats["duplicates"] += 1
+            worker.acks.append(traj.trajectory_id)  # delivered once already: acknowledge, do not buffer again
+            return
+        if worker.buffered >= self.config.credits_per_worker:
+            self._reject("no_credit", f"{worker.worker_id} sent beyond its credit", worker, traj.trajectory_id)
+            return
+        traj.received_at = time.time()
+        self._seen[traj.trajectory_id] = None
+        if len(self._seen) > self.config.dedup_window:
+            self._seen.popitem(last=False)
+        self._buffer.append(traj)
+        worker.buffered += 1
+        worker.trajectories += 1
+        worker.acks.append(traj.trajectory_id)
+        self.stats["accepted"] += 1
+        self._lock.notify_all()
+
+    def _on_weights(self, sock: zmq.Socket, frames: list) -> None:
+        routing_id = frames[0].bytes
+        try:
+            request = decode(frames[1:], self.limits)
+        except ProtocolError as exc:
+            self._reject(exc.reason, f"on the weights channel: {exc}")
+            return
+        if not isinstance(request, WeightsRequest):
+            self._reject("unexpected_kind", f"{request.kind} on the weights channel")
+            return
+        user_id = frames[1].get("User-Id") if self._curve is not None else None
+        with self._lock:
+            worker = self._workers.get(request.worker_id)
+            if worker is None or (user_id is not None and worker.public_key not in (None, user_id)):
+                self._reject("unknown_peer", f"weights request for unknown worker {request.worker_id!r}")
+                return
+            released = self._versions.get(worker.released_version)
+            if released is None:
+                return  # nothing released yet (the worker asks again on the next notice)
+            packed = self._versions.get(request.version) if request.chunk >= 0 else None
+        if packed is None or request.chunk >= packed.header.num_chunks:
+            _send(sock, [routing_id, *encode(released.header)], self.stats, "weights_header")
+            self.stats["weights/headers_sent"] += 1
+            return
+        data = packed.chunk(request.chunk)
+        chunk = WeightsChunk(version=packed.header.version, index=request.chunk, crc32=zlib.crc32(data), data=data)
+        if _send(sock, [routing_id, *encode(chunk)], self.stats, "weights_chunk"):
+            self.stats["weights/bytes_sent"] += len(data)
+
+    def _schedule_notice(self, worker: WorkerInfo, version: int, now: float, size: int) -> None:
+        if worker.worker_id not in self._delay_links:
+            self._delay_links[worker.worker_id] = self._weights_delay(worker.worker_id) if self._weights_delay else None
+        link = self._delay_links[worker.worker_id]
+        due = now if link is None else link(now, size)
+        if due is None:
+            self.stats["weights/notices_lost"] += 1
+            return
+        heapq.heappush(worker.pending_notices, (due, version))
+
+    def _trim_versions(self) -> None:
+        needed = {w.released_version for w in self._workers.values()}
+        needed |= {v for w in self._workers.values() for _, v in w.pending_notices}
+        while len(self._versions) > self.config.max_retained_versions:
+            oldest = next(iter(self._versions))
+            if oldest == self._newest:
+                break
+            if oldest in needed:
+                self.stats["weights/retention_skips"] += 1
+            del self._versions[oldest]
+            self._publish_times.pop(oldest, None)
+        for v in [v for v in self._versions if v not in needed and v != self._newest]:
+            del self._versions[v]
+            self._publish_times.pop(v, None)
+
+    def _grant_starts(self, worker: WorkerInfo) -> int:
+        """The worker's cumulative start limit this session: −1 without admission control; else top its unused
+        permits up to ``ahead`` while the fleet's total stays within the cap."""
+        if self._admission_cap is None:
+            return -1
+        unused = worker.starts_granted_session - worker.groups_session
+        grant = min(self._starts_ahead - unused, self._admission_cap - self._starts_granted_total)
+        if grant > 0:
+            worker.starts_granted_session += grant
+            self._starts_granted_total += grant
+        return worker.starts_granted_session
+
+    def _housekeeping(self, sock: zmq.Socket, now: float, beat: bool) -> None:
+        window = self.config.credits_per_worker
+        clock_now = self._clock()
+        outgoing = []
+        with self._lock:
+            for worker in self._workers.values():
+                if worker.alive and now - worker.last_seen > self.config.heartbeat_timeout_s:
+                    worker.alive = False
+                    log.warning("worker %s silent for %.1f s: marked dead", worker.worker_id, now - worker.last_seen)
+                released = False
+                while worker.pending_notices and worker.pending_notices[0][0] <= clock_now:
+                    _, version = heapq.heappop(worker.pending_notices)
+                    if version in self._versions:
+                        worker.released_version = max(worker.released_version, version)
+                        released = True
+                    else:  # dropped from retention: the next retained version stands in
+                        newer = [v for v in self._versions if v > version]
+                        if newer:
+                            worker.released_version = max(worker.released_version, newer[0])
+                            released = True
+                if not worker.alive:
+                    continue
+                if released:
+                    outgoing.append((worker.routing_id, WeightsNotice(worker.released_version)))
+                limit = worker.credit_limit(window)
+                start_limit = self._grant_starts(worker)
+                if (worker.acks or worker.rejects or limit != worker.last_credit_sent
+                        or start_limit != worker.last_start_limit_sent or beat):
+                    outgoing.append((worker.routing_id, Ack(worker.acks, worker.rejects, limit, start_limit)))
+                    worker.acks, worker.rejects, worker.last_credit_sent = [], [], limit
+                    worker.last_start_limit_sent = start_limit
+            if any(isinstance(m, WeightsNotice) for _, m in outgoing):
+                self._trim_versions()  # released notices may free versions no worker can still be given
+        for routing_id, message in outgoing:
+            _send(sock, [routing_id, *encode(message)], self.stats, message.kind)
+
+
+# -- worker side ----------------------------------------------------------------------------------
+
+class WorkerClient(_Endpoint):
+    """A rollout worker's end: handshake, heartbeats, credit-gated trajectory sends, weight fetches."""
+
+    def __init__(self, address: str, worker_id: str, config: TransportConfig | None = None,
+                 curve: CurveConfig | None = None, limits: Limits = DEFAULT_LIMITS,
+                 trajectory_delay: DelaySchedule | None = None, clock: Callable[[], float] = time.monotonic,
+                 version_held: int = -1) -> None:
+        self.config = config or TransportConfig()
+        if curve is None and not is_loopback(address) and not self.config.allow_plaintext:
+            raise ConfigError(f"refusing plaintext to {address}: pass the learner's public key (--server-key) and "
+                              "this worker's secret key (--curve-secret), or allow_plaintext=True on a trusted network")
+        self.address = address
+        self.worker_id = worker_id
+        self.limits = limits
+        self._curve = curve
+        self._delay = trajectory_delay
+        self._clock = clock
+        self._lock = threading.Condition()
+        self._outbox: list = []  # heap of (due_time, sequence, Trajectory); a reordering delay link may reorder
+        self._sequence = itertools.count()
+        self._sent_session = 0
+        self._credit_limit = 0
+        self._starts_session = 0
+        self._start_limit = -1
+        self.busy_s = 0.0  # reported in heartbeats; the rollout loop adds to them
+        self.idle_s = 0.0
+        self.finished = threading.Event()  # the learner said bye: the run is over
+        self._ready: Ready | None = None
+        self._version_held = version_held
+        self._latest: tuple[int, dict] | None = None
+        self._fetched_version = version_held
+        self.learner_alive = False
+        self.stats: Counter = Counter()
+        self.rejections: deque[str] = deque(maxlen=100)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heterorl-worker-io-{worker_id}", daemon=True)
+        self._thread.start()
+
+    # -- public API ---------------------------------------------------------------------------------
+    def wait_ready(self, timeout_s: float) -> Ready:
+        """Block until the learner answers the hello; TransportTimeout after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._ready is None or not self.learner_alive:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportTimeout(f"no answer from the learner at {self.address} within {timeout_s} s; "
+                                           "check the address, the port, the firewall and the CURVE keys")
+                self._lock.wait(min(left, 0.1))
+            return self._ready
+
+    def send(self, trajectory: Trajectory, timeout_s: float) -> bool:
+        """Queue ``trajectory`` once a credit is free (back-pressure); TransportTimeout after ``timeout_s``.
+
+        Returns False when the trajectory delay link dropped it (simulated loss), True otherwise.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while not (self.learner_alive and self._sent_session < self._credit_limit):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    raise TransportTimeout(f"no credit from the learner within {timeout_s} s "
+                                           f"(sent {self._sent_session} of {self._credit_limit} granted)")
+                self._lock.wait(min(left, 0.1))
+            now = self._clock()
+            due = now if self._delay is None else self._delay(now, trajectory.nbytes)
+            if due is None:
+                self.stats["delay/dropped"] += 1
+                return False
+            self._sent_session += 1
+            heapq.heappush(self._outbox, (due, next(self._sequence), trajectory))
+            return True
+
+    def acquire_starts(self, wanted: int, timeout_s: float) -> int:
+        """How many of ``wanted`` groups may be started now (admission control); blocks up to ``timeout_s`` for
+        at least one, returning 0 on timeout. Without admission control: ``wanted``."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                if self._start_limit < 0 and self.learner_alive:
+                    return wanted
+                free = self._start_limit - self._starts_session
+                if free > 0 and self.learner_alive:
+                    granted = min(wanted, free)
+                    self._starts_session += granted
+                    return granted
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return 0
+                self._lock.wait(min(left, 0.1))
+
+    def set_trajectory_delay(self, schedule: DelaySchedule | None, clock: Callable[[], float] | None = None) -> None:
+        """Install the delay link for trajectories (known once the learner's config arrives with ``ready``)."""
+        with self._lock:
+            self._delay = schedule
+            if clock is not None:
+                self._clock = clock
+
+    def latest_weights(self) -> tuple[int, dict] | None:
+        """The newest fetched (version, state dict) not yet taken, or None."""
+        with self._lock:
+            latest, self._latest = self._latest, None
+            return latest
+
+    def wait_weights(self, newer_than: int, timeout_s: float) -> tuple[int, dict] | None:
+        """Block up to ``timeout_s`` for weights newer than ``newer_than``; None on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._latest is None or self._latest[0] <= newer_than:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._lock.wait(min(left, 0.1))
+            latest, self._latest = self._latest, None
+            return latest
+
+    def set_version_held(self, version: int) -> None:
+        with self._lock:
+            self._version_held = version
+
+    def pending(self) -> int:
+        """Trajectories queued here (delayed or waiting for the socket)."""
+        with self._lock:
+            return len(self._outbox)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued trajectory has been handed to the socket."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._outbox:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(min(left, 0.1))
+        return True
+
+    def close(self, reason: str = "done") -> None:
+        self._bye_reason = reason
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    # -- I/O thread -----------------------------------------------------------------------------
+    def _socket(self, ctx: zmq.Context, hwm: int) -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.setsockopt(zmq.LINGER, self.config.linger_ms)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_header_bytes + self.limits.max_chunk_bytes)
+        if self._curve is not None:
+            public, secret = self._curve.keypair()
+            sock.curve_secretkey, sock.curve_publickey = secret, public
+            sock.curve_serverkey = self._curve.server_public_key()
+        return sock
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        control = self._socket(ctx, self.config.control_hwm)
+        control.connect(self.address)
+        weights: zmq.Socket | None = None
+        poller = zmq.Poller()
+        poller.register(control, zmq.POLLIN)
+        fetch = _Fetch()
+        last_hello = last_beat = 0.0
+        last_heard = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(timeout=5))
+                now = time.monotonic()
+                if control in events:
+                    for _ in range(256):
+                        try:
+                            frames = control.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        last_heard = now
+                        message = self._decode(frames, "control")
+                        if isinstance(message, Ready):
+                            if weights is None:
+                                host = self.address.rsplit(":", 1)[0]
+                                weights = self._socket(ctx, self.config.weights_hwm)
+                                weights.connect(f"{host}:{message.settings['weights_port']}")
+                                poller.register(weights, zmq.POLLIN)
+                            self._on_ready(message)
+                            if message.newest_version > self._fetched_version:
+                                fetch.start(weights, self, now)
+                        elif isinstance(message, Ack):
+                            self._on_ack(message)
+                        elif isinstance(message, WeightsNotice):
+                            if message.version > self._fetched_version and weights is not None:
+                                fetch.start(weights, self, now)
+                        elif isinstance(message, Bye):
+                            log.info("learner said bye to %s: %s", self.worker_id, message.reason)
+                            self.rejections.append(message.reason)
+                            self.finished.set()
+                            with self._lock:
+                                self._lock.notify_all()
+                if weights is not None and weights in events:
+                    for _ in range(256):
+                        try:
+                            frames = weights.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        message = self._decode(frames, "weights")
+                        if message is not None:
+                            fetch.on_message(weights, self, message, now)
+                if weights is not None:
+                    fetch.check_timeout(weights, self, now)
+                if self.learner_alive and now - last_heard > self.config.heartbeat_timeout_s:
+                    log.warning("learner silent for %.1f s; saying hello again", now - last_heard)
+                    with self._lock:
+                        self.learner_alive = False
+                if not self.learner_alive and now - last_hello >= self.config.hello_interval_s:
+                    last_hello = now
+                    hello = Hello(self.worker_id, pysocket.gethostname(), os.getpid(), self._version_held, time.time())
+                    _send(control, encode(hello), self.stats, "hello")
+                if self.learner_alive and now - last_beat >= self.config.heartbeat_interval_s:
+                    last_beat = now
+                    beat = Heartbeat(self.worker_id, self._version_held, time.time(), self.busy_s, self.idle_s)
+                    _send(control, encode(beat), self.stats, "heartbeat")
+                self._drain_outbox(control)
+        finally:
+            if self.learner_alive:
+                _send(control, encode(Bye(self.worker_id, getattr(self, "_bye_reason", "closed"))), self.stats, "bye")
+            control.close(self.config.linger_ms)
+            if weights is not None:
+                weights.close(0)
+            ctx.term()
+
+    def _decode(self, frames, channel: str) -> Message | None:
+        try:
+            return decode(frames, self.limits)
+        except ProtocolError as exc:
+            self.stats[f"rejected/{exc.reason}"] += 1
+            log.warning("bad message from the learner on the %s channel: %s", channel, exc)
+            return None
+
+    def _on_ready(self, ready: Ready) -> None:
+        with self._lock:
+            first = self._ready is None
+            self._ready = ready
+            self.learner_alive = True
+            self._sent_session = len(self._outbox)  # a new session: credit counts restart from what is queued
+            self._credit_limit = ready.credits
+            self._starts_session, self._start_limit = 0, int(ready.settings.get("start_limit", -1))
+            self._lock.notify_all()
+        log.info("worker %s %s learner at %s", self.worker_id, "joined" if first else "rejoined", self.address)
+
+    def _on_ack(self, ack: Ack) -> None:
+        with self._lock:
+            self.stats["acked"] += len(ack.accepted)
+            self.stats["refused"] += len(ack.rejected)
+            self.rejections.extend(ack.rejected)
+            self._credit_limit = max(self._credit_limit, ack.credits)
+            self._start_limit = ack.start_limit if ack.start_limit < 0 else max(self._start_limit, ack.start_limit)
+            self._lock.notify_all()
+        for reason in ack.rejected[:3]:
+            log.warning("learner refused a trajectory: %s", reason)
+
+    def _drain_outbox(self, control: zmq.Socket) -> None:
+        now = self._clock()
+        with self._lock:
+            while self._outbox and self._outbox[0][0] <= now:
+                traj = self._outbox[0][2]
+                traj.sent_at = time.time()
+                try:
+                    control.send_multipart(encode(traj), flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    self.stats["send_blocked"] += 1
+                    break  # HWM reached: keep it queued, try next loop
+                heapq.heappop(self._outbox)
+                self.stats["sent"] += 1
+            self._lock.notify_all()
+
+    def _deliver_weights(self, version: int, state: dict) -> None:
+        with self._lock:
+            self._latest = (version, state)
+            self._fetched_version = version
+            self._lock.notify_all()
+
+
+class _Fetch:
+    """State of one pull-based weights transfer on a worker (header, then pipelined chunks)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.header: WeightsHeader | None = None
+        self.buffer: bytearray | None = None
+        self.received: set[int] = set()
+        self.next_chunk = 0
+        self.last_progress = 0.0
+        self.retry = False
+
+    def start(self, sock: zmq.Socket, client: WorkerClient, now: float) -> None:
+        if self.active and self.header is None:
+            return  # a header request is already out
+        self.active, self.header, self.buffer, self.received, self.next_chunk = True, None, None, set(), 0
+        self.last_progress = now
+        request = WeightsRequest(client.worker_id, have_version=client._fetched_version)
+        _send(sock, encode(request), client.stats, "weights_request")
+
+    def _request(self, sock, client: WorkerClient, index: int) -> None:
+        request = WeightsRequest(client.worker_id, have_version=client._fetched_version,
+                                 version=self.header.version, chunk=index)
+        _send(sock, encode(request), client.stats, "weights_request")
+
+    def on_message(self, sock, client: WorkerClient, message: Message, now: float) -> None:
+        if isinstance(message, WeightsHeader):
+            if message.version <= client._fetched_version:
+                self.active = False  # nothing newer released to us yet
+                return
+            self.header, self.buffer, self.received = message, bytearray(message.total_bytes), set()
+            self.last_progress = now
+            self.next_chunk = min(client.config.weights_pipeline, message.num_chunks)
+            for index in range(self.next_chunk):
+                self._request(sock, client, index)
+            if message.num_chunks == 0:
+                self._finish(client)
+        elif isinstance(message, WeightsChunk) and self.header is not None:
+            if message.version != self.header.version or message.index in self.received:
+                return
+            start = message.index * self.header.chunk_bytes
+            expected = min(self.header.chunk_bytes, self.header.total_bytes - start)
+            if len(message.data) != expected:
+                client.stats["rejected/chunk_length"] += 1
+                return
+            self.buffer[start:start + expected] = message.data
+            self.received.add(message.index)
+            self.last_progress = now
+            if self.next_chunk < self.header.num_chunks:
+                self._request(sock, client, self.next_chunk)
+                self.next_chunk += 1
+            if len(self.received) == self.header.num_chunks:
+                self._finish(client)
+
+    def _finish(self, client: WorkerClient) -> None:
+        header, buffer = self.header, self.buffer
+        self.active, self.header, self.buffer = False, None, None
+        try:
+            state = unpack_state_dict(header, buffer)
+        except ProtocolError as exc:
+            client.stats["weights/checksum_failures"] += 1
+            log.warning("weights version %d failed verification (%s); fetching again", header.version, exc)
+            self.retry = True
+            return
+        client.stats["weights/versions_received"] += 1
+        client._deliver_weights(header.version, state)
+
+    def check_timeout(self, sock, client: WorkerClient, now: float) -> None:
+        if self.retry:
+            self.retry = False
+            self.start(sock, client, now)
+        elif self.active and now - self.last_progress > client.config.fetch_timeout_s:
+            client.stats["weights/fetch_restarts"] += 1
+            self.active = False
+            self.start(sock, client, now)
