@@ -1,10 +1,11 @@
 """Wire protocol between rollout workers and the learner: versioned messages, msgpack frames, strict decoding.
 
-A message travels as one or two ZeroMQ frames: a msgpack map (the header, with
-``"v"`` = schema version and ``"kind"``) and, for a weight chunk only, the raw
-chunk bytes as a second frame so the receiver can view them without a copy.
-Arrays inside the header are raw little-endian buffers (msgpack ``bin``), read
-back with ``numpy.frombuffer`` (a view, no copy). Nothing is ever pickled.
+A message travels as ZeroMQ frames: a msgpack map (the header, with ``"v"`` =
+schema version and ``"kind"``), then raw little-endian data frames — a weight
+chunk's bytes, or the four concatenated arrays of a trajectory batch — which
+the receiver views without a copy (``numpy.frombuffer``). A single
+``trajectory`` message keeps its arrays as msgpack ``bin`` fields. Nothing is
+ever pickled.
 
 ``decode`` trusts nothing: it checks the schema version, the kind, every
 field's type, every array's dtype size, length and bounds, finiteness and the
@@ -54,6 +55,7 @@ class Limits:
     max_tensors: int = 100_000  # tensors in one weight update
     max_chunk_bytes: int = 64 * 2**20
     max_settings: int = 256
+    max_batch: int = 4096  # trajectories in one message
 
 
 DEFAULT_LIMITS = Limits()
@@ -136,6 +138,22 @@ def _le(array: np.ndarray, dtype: str) -> bytes:
     return np.ascontiguousarray(array, dtype=dtype).tobytes()
 
 
+def _check_token_arrays(prompt: np.ndarray, completion: np.ndarray, logprobs: np.ndarray, versions: np.ndarray,
+                        limits: Limits) -> None:
+    """Bounds and finiteness of (possibly concatenated) token arrays: one min/max pass per array."""
+    for name, tokens in (("prompt_tokens", prompt), ("completion_tokens", completion)):
+        if len(tokens) and int(tokens.view("<u4").max()) >= limits.max_token_id:  # negatives wrap to > 2**31
+            raise ProtocolError(name, f"token ids must lie in [0, {limits.max_token_id})", "bounds")
+    if len(logprobs):
+        low, high = float(logprobs.min()), float(logprobs.max())
+        if not (math.isfinite(low) and math.isfinite(high)):
+            raise ProtocolError("behaviour_logprobs", "holds NaN or inf", "not_finite")
+        if high > 1e-4:
+            raise ProtocolError("behaviour_logprobs", "holds values > 0 (log-probabilities are ≤ 0)", "bounds")
+    if len(versions) and int(versions.view("<u4").max()) > _INT32_MAX:
+        raise ProtocolError("policy_versions", "holds negative versions", "bounds")
+
+
 # -- messages -------------------------------------------------------------------------------------
 
 @dataclass
@@ -143,12 +161,17 @@ class Message:
     """Base of every message. ``kind`` is the wire tag; subclasses list their fields."""
 
     kind: ClassVar[str] = ""
+    data_frames: ClassVar[int] = 0  # raw frames after the header
 
     def to_wire(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def payload(self) -> list:
+        """The raw frames after the header (``data_frames`` of them)."""
+        return []
+
     @classmethod
-    def from_wire(cls, body: dict[str, Any], limits: Limits) -> "Message":
+    def from_wire(cls, body: dict[str, Any], limits: Limits, data=()) -> "Message":
         raise NotImplementedError
 
 
@@ -164,7 +187,7 @@ class Hello(Message):
     sent_at: float = 0.0
 
     @classmethod
-    def from_wire(cls, body, limits):
+    def from_wire(cls, body, limits, data=()):
         return cls(
             worker_id=_ident("worker_id", body["worker_id"], limits),
             host=_str("host", body["host"], 255),
@@ -186,7 +209,7 @@ class Ready(Message):
     settings: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_wire(cls, body, limits):
+    def from_wire(cls, body, limits, data=()):
         return cls(
             worker_id=_ident("worker_id", body["worker_id"], limits),
             credits=_int("credits", body["credits"], 0, _INT32_MAX),
@@ -209,7 +232,7 @@ class Heartbeat(Message):
     idle_s: float = 0.0
 
     @classmethod
-    def from_wire(cls, body, limits):
+    def from_wire(cls, body, limits, data=()):
         return cls(
             sender_id=_ident("sender_id", body["sender_id"], limits),
             version_held=_int("version_held", body["version_held"], -1, _INT32_MAX),
@@ -256,7 +279,7 @@ class Trajectory(Message):
         return body
 
     @classmethod
-    def from_wire(cls, body, limits):
+    def from_wire(cls, body, limits, data=()):
         prompt = _array("prompt_tokens", body["prompt_tokens"], "<i4", limits.max_tokens)
         completion = _array("completion_tokens", body["completion_tokens"], "<i4", limits.max_tokens)
         logprobs = _array("behaviour_logprobs", body["behaviour_logprobs"], "<f4", limits.max_tokens)
@@ -269,15 +292,7 @@ class Trajectory(Message):
             if len(array) != len(completion):
                 raise ProtocolError(name, f"has {len(array)} entries for {len(completion)} completion tokens",
                                     "length_mismatch")
-        for name, tokens in (("prompt_tokens", prompt), ("completion_tokens", completion)):
-            if tokens.min() < 0 or tokens.max() >= limits.max_token_id:
-                raise ProtocolError(name, f"token ids must lie in [0, {limits.max_token_id})", "bounds")
-        if not np.isfinite(logprobs).all():
-            raise ProtocolError("behaviour_logprobs", "holds NaN or inf", "not_finite")
-        if (logprobs > 1e-4).any():
-            raise ProtocolError("behaviour_logprobs", "holds values > 0 (log-probabilities are ≤ 0)", "bounds")
-        if versions.min() < 0:
-            raise ProtocolError("policy_versions", "holds negative versions", "bounds")
+        _check_token_arrays(prompt, completion, logprobs, versions, limits)
         start = _float("generation_start", body["generation_start"])
         end = _float("generation_end", body["generation_end"])
         if end < start:
@@ -307,6 +322,133 @@ class Trajectory(Message):
 
 
 @dataclass
+class TrajectoryBatch(Message):
+    """Worker → learner: the trajectories the transport sends together (what goes on the wire).
+
+    Per-trajectory scalars travel as lists in the header, with ``prompt_len`` and ``completion_len``; the four
+    arrays of all trajectories travel concatenated, as four raw little-endian frames (prompt tokens, completion
+    tokens, behaviour log-probs, policy versions), and are decoded as views split by those lengths — one
+    vectorised check per array for the whole batch, no copy.
+    """
+
+    kind: ClassVar[str] = "trajectories"
+    data_frames: ClassVar[int] = 4
+    trajectories: list[Trajectory] = field(default_factory=list)
+
+    _SCALARS: ClassVar[tuple[str, ...]] = (
+        "trajectory_id", "group_id", "prompt_id", "sampler_id", "group_size", "reward", "generation_start",
+        "generation_end", "sent_at", "stop_reason")
+
+    def to_wire(self):
+        body = {name: [getattr(t, name) for t in self.trajectories] for name in self._SCALARS}
+        body["prompt_len"] = [len(t.prompt_tokens) for t in self.trajectories]
+        body["completion_len"] = [len(t.completion_tokens) for t in self.trajectories]
+        return body
+
+    def payload(self) -> list:
+        ts = self.trajectories
+        return [np.concatenate([t.prompt_tokens for t in ts]).astype("<i4", copy=False),
+                np.concatenate([t.completion_tokens for t in ts]).astype("<i4", copy=False),
+                np.concatenate([t.behaviour_logprobs for t in ts]).astype("<f4", copy=False),
+                np.concatenate([t.policy_versions for t in ts]).astype("<i4", copy=False)]
+
+    @classmethod
+    def from_wire(cls, body, limits, data=()):
+        ids = body["trajectory_id"]
+        if not isinstance(ids, list) or not 1 <= len(ids) <= limits.max_batch:
+            raise ProtocolError("trajectory_id", f"expected a list of 1..{limits.max_batch} ids", "type")
+        n = len(ids)
+        for name in (*cls._SCALARS, "prompt_len", "completion_len"):
+            value = body[name]
+            if not isinstance(value, list) or len(value) != n:
+                raise ProtocolError(name, f"expected a list of {n} entries (one per trajectory)", "length_mismatch")
+        prompt_len = [_int(f"prompt_len[{i}]", v, 1, limits.max_tokens) for i, v in enumerate(body["prompt_len"])]
+        completion_len = [_int(f"completion_len[{i}]", v, 1, limits.max_tokens)
+                          for i, v in enumerate(body["completion_len"])]
+        total_prompt, total_completion = sum(prompt_len), sum(completion_len)
+        cap = limits.max_tokens * n
+        prompt = _array("prompt_tokens", data[0], "<i4", cap)
+        completion = _array("completion_tokens", data[1], "<i4", cap)
+        logprobs = _array("behaviour_logprobs", data[2], "<f4", cap)
+        versions = _array("policy_versions", data[3], "<i4", cap)
+        if len(prompt) != total_prompt:
+            raise ProtocolError("prompt_tokens", f"{len(prompt)} tokens, prompt_len sums to {total_prompt}",
+                                "length_mismatch")
+        for name, array in (("completion_tokens", completion), ("behaviour_logprobs", logprobs),
+                            ("policy_versions", versions)):
+            if len(array) != total_completion:
+                raise ProtocolError(name, f"{len(array)} entries, completion_len sums to {total_completion}",
+                                    "length_mismatch")
+        _check_token_arrays(prompt, completion, logprobs, versions, limits)
+        if _scalars_valid(body, n, limits):  # the common case, checked in bulk; else find and name the culprit
+            return cls(_build_batch(body, n, prompt, completion, logprobs, versions, prompt_len, completion_len))
+        trajectories = []
+        p_off = c_off = 0
+        for i in range(n):
+            p_end, c_end = p_off + prompt_len[i], c_off + completion_len[i]
+            start = _float(f"generation_start[{i}]", body["generation_start"][i])
+            end = _float(f"generation_end[{i}]", body["generation_end"][i])
+            if end < start:
+                raise ProtocolError(f"generation_end[{i}]", f"{end} is before generation_start {start}", "bounds")
+            trajectories.append(Trajectory(
+                trajectory_id=_ident(f"trajectory_id[{i}]", ids[i], limits),
+                group_id=_ident(f"group_id[{i}]", body["group_id"][i], limits),
+                prompt_id=_ident(f"prompt_id[{i}]", body["prompt_id"][i], limits),
+                sampler_id=_ident(f"sampler_id[{i}]", body["sampler_id"][i], limits),
+                group_size=_int(f"group_size[{i}]", body["group_size"][i], 1, 65_536),
+                prompt_tokens=prompt[p_off:p_end], completion_tokens=completion[c_off:c_end],
+                behaviour_logprobs=logprobs[c_off:c_end], policy_versions=versions[c_off:c_end],
+                reward=_float(f"reward[{i}]", body["reward"][i], limits.max_abs_reward),
+                generation_start=start, generation_end=end,
+                sent_at=_float(f"sent_at[{i}]", body["sent_at"][i]),
+                stop_reason=_str(f"stop_reason[{i}]", body["stop_reason"][i], 32, _ID_PATTERN),
+            ))
+            p_off, c_off = p_end, c_end
+        return cls(trajectories)
+
+
+_IDS_PATTERN = re.compile(r"(?:[A-Za-z0-9_.:@/+=-]{1,128}\n)*")
+_REASONS_PATTERN = re.compile(r"(?:[A-Za-z0-9_.:@/+=-]{1,32}\n)*")
+
+
+def _scalars_valid(body: dict, n: int, limits: Limits) -> bool:
+    """Bulk check of a batch's per-trajectory scalars; False sends the decoder down the per-entry path."""
+    for name in ("trajectory_id", "group_id", "prompt_id", "sampler_id"):
+        values = body[name]
+        if limits.max_id_chars != 128 or not all(type(v) is str for v in values) \
+                or not _IDS_PATTERN.fullmatch("\n".join(values) + "\n"):
+            return False
+    reasons = body["stop_reason"]
+    if not all(type(v) is str for v in reasons) or not _REASONS_PATTERN.fullmatch("\n".join(reasons) + "\n"):
+        return False
+    sizes = body["group_size"]
+    if not all(type(v) is int for v in sizes) or min(sizes) < 1 or max(sizes) > 65_536:
+        return False
+    numbers = [body[name] for name in ("reward", "generation_start", "generation_end", "sent_at")]
+    if not all(type(v) is float or type(v) is int for column in numbers for v in column):
+        return False
+    table = np.asarray(numbers, dtype=np.float64)
+    return bool(np.isfinite(table).all() and np.abs(table[0]).max() <= limits.max_abs_reward
+                and (table[2] >= table[1]).all())
+
+
+def _build_batch(body, n, prompt, completion, logprobs, versions, prompt_len, completion_len) -> list[Trajectory]:
+    p_ends = np.cumsum(prompt_len).tolist()
+    c_ends = np.cumsum(completion_len).tolist()
+    out, p_off, c_off = [], 0, 0
+    ids, groups, prompts, samplers = body["trajectory_id"], body["group_id"], body["prompt_id"], body["sampler_id"]
+    sizes, rewards, starts, ends, sent, reasons = (body[k] for k in (
+        "group_size", "reward", "generation_start", "generation_end", "sent_at", "stop_reason"))
+    for i in range(n):
+        p_end, c_end = p_ends[i], c_ends[i]
+        out.append(Trajectory(ids[i], groups[i], prompts[i], samplers[i], sizes[i], prompt[p_off:p_end],
+                              completion[c_off:c_end], logprobs[c_off:c_end], versions[c_off:c_end],
+                              float(rewards[i]), float(starts[i]), float(ends[i]), float(sent[i]), 0.0, reasons[i]))
+        p_off, c_off = p_end, c_end
+    return out
+
+
+@dataclass
 class Ack(Message):
     """Learner → worker: trajectories taken (``accepted``, duplicates included: delivered once) or refused
     ("id: reason"); ``credits``: the cumulative number of trajectories the worker may have sent this session;
@@ -319,7 +461,7 @@ class Ack(Message):
     start_limit: int = -1
 
     @classmethod
-    def from_wire(cls, body, limits):
+    def from_wire(cls, body, limits, data=()):
         return cls(
             accepted=_str_list("accepted", body["accepted"], limits, 65_536),
             rejected=_str_list("rejected", body["rejected"], limits, 65_536),
@@ -336,7 +478,7 @@ class WeightsNotice(Message):
     version: int
 
     @classmethod
-    def from_wire(cls, body, limits):
+    def from_wire(cls, body, limits, data=()):
         return cls(version=_int("version", body["version"], 0, _INT32_MAX))
 
 
@@ -352,7 +494,7 @@ class WeightsRequest(Message):
     chunk: int = -1
 
     @classmethod
-    def from_wire(cls, body, limits):
+    def from_wire(cls, body, limits, data=()):
         return cls(
             worker_id=_ident("worker_id", body["worker_id"], limits),
             have_version=_int("have_version", body["have_version"], -1, _INT32_MAX),
@@ -364,7 +506,8 @@ class WeightsRequest(Message):
 @dataclass
 class WeightsHeader(Message):
     """Learner → worker: the layout of version ``version``: tensors packed back to back in ``names`` order,
-    split into ``num_chunks`` chunks of ``chunk_bytes`` (the last may be shorter); ``sha256`` of the whole."""
+    split into ``num_chunks`` chunks of ``chunk_bytes`` (the last may be shorter). Each chunk carries its own
+    CRC-32: a version is whole when every chunk arrived, passed its checksum and the byte count adds up."""
 
     kind: ClassVar[str] = "weights_header"
     version: int
@@ -374,10 +517,9 @@ class WeightsHeader(Message):
     total_bytes: int
     chunk_bytes: int
     num_chunks: int
-    sha256: str
 
     @classmethod
-    def from_wire(cls, body, limits):
+    def from_wire(cls, body, limits, data=()):
         names = _str_list("names", body["names"], limits, limits.max_tensors)
         dtypes = _str_list("dtypes", body["dtypes"], limits, limits.max_tensors)
         shapes_raw = body["shapes"]
@@ -402,17 +544,14 @@ class WeightsHeader(Message):
         num_chunks = _int("num_chunks", body["num_chunks"], 0, _INT32_MAX)
         if num_chunks != -(-total // chunk_bytes):
             raise ProtocolError("num_chunks", f"{num_chunks} != ceil({total} / {chunk_bytes})", "length_mismatch")
-        sha = _str("sha256", body["sha256"], 64)
-        if not re.fullmatch(r"[0-9a-f]{64}", sha):
-            raise ProtocolError("sha256", "expected 64 lowercase hex digits", "bounds")
         return cls(version=_int("version", body["version"], 0, _INT32_MAX), names=names, dtypes=dtypes,
-                   shapes=shapes, total_bytes=total, chunk_bytes=chunk_bytes, num_chunks=num_chunks, sha256=sha)
+                   shapes=shapes, total_bytes=total, chunk_bytes=chunk_bytes, num_chunks=num_chunks)
 
 
 @dataclass
 class WeightsChunk(Message):
     """Learner → worker: chunk ``index`` of ``version``; the bytes travel as the second frame (``data``),
-    ``crc32`` guards the chunk, the header's sha256 the whole."""
+    ``crc32`` guards the chunk; the header's byte count and chunk count guard the whole."""
 
     kind: ClassVar[str] = "weights_chunk"
     version: int
@@ -420,14 +559,24 @@ class WeightsChunk(Message):
     crc32: int
     data: memoryview | bytes = b""
 
+    data_frames: ClassVar[int] = 1
+
     def to_wire(self):
         return {"version": self.version, "index": self.index, "crc32": self.crc32}
 
+    def payload(self) -> list:
+        return [self.data]
+
     @classmethod
-    def from_wire(cls, body, limits):
+    def from_wire(cls, body, limits, data=()):
+        chunk = data[0]
+        if chunk.nbytes > limits.max_chunk_bytes:
+            raise ProtocolError("data", f"{chunk.nbytes} bytes exceed {limits.max_chunk_bytes}", "too_large")
+        crc = _int("crc32", body["crc32"], 0, 2**32 - 1)
+        if zlib.crc32(chunk) != crc:
+            raise ProtocolError("data", "crc32 mismatch: the chunk was corrupted in transit", "checksum")
         return cls(version=_int("version", body["version"], 0, _INT32_MAX),
-                   index=_int("index", body["index"], 0, _INT32_MAX),
-                   crc32=_int("crc32", body["crc32"], 0, 2**32 - 1))
+                   index=_int("index", body["index"], 0, _INT32_MAX), crc32=crc, data=chunk)
 
 
 @dataclass
@@ -439,7 +588,7 @@ class Bye(Message):
     reason: str = ""
 
     @classmethod
-    def from_wire(cls, body, limits):
+    def from_wire(cls, body, limits, data=()):
         reason = body["reason"]
         if not isinstance(reason, str) or len(reason) > 1000:
             raise ProtocolError("reason", "expected a string of at most 1000 characters", "type")
@@ -448,7 +597,7 @@ class Bye(Message):
 
 MESSAGES: dict[str, type[Message]] = {
     cls.kind: cls
-    for cls in (Hello, Ready, Heartbeat, Trajectory, Ack, WeightsNotice, WeightsRequest, WeightsHeader,
+    for cls in (Hello, Ready, Heartbeat, Trajectory, TrajectoryBatch, Ack, WeightsNotice, WeightsRequest, WeightsHeader,
                 WeightsChunk, Bye)
 }
 
@@ -461,13 +610,10 @@ TENSOR_DTYPES = {
 
 # -- framing --------------------------------------------------------------------------------------
 
-def encode(message: Message) -> list[bytes | memoryview]:
-    """The frames of ``message``: a msgpack header and, for a weight chunk, its raw bytes."""
+def encode(message: Message) -> list:
+    """The frames of ``message``: a msgpack header, then its raw data frames (weight chunk, trajectory arrays)."""
     header = {"v": SCHEMA_VERSION, "kind": message.kind, **message.to_wire()}
-    frames: list[bytes | memoryview] = [msgpack.packb(header, use_bin_type=True)]
-    if isinstance(message, WeightsChunk):
-        frames.append(message.data)
-    return frames
+    return [msgpack.packb(header, use_bin_type=True), *message.payload()]
 
 
 def decode(frames: list, limits: Limits = DEFAULT_LIMITS) -> Message:
@@ -511,27 +657,29 @@ def _decode(frames: list, limits: Limits) -> Message:
     if cls is None:
         raise ProtocolError("kind", f"unknown message kind {str(kind)[:40]!r}; known: {', '.join(MESSAGES)}",
                             "unknown_kind")
-    expected = {f.name for f in fields(cls)} - ({"data"} if cls is WeightsChunk else set())
-    missing = sorted(expected - body.keys())
-    if missing:
-        raise ProtocolError(missing[0], f"missing from {kind} message", "missing_field")
-    unknown = sorted(str(k) for k in body.keys() - expected)
-    if unknown:
+    expected = _wire_fields(cls)
+    if body.keys() != expected:
+        missing = sorted(expected - body.keys())
+        if missing:
+            raise ProtocolError(missing[0], f"missing from {kind} message", "missing_field")
+        unknown = sorted(str(k) for k in body.keys() - expected)
         raise ProtocolError(unknown[0][:40], f"is not a field of {kind} (schema v{SCHEMA_VERSION})", "unknown_field")
-    message = cls.from_wire(body, limits)
-    extra = len(frames) - 1
-    if isinstance(message, WeightsChunk):
-        if extra != 1:
-            raise ProtocolError("data", f"a weights_chunk needs exactly one data frame, got {extra}", "malformed")
-        data = _buffer(frames[1])
-        if data.nbytes > limits.max_chunk_bytes:
-            raise ProtocolError("data", f"{data.nbytes} bytes exceed {limits.max_chunk_bytes}", "too_large")
-        if zlib.crc32(data) != message.crc32:
-            raise ProtocolError("data", "crc32 mismatch: the chunk was corrupted in transit", "checksum")
-        message.data = data
-    elif extra:
-        raise ProtocolError("frame", f"{kind} takes one frame, got {extra + 1}", "malformed")
-    return message
+    if len(frames) != 1 + cls.data_frames:
+        raise ProtocolError("frame", f"{kind} takes {1 + cls.data_frames} frame(s), got {len(frames)}", "malformed")
+    return cls.from_wire(body, limits, [_buffer(f) for f in frames[1:]])
+
+
+_WIRE_FIELDS: dict[type, frozenset] = {}
+
+
+def _wire_fields(cls: type[Message]) -> frozenset:
+    """The header keys of ``cls`` (cached: computed once per message class)."""
+    if cls not in _WIRE_FIELDS:
+        names = {f.name for f in fields(cls)} - {"data", "trajectories"}
+        if cls is TrajectoryBatch:
+            names = set(TrajectoryBatch._SCALARS) | {"prompt_len", "completion_len"}
+        _WIRE_FIELDS[cls] = frozenset(names)
+    return _WIRE_FIELDS[cls]
 
 
 def now() -> float:

@@ -54,14 +54,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from heterorl.errors import ConfigError, HeteroRLError
 from heterorl.protocol import (
-    DEFAULT_LIMITS, Ack, Bye, Heartbeat, Hello, Limits, Message, ProtocolError, Ready, Trajectory, WeightsChunk,
-    WeightsHeader, WeightsNotice, WeightsRequest, decode, encode,
+    DEFAULT_LIMITS, Ack, Bye, Heartbeat, Hello, Limits, Message, ProtocolError, Ready, Trajectory, TrajectoryBatch,
+    WeightsChunk, WeightsHeader, WeightsNotice, WeightsRequest, decode, encode,
 )
 from heterorl.weights import PackedWeights, pack_state_dict, unpack_state_dict
 
@@ -85,7 +86,9 @@ class TransportConfig:
 
     control_hwm: int = 1000  # messages queued per peer on the control channel
     weights_hwm: int = 64  # chunk messages queued per peer on the weights channel
-    credits_per_worker: int = 64  # trajectories buffered + in flight per worker
+    credits_per_worker: int = 256  # trajectories buffered + in flight per worker
+    trajectory_batch: int = 32  # trajectories a worker packs into one message at most
+    trajectory_linger_ms: float = 2.0  # a due trajectory waits at most this long for a batch to fill
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     hello_interval_s: float = 0.5
@@ -99,7 +102,7 @@ class TransportConfig:
     allow_plaintext: bool = False  # plaintext on a non-loopback address
 
     def __post_init__(self) -> None:
-        for name in ("control_hwm", "weights_hwm", "credits_per_worker", "weights_chunk_bytes", "weights_pipeline",
+        for name in ("control_hwm", "weights_hwm", "credits_per_worker", "trajectory_batch", "weights_chunk_bytes", "weights_pipeline",
                      "max_retained_versions", "dedup_window", "max_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"transport option {name}={getattr(self, name)} must be >= 1")
@@ -201,6 +204,36 @@ def _send(sock: zmq.Socket, frames: list, stats: Counter, what: str) -> bool:
     return False
 
 
+class _Wakeup:
+    """A self-pipe the I/O thread polls next to its sockets, so another thread can wake it at once (a pipe is
+    safe to write from any thread; a ZeroMQ socket is not)."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self.write_fd, False)
+
+    def wake(self) -> None:
+        try:
+            os.write(self.write_fd, b"x")
+        except (BlockingIOError, OSError):
+            pass  # already pending (pipe full) or closed: the thread will wake anyway
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.read_fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 class _RateLimitedLog:
     """Log the first few rejections of each reason, then every 1,000th (a flood must not flood the log)."""
 
@@ -297,6 +330,7 @@ class LearnerServer(_Endpoint):
         self._error: BaseException | None = None
         self.control_endpoint = ""
         self.weights_endpoint = ""
+        self._wakeup = _Wakeup()
         self._thread = threading.Thread(target=self._run, name="heterorl-learner-io", daemon=True)
         self._thread.start()
         self._ready.wait(30)
@@ -318,7 +352,9 @@ class LearnerServer(_Endpoint):
                 worker = self._workers.get(traj.sampler_id)
                 if worker is not None:
                     worker.buffered -= 1
-            return taken
+        if taken:
+            self._wakeup.wake()  # the freed credits go out now, not at the next poll timeout
+        return taken
 
     def buffered(self) -> int:
         with self._lock:
@@ -355,6 +391,7 @@ class LearnerServer(_Endpoint):
         """Say bye to every live worker (they stop their loops) and stop the I/O thread."""
         self._bye_reason = reason
         self._stop.set()
+        self._wakeup.wake()
         with self._lock:
             self._lock.notify_all()
         self._thread.join(timeout=10)
@@ -410,10 +447,13 @@ class LearnerServer(_Endpoint):
         poller = zmq.Poller()
         poller.register(control, zmq.POLLIN)
         poller.register(weights, zmq.POLLIN)
+        poller.register(self._wakeup.read_fd, zmq.POLLIN)
         last_beat = 0.0
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(timeout=5))
+                events = dict(poller.poll(timeout=50))
+                if self._wakeup.read_fd in events:
+                    self._wakeup.drain()
                 for _ in range(256 if control in events else 0):
                     try:
                         frames = control.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -441,6 +481,7 @@ class LearnerServer(_Endpoint):
             if auth is not None:
                 auth.stop()
             ctx.term()
+            self._wakeup.close()
 
     def _reject(self, reason: str, message: str, worker: WorkerInfo | None = None, trajectory_id: str = "") -> None:
         self.stats["rejected"] += 1
@@ -472,8 +513,13 @@ class LearnerServer(_Endpoint):
             if not worker.alive:
                 worker.alive = True
                 log.info("worker %s is back", worker.worker_id)
-            if isinstance(message, Trajectory):
+            if isinstance(message, TrajectoryBatch):
+                for traj in message.trajectories:
+                    self._on_trajectory(worker, traj)
+                self._lock.notify_all()
+            elif isinstance(message, Trajectory):
                 self._on_trajectory(worker, message)
+                self._lock.notify_all()
             elif isinstance(message, Heartbeat):
                 if message.sender_id != worker.worker_id:
                     self._reject("forged_id", f"heartbeat names {message.sender_id!r} on {worker.worker_id}'s link")
@@ -546,7 +592,6 @@ class LearnerServer(_Endpoint):
         worker.trajectories += 1
         worker.acks.append(traj.trajectory_id)
         self.stats["accepted"] += 1
-        self._lock.notify_all()
 
     def _on_weights(self, sock: zmq.Socket, frames: list) -> None:
         routing_id = frames[0].bytes
@@ -573,7 +618,8 @@ class LearnerServer(_Endpoint):
             self.stats["weights/headers_sent"] += 1
             return
         data = packed.chunk(request.chunk)
-        chunk = WeightsChunk(version=packed.header.version, index=request.chunk, crc32=zlib.crc32(data), data=data)
+        chunk = WeightsChunk(version=packed.header.version, index=request.chunk, crc32=packed.chunk_crc(request.chunk),
+                             data=data)
         if _send(sock, [routing_id, *encode(chunk)], self.stats, "weights_chunk"):
             self.stats["weights/bytes_sent"] += len(data)
 
@@ -688,6 +734,7 @@ class WorkerClient(_Endpoint):
         self.stats: Counter = Counter()
         self.rejections: deque[str] = deque(maxlen=100)
         self._stop = threading.Event()
+        self._wakeup = _Wakeup()
         self._thread = threading.Thread(target=self._run, name=f"heterorl-worker-io-{worker_id}", daemon=True)
         self._thread.start()
 
@@ -724,7 +771,10 @@ class WorkerClient(_Endpoint):
                 return False
             self._sent_session += 1
             heapq.heappush(self._outbox, (due, next(self._sequence), trajectory))
-            return True
+            full = len(self._outbox) >= self.config.trajectory_batch
+        if full:
+            self._wakeup.wake()  # a full batch goes at once; a partial one after trajectory_linger_ms
+        return True
 
     def acquire_starts(self, wanted: int, timeout_s: float) -> int:
         """How many of ``wanted`` groups may be started now (admission control); blocks up to ``timeout_s`` for
@@ -792,6 +842,7 @@ class WorkerClient(_Endpoint):
     def close(self, reason: str = "done") -> None:
         self._bye_reason = reason
         self._stop.set()
+        self._wakeup.wake()
         self._thread.join(timeout=10)
 
     # -- I/O thread -----------------------------------------------------------------------------
@@ -814,12 +865,19 @@ class WorkerClient(_Endpoint):
         weights: zmq.Socket | None = None
         poller = zmq.Poller()
         poller.register(control, zmq.POLLIN)
+        poller.register(self._wakeup.read_fd, zmq.POLLIN)
         fetch = _Fetch()
         last_hello = last_beat = 0.0
         last_heard = time.monotonic()
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(timeout=5))
+                with self._lock:
+                    due_in = self._outbox[0][0] - self._clock() if self._outbox else 1.0
+                # sleep until a message, a wake-up (a full batch), the next due trajectory plus the linger, or 50 ms
+                wait_ms = 1000 * max(0.0, due_in) / self._time_scale() + self.config.trajectory_linger_ms
+                events = dict(poller.poll(timeout=min(50, int(wait_ms))))
+                if self._wakeup.read_fd in events:
+                    self._wakeup.drain()
                 now = time.monotonic()
                 if control in events:
                     for _ in range(256):
@@ -880,6 +938,7 @@ class WorkerClient(_Endpoint):
             if weights is not None:
                 weights.close(0)
             ctx.term()
+            self._wakeup.close()
 
     def _decode(self, frames, channel: str) -> Message | None:
         try:
@@ -912,19 +971,36 @@ class WorkerClient(_Endpoint):
             log.warning("learner refused a trajectory: %s", reason)
 
     def _drain_outbox(self, control: zmq.Socket) -> None:
+        """Send the due trajectories in messages of up to ``trajectory_batch``; a partial batch waits until its
+        oldest member has been due for ``trajectory_linger_ms`` (a few ms of latency for far fewer messages)."""
         now = self._clock()
+        linger = self.config.trajectory_linger_ms / 1000 * self._time_scale()
         with self._lock:
+            due = sum(1 for item in self._outbox if item[0] <= now) if self._outbox else 0
+            if due < self.config.trajectory_batch and (not due or now - self._outbox[0][0] < linger):
+                return
             while self._outbox and self._outbox[0][0] <= now:
-                traj = self._outbox[0][2]
-                traj.sent_at = time.time()
+                batch = []
+                while self._outbox and self._outbox[0][0] <= now and len(batch) < self.config.trajectory_batch:
+                    batch.append(heapq.heappop(self._outbox))
+                sent_at = time.time()
+                for _, _, traj in batch:
+                    traj.sent_at = sent_at
                 try:
-                    control.send_multipart(encode(traj), flags=zmq.NOBLOCK, copy=False)
+                    control.send_multipart(encode(TrajectoryBatch([t for _, _, t in batch])), flags=zmq.NOBLOCK,
+                                           copy=False)
                 except zmq.Again:
                     self.stats["send_blocked"] += 1
-                    break  # HWM reached: keep it queued, try next loop
-                heapq.heappop(self._outbox)
-                self.stats["sent"] += 1
+                    for item in batch:  # HWM reached: keep them queued, try on the next loop
+                        heapq.heappush(self._outbox, item)
+                    break
+                self.stats["sent"] += len(batch)
             self._lock.notify_all()
+
+    def _time_scale(self) -> float:
+        """Delay-clock seconds per real second (a ScaledClock runs faster than real time)."""
+        owner = getattr(self._clock, "__self__", None)
+        return float(getattr(owner, "factor", 1.0))
 
     def _deliver_weights(self, version: int, state: dict) -> None:
         with self._lock:
@@ -963,7 +1039,7 @@ class _Fetch:
             if message.version <= client._fetched_version:
                 self.active = False  # nothing newer released to us yet
                 return
-            self.header, self.buffer, self.received = message, bytearray(message.total_bytes), set()
+            self.header, self.buffer, self.received = message, np.empty(message.total_bytes, np.uint8), set()
             self.last_progress = now
             self.next_chunk = min(client.config.weights_pipeline, message.num_chunks)
             for index in range(self.next_chunk):
@@ -978,7 +1054,7 @@ class _Fetch:
             if len(message.data) != expected:
                 client.stats["rejected/chunk_length"] += 1
                 return
-            self.buffer[start:start + expected] = message.data
+            self.buffer[start:start + expected] = np.frombuffer(message.data, np.uint8)
             self.received.add(message.index)
             self.last_progress = now
             if self.next_chunk < self.header.num_chunks:

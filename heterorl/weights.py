@@ -1,16 +1,16 @@
 """Packing a state dict into one contiguous buffer for the weights channel, and back.
 
 Tensors are laid out back to back in name order as raw little-endian bytes;
-the layout (names, dtypes, shapes) travels in a :class:`WeightsHeader` with the
-buffer's SHA-256. The receiver rebuilds tensors as views of the reassembled
-buffer (no second copy).
+the layout (names, dtypes, shapes) travels in a :class:`WeightsHeader`; each
+chunk carries its CRC-32. The receiver checks each chunk as it arrives and
+rebuilds tensors as views of the reassembled buffer (no second copy).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,48 +26,56 @@ _FROM_WIRE = {v: k for k, v in _TORCH_DTYPES.items()}
 
 @dataclass
 class PackedWeights:
-    """One published version: its header and its buffer (``bytes``; sliced into chunks without copying)."""
+    """One published version: its header and its buffer (sliced into chunks without copying)."""
 
     header: WeightsHeader
-    buffer: bytes
+    buffer: np.ndarray  # uint8
+    crcs: dict = field(default_factory=dict)  # chunk index → CRC-32, computed on first request
 
     def chunk(self, index: int) -> memoryview:
         start = index * self.header.chunk_bytes
-        return memoryview(self.buffer)[start:start + self.header.chunk_bytes]
+        return memoryview(self.buffer[start:start + self.header.chunk_bytes])
+
+    def chunk_crc(self, index: int) -> int:
+        """The chunk's CRC-32, computed once (lazily, so checksumming overlaps the transfer)."""
+        if index not in self.crcs:
+            self.crcs[index] = zlib.crc32(self.chunk(index))
+        return self.crcs[index]
 
 
 def pack_state_dict(state: dict[str, torch.Tensor], version: int, chunk_bytes: int = 4 * 2**20) -> PackedWeights:
-    """Copy ``state`` (CPU or GPU tensors) into one buffer and describe it."""
+    """Copy ``state`` (CPU or GPU tensors) once into one buffer and describe it."""
     names = sorted(state)
-    dtypes, shapes, parts = [], [], []
+    tensors = []
     for name in names:
         tensor = state[name].detach()
         if tensor.dtype not in _TORCH_DTYPES:
             raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, which the weights channel cannot carry; "
                              f"cast it to one of {sorted(_TORCH_DTYPES.values())}")
-        tensor = tensor.to("cpu").contiguous()
-        dtypes.append(_TORCH_DTYPES[tensor.dtype])
-        shapes.append(list(tensor.shape))
-        # view as bytes without a numpy dtype for bfloat16
-        parts.append(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    buffer = b"".join(parts)
-    header = WeightsHeader(version=version, names=names, dtypes=dtypes, shapes=shapes, total_bytes=len(buffer),
-                           chunk_bytes=chunk_bytes, num_chunks=-(-len(buffer) // chunk_bytes),
-                           sha256=hashlib.sha256(buffer).hexdigest())
+        tensors.append(tensor)
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    offset = 0
+    for tensor, size in zip(tensors, sizes):
+        if size:  # a byte view of the tensor (bfloat16 included), copied straight from its device
+            flat[offset:offset + size].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+        offset += size
+    buffer = flat.numpy()
+    header = WeightsHeader(version=version, names=names, dtypes=[_TORCH_DTYPES[t.dtype] for t in tensors],
+                           shapes=[list(t.shape) for t in tensors], total_bytes=len(buffer), chunk_bytes=chunk_bytes,
+                           num_chunks=-(-len(buffer) // chunk_bytes))
     return PackedWeights(header, buffer)
 
 
-def unpack_state_dict(header: WeightsHeader, buffer: bytearray | bytes) -> dict[str, torch.Tensor]:
-    """Tensors viewing ``buffer`` (checked against the header's SHA-256 first)."""
+def unpack_state_dict(header: WeightsHeader, buffer) -> dict[str, torch.Tensor]:
+    """Tensors viewing ``buffer`` (a writable uint8 array or bytearray holding every chunk, each already
+    checked against its CRC-32 on arrival)."""
     if len(buffer) != header.total_bytes:
         raise ProtocolError("total_bytes", f"received {len(buffer)} bytes, header says {header.total_bytes}",
                             "length_mismatch")
-    if hashlib.sha256(buffer).hexdigest() != header.sha256:
-        raise ProtocolError("sha256", f"weights version {header.version} failed its checksum; fetch it again",
-                            "checksum")
     raw = np.frombuffer(buffer, dtype=np.uint8)
     if not raw.flags.writeable:
-        raw = raw.copy()  # torch wants a writable buffer; a bytearray avoids this copy
+        raw = raw.copy()  # torch wants a writable buffer
     state, offset = {}, 0
     for name, dtype, shape in zip(header.names, header.dtypes, header.shapes):
         nbytes = TENSOR_DTYPES[dtype][1] * math.prod(shape)

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from heterorl.protocol import (
-    SCHEMA_VERSION, Ack, Bye, Heartbeat, Hello, Limits, ProtocolError, Ready, Trajectory, WeightsChunk,
-    WeightsHeader, WeightsNotice, WeightsRequest, decode, encode,
+    SCHEMA_VERSION, Ack, Bye, Heartbeat, Hello, Limits, ProtocolError, Ready, Trajectory, TrajectoryBatch,
+    WeightsChunk, WeightsHeader, WeightsNotice, WeightsRequest, decode, encode,
 )
 from heterorl.weights import pack_state_dict, unpack_state_dict
 
@@ -103,10 +103,9 @@ def test_corrupted_weights_fail_their_checksums():
     crc = zlib.crc32(data)
     data[3] ^= 0xFF
     rejects(encode(WeightsChunk(1, 0, crc, bytes(data))), "data", "checksum")
-    whole = bytearray(packed.buffer)
-    whole[-1] ^= 0x01
-    with pytest.raises(ProtocolError, match="sha256"):
-        unpack_state_dict(packed.header, whole)
+    assert packed.chunk_crc(0) == crc and packed.chunk_crc(1) == zlib.crc32(packed.chunk(1))
+    with pytest.raises(ProtocolError, match="total_bytes"):
+        unpack_state_dict(packed.header, bytearray(packed.header.total_bytes - 1))
 
 
 def test_unsupported_tensor_dtype_is_named():
@@ -174,7 +173,7 @@ def test_weights_header_consistency_is_checked():
     rejects(frames_of(header | {"num_chunks": 2}), "num_chunks", "length_mismatch")
     rejects(frames_of(header | {"dtypes": ["complex64"]}), "dtypes[0]", "bounds")
     rejects(frames_of(header | {"shapes": [[10], [3]]}), "shapes", "length_mismatch")
-    rejects(frames_of(header | {"sha256": "xyz"}), "sha256", "bounds")
+    rejects(frames_of(header | {"chunk_bytes": 0}), "chunk_bytes", "bounds")
 
 
 @settings(max_examples=300, deadline=None)
@@ -201,3 +200,38 @@ def test_mutated_valid_frames_decode_or_fail_cleanly(data):
     assert isinstance(message, Trajectory)
     assert np.isfinite(message.behaviour_logprobs).all()
     assert len(message.behaviour_logprobs) == len(message.completion_tokens) == len(message.policy_versions)
+
+
+def batch_frames(n: int = 3) -> list:
+    return encode(TrajectoryBatch([trajectory(trajectory_id=f"t{i}", completion_tokens=np.arange(i + 1, dtype=np.int32),
+                                              behaviour_logprobs=np.full(i + 1, -0.5, np.float32),
+                                              policy_versions=np.full(i + 1, i, np.int32)) for i in range(n)]))
+
+
+def test_a_batch_carries_its_arrays_as_frames_and_decodes_to_views():
+    frames = batch_frames(3)
+    assert len(frames) == 5  # header + prompt, completion, log-prob and version arrays of all three
+    got = decode([bytes(memoryview(f)) for f in frames])
+    assert [t.trajectory_id for t in got.trajectories] == ["t0", "t1", "t2"]
+    assert [t.completion_tokens.tolist() for t in got.trajectories] == [[0], [0, 1], [0, 1, 2]]
+    assert got.trajectories[2].policy_versions.tolist() == [2, 2, 2]
+    assert got.trajectories[1].prompt_tokens.tolist() == [5, 6, 7, 8]
+    assert not got.trajectories[1].behaviour_logprobs.flags.owndata  # views of the received frames
+
+
+def test_a_batch_is_validated_as_a_whole_and_names_the_entry():
+    header = msgpack.unpackb(batch_frames(3)[0], raw=False)
+    arrays = [bytes(memoryview(f)) for f in batch_frames(3)[1:]]
+
+    def with_header(**changes):
+        return [msgpack.packb(header | changes, use_bin_type=True), *arrays]
+
+    rejects(with_header(reward=[1.0, float("nan"), 0.0]), "reward[1]", "not_finite")
+    rejects(with_header(trajectory_id=["t0", "t 1", "t2"]), "trajectory_id[1]", "bounds")
+    rejects(with_header(completion_len=[1, 2]), "completion_len", "length_mismatch")
+    rejects(with_header(completion_len=[1, 2, 4]), "completion_tokens", "length_mismatch")
+    rejects(with_header(trajectory_id=[]), "trajectory_id", "type")
+    rejects(with_header()[:3], "frame", "malformed")  # two of the four arrays missing
+    nan = np.array([-0.5, np.nan, -0.5, -0.5, -0.5, -0.5], "<f4").tobytes()
+    rejects([msgpack.packb(header, use_bin_type=True), arrays[0], arrays[1], nan, arrays[3]],
+            "behaviour_logprobs", "not_finite")

@@ -17,7 +17,9 @@ import torch
 import zmq
 
 from heterorl.errors import ConfigError
-from heterorl.protocol import SCHEMA_VERSION, Heartbeat, Hello, Limits, Ready, Trajectory, decode, encode
+from heterorl.protocol import (
+    SCHEMA_VERSION, Heartbeat, Hello, Limits, Ready, Trajectory, TrajectoryBatch, decode, encode,
+)
 from heterorl.transport import (
     CurveConfig, LearnerServer, TransportConfig, TransportTimeout, WorkerClient, make_keypair,
 )
@@ -181,7 +183,7 @@ def test_curve_lets_listed_workers_in_and_keeps_everyone_else_out(tmp_path):
 def _fuzz_frames(rng: random.Random, valid: bytes, registered: str) -> list[list[bytes]]:
     """One malformed message (as frames) of a randomly chosen kind."""
     body = msgpack.unpackb(valid, raw=False)
-    kind = rng.randrange(11)
+    kind = rng.randrange(13)
     if kind == 0:
         return [rng.randbytes(rng.randrange(0, 300))]
     if kind == 1:
@@ -208,6 +210,12 @@ def _fuzz_frames(rng: random.Random, valid: bytes, registered: str) -> list[list
         return [msgpack.packb(body | {"kind": rng.choice(["pickle", "", "TRAJECTORY", 7])})]
     if kind == 9:
         return [valid, rng.randbytes(10)]
+    if kind in (11, 12):  # a batch message: a frame missing, or lengths that do not add up
+        frames = [bytes(memoryview(f)) for f in encode(TrajectoryBatch([traj(registered, 1), traj(registered, 2)]))]
+        if kind == 11:
+            return frames[:rng.randrange(1, 5)]
+        head = msgpack.unpackb(frames[0], raw=False)
+        return [msgpack.packb(head | {"completion_len": [3, rng.randrange(4, 9)]}), *frames[1:]]
     return encode(Heartbeat("someone-else", 1, 0.0))
 
 
