@@ -134,6 +134,7 @@ class Learner:
         self.dropped_trained = 0
         self._buffer_lock = threading.Condition()
         self._stop_ingest = threading.Event()
+        self._ingest_error: BaseException | None = None
 
     # -- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
@@ -176,6 +177,14 @@ class Learner:
         """Background thread: move arrived trajectories from the transport into the buffer while the learner
         trains, so workers get their credits back at once. A full buffer (``buffer.max_groups``) stops the
         pulling: the data then waits in the transport, whose credits hold the workers back (back-pressure)."""
+        try:
+            self._ingest_loop()
+        except BaseException as exc:  # surfaced by _next_batch: a learner must not wait on a dead thread
+            self._ingest_error = exc
+            with self._buffer_lock:
+                self._buffer_lock.notify_all()
+
+    def _ingest_loop(self) -> None:
         cfg = self.cfg
         while not self._stop_ingest.is_set():
             with self._buffer_lock:
@@ -207,6 +216,8 @@ class Learner:
                 groups = self.buffer.take(cfg.rl.prompts_per_step, version)
                 if groups is not None:
                     return groups
+                if self._ingest_error is not None:
+                    raise HeteroRLError(f"the learner's ingest thread failed: {self._ingest_error!r}")
                 self._buffer_lock.wait(0.05)
                 now = time.monotonic()
                 if any(w.alive for w in self.server.workers()):

@@ -77,6 +77,7 @@ class RolloutWorker:
         transport = TransportConfig(allow_plaintext=options.allow_plaintext)
         self.client = WorkerClient(options.address, options.worker_id, transport, curve=options.curve)
         self.version = -1
+        self.learner_timeout_s = 300.0  # from the learner's config once it answers
         self.groups_sent = 0
         self.busy_s = 0.0
         self.idle_s = 0.0
@@ -88,6 +89,7 @@ class RolloutWorker:
             raise HeteroRLError("the learner sent no run config in its ready message; is it a heterorl learner?")
         cfg = load_config(text=ready.settings["config"])
         self.client.config = cfg.transport
+        self.learner_timeout_s = cfg.runtime.learner_timeout_s
         torch.set_num_threads(cfg.runtime.threads)
         clock = delay_clock(cfg)
         if cfg.delay.up.kind != "none":
@@ -186,12 +188,18 @@ class RolloutWorker:
                 self._send(traj)
 
     def _send(self, traj: Trajectory) -> None:
+        silent_since = None
         while not self.client.finished.is_set():
             try:
                 self._wait(self.client.send, traj, 1.0)
                 return
-            except TransportTimeout:
-                continue  # back-pressure: the learner is behind; wait for credit
+            except TransportTimeout:  # back-pressure (the learner is behind) or the learner is gone
+                if self.client.learner_alive:
+                    silent_since = None
+                    continue
+                silent_since = silent_since or time.monotonic()
+                if time.monotonic() - silent_since > self.learner_timeout_s:
+                    raise HeteroRLError(f"the learner has been silent for {self.learner_timeout_s:.0f} s") from None
 
     def close(self) -> None:
         self.client.close()

@@ -190,6 +190,16 @@ def _port_of(address: str) -> int:
         raise ConfigError(f"address {address!r} has no numeric port") from None
 
 
+def _socket(ctx: zmq.Context, kind: int, hwm: int, config: TransportConfig, limits: Limits) -> zmq.Socket:
+    """A socket with the channel's high-water marks, linger and inbound size limit."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.LINGER, config.linger_ms)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_header_bytes + limits.max_chunk_bytes)
+    return sock
+
+
 def _send(sock: zmq.Socket, frames: list, stats: Counter, what: str) -> bool:
     """Non-blocking send; a full queue or a vanished peer is counted, never raised."""
     try:
@@ -398,12 +408,8 @@ class LearnerServer(_Endpoint):
 
     # -- I/O thread -----------------------------------------------------------------------------
     def _bind(self, ctx: zmq.Context, address: str, hwm: int) -> tuple[zmq.Socket, str]:
-        sock = ctx.socket(zmq.ROUTER)
+        sock = _socket(ctx, zmq.ROUTER, hwm, self.config, self.limits)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.SNDHWM, hwm)
-        sock.setsockopt(zmq.RCVHWM, hwm)
-        sock.setsockopt(zmq.LINGER, self.config.linger_ms)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_header_bytes + self.limits.max_chunk_bytes)
         if self._curve is not None:
             public, secret = self._curve.keypair()
             sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
@@ -847,11 +853,7 @@ class WorkerClient(_Endpoint):
 
     # -- I/O thread -----------------------------------------------------------------------------
     def _socket(self, ctx: zmq.Context, hwm: int) -> zmq.Socket:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.SNDHWM, hwm)
-        sock.setsockopt(zmq.RCVHWM, hwm)
-        sock.setsockopt(zmq.LINGER, self.config.linger_ms)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_header_bytes + self.limits.max_chunk_bytes)
+        sock = _socket(ctx, zmq.DEALER, hwm, self.config, self.limits)
         if self._curve is not None:
             public, secret = self._curve.keypair()
             sock.curve_secretkey, sock.curve_publickey = secret, public
