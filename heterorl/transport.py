@@ -777,9 +777,9 @@ class WorkerClient(_Endpoint):
                 return False
             self._sent_session += 1
             heapq.heappush(self._outbox, (due, next(self._sequence), trajectory))
-            full = len(self._outbox) >= self.config.trajectory_batch
-        if full:
-            self._wakeup.wake()  # a full batch goes at once; a partial one after trajectory_linger_ms
+            pending = len(self._outbox)
+        if pending == 1 or pending >= self.config.trajectory_batch:
+            self._wakeup.wake()  # a full batch goes at once; a first one starts the linger clock
         return True
 
     def acquire_starts(self, wanted: int, timeout_s: float) -> int:

@@ -256,7 +256,8 @@ def test_ten_thousand_malformed_frames_are_all_rejected_while_valid_traffic_flow
         assert {"rejected/malformed", "rejected/not_finite", "rejected/length_mismatch", "rejected/too_large",
                 "rejected/schema_version", "rejected/forged_id", "rejected/unknown_kind", "rejected/type"} <= set(reasons)
         assert _rss_mb() - rss_before < 100  # nothing of the rejected traffic is retained
-        assert [w.alive for w in limits_learner.workers()] == [True, True]
+        # the honest worker is still served (the fuzzer sends no heartbeats, so it may be marked dead)
+        assert next(w for w in limits_learner.workers() if w.worker_id == "honest").alive
     finally:
         honest.close()
         raw.close()
