@@ -14,13 +14,6 @@ import time
 import torch
 
 
-def _policy(name: str):
-    from heterorl.cli import SFT_BASE, packaged
-    from heterorl.policies import load_policy
-
-    return load_policy(str(packaged(SFT_BASE)) if name == SFT_BASE else name)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="heterorl bench engine", description=__doc__)
     parser.add_argument("--policy", default="maze-sft-base", help="maze-sft-base (shipped), smollm2, or a folder")
@@ -39,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     from heterorl.textcodec import encode
 
     quiet_transformers()
-    model, tokenizer = _policy(args.policy)
+    from heterorl.policies import load_policy
+
+    model, tokenizer = load_policy(args.policy)  # "maze-sft-base" (shipped), "smollm2" or a folder
     task = make_task("maze")
     rng = random.Random(0)
     prompts = [encode(tokenizer, task.sample_train(rng).prompt) for _ in range(args.batch)]

@@ -128,8 +128,6 @@ def _rl(cfg, title: str) -> int:
     from heterorl.sync_rl import run_sync_rl
 
     base = cfg.rl.base or cfg.policy.model
-    if base == SFT_BASE:
-        base = str(packaged(SFT_BASE))
     task, training, logger, run_dir = _setup(cfg, title, base)
     bar, update = _progress(cfg.rl.steps, title, cfg.logging.progress)
     try:

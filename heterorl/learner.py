@@ -23,7 +23,6 @@ import os
 import tempfile
 import threading
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -339,11 +338,3 @@ def learner_settings(cfg: Config) -> dict:
     """What workers receive in ``ready``: the whole run config, so a fleet cannot drift apart."""
     return {"config": to_yaml(cfg)}
 
-
-def staleness_counts(history_metrics: list[dict]) -> Counter:
-    """Total groups per staleness (versions) over a run's metrics records."""
-    total: Counter = Counter()
-    for record in history_metrics:
-        for staleness, count in enumerate(record.get("staleness/versions_hist", [])):
-            total[staleness] += count
-    return total

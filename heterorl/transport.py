@@ -200,6 +200,16 @@ def _socket(ctx: zmq.Context, kind: int, hwm: int, config: TransportConfig, limi
     return sock
 
 
+def _receive(sock: zmq.Socket, handle, limit: int = 256) -> None:
+    """Hand up to ``limit`` waiting messages to ``handle(sock, frames)`` without blocking."""
+    for _ in range(limit):
+        try:
+            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        handle(sock, frames)
+
+
 def _send(sock: zmq.Socket, frames: list, stats: Counter, what: str) -> bool:
     """Non-blocking send; a full queue or a vanished peer is counted, never raised."""
     try:
@@ -460,18 +470,10 @@ class LearnerServer(_Endpoint):
                 events = dict(poller.poll(timeout=50))
                 if self._wakeup.read_fd in events:
                     self._wakeup.drain()
-                for _ in range(256 if control in events else 0):
-                    try:
-                        frames = control.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_control(control, frames)
-                for _ in range(256 if weights in events else 0):
-                    try:
-                        frames = weights.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_weights(weights, frames)
+                if control in events:
+                    _receive(control, self._on_control)
+                if weights in events:
+                    _receive(weights, self._on_weights)
                 now = time.monotonic()
                 beat = now - last_beat >= self.config.heartbeat_interval_s
                 if beat:
@@ -828,11 +830,6 @@ class WorkerClient(_Endpoint):
     def set_version_held(self, version: int) -> None:
         with self._lock:
             self._version_held = version
-
-    def pending(self) -> int:
-        """Trajectories queued here (delayed or waiting for the socket)."""
-        with self._lock:
-            return len(self._outbox)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued trajectory has been handed to the socket."""
