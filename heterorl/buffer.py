@@ -113,6 +113,11 @@ class GroupBuffer:
     def __len__(self) -> int:
         return len(self._groups)
 
+    @property
+    def incomplete(self) -> int:
+        """Groups still waiting for members."""
+        return len(self._partial)
+
     def staleness(self, group: Group, current_version: int) -> int:
         return current_version - group.oldest_version
 
@@ -141,9 +146,11 @@ class GroupBuffer:
         group is consumed at most ``max_staleness_steps`` versions after the version it starts with.
 
         A group started at version v is trained by step ≤ v + bound only if at most (v + bound + 1) ·
-        groups_per_step groups were started before it (batches take groups in arrival order). None for other
-        policies (no limit).
+        groups_per_step groups were started before it (batches take groups in arrival order). Groups this
+        buffer discarded (incomplete past their timeout, or overflow) were started but will never be trained,
+        so they widen the limit. None for other policies (no limit).
         """
         if self.config.policy != "admission":
             return None
-        return (current_version + self.config.max_staleness_steps + 1) * groups_per_step
+        discarded = sum(self.counters[k] for k in ("dropped_stale", "dropped_overflow", "dropped_partial"))
+        return (current_version + self.config.max_staleness_steps + 1) * groups_per_step + discarded

@@ -209,7 +209,7 @@ class Learner:
     def _next_batch(self, version: int) -> list[Group]:
         """Block until the buffer policy hands out a batch."""
         cfg = self.cfg
-        silent_since = None
+        silent_since, waiting_since, reported = None, time.monotonic(), 0
         with self._buffer_lock:
             while True:
                 groups = self.buffer.take(cfg.rl.prompts_per_step, version)
@@ -219,6 +219,13 @@ class Learner:
                     raise HeteroRLError(f"the learner's ingest thread failed: {self._ingest_error!r}")
                 self._buffer_lock.wait(0.05)
                 now = time.monotonic()
+                if now - waiting_since > 30 * (reported + 1):
+                    reported += 1
+                    alive = sum(w.alive for w in self.server.workers())
+                    log.info("waiting %.0f s for a batch of %d groups at version %d: %d complete, %d incomplete "
+                             "groups buffered, %d live workers, %s", now - waiting_since, cfg.rl.prompts_per_step,
+                             version, len(self.buffer), self.buffer.incomplete, alive,
+                             self.server.admission_state())
                 if any(w.alive for w in self.server.workers()):
                     silent_since = None
                 elif silent_since is None:

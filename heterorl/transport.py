@@ -400,6 +400,15 @@ class LearnerServer(_Endpoint):
         with self._lock:
             self._admission_cap, self._starts_ahead = cap, max(1, ahead)
 
+    def admission_state(self) -> str:
+        """One line on the admission permits (for a learner that waits long for data)."""
+        with self._lock:
+            if self._admission_cap is None:
+                return "no admission control"
+            held = ", ".join(f"{w.worker_id}{'' if w.alive else ' (dead)'} {w.groups_session}/"
+                             f"{w.starts_granted_session}" for w in self._workers.values())
+            return f"permits {self._starts_granted_total}/{self._admission_cap} granted; started/granted: {held}"
+
     def workers(self) -> list[WorkerInfo]:
         """A snapshot of the worker registry."""
         with self._lock:
@@ -536,6 +545,7 @@ class LearnerServer(_Endpoint):
                 worker.busy_s, worker.idle_s = message.busy_s, message.idle_s
             elif isinstance(message, Bye):
                 worker.alive = False
+                self._reclaim_starts(worker)
                 log.info("worker %s left: %s", worker.worker_id, message.reason)
             else:
                 self._reject("unexpected_kind", f"{message.kind} is not sent by workers", worker)
@@ -559,6 +569,7 @@ class LearnerServer(_Endpoint):
             if worker.routing_id != routing_id:
                 self._by_routing.pop(worker.routing_id, None)
                 log.info("worker %s rejoined from %s (pid %d)", hello.worker_id, hello.host, hello.pid)
+            self._reclaim_starts(worker)  # a new session: permits the old one never used go back to the fleet
             worker.routing_id, worker.host, worker.pid = routing_id, hello.host, hello.pid
         self._by_routing[routing_id] = hello.worker_id
         worker.last_seen, worker.alive, worker.version_held = now, True, hello.version_held
@@ -576,9 +587,6 @@ class LearnerServer(_Endpoint):
 
     def _on_trajectory(self, worker: WorkerInfo, traj: Trajectory) -> None:
         worker.received_session += 1
-        if traj.group_id != worker.last_group_id:  # a worker sends each group's members back to back
-            worker.groups_session += 1
-            worker.last_group_id = traj.group_id
         if traj.sampler_id != worker.worker_id:
             self._reject("forged_id", f"trajectory names sampler {traj.sampler_id!r} on {worker.worker_id}'s link",
                          worker, traj.trajectory_id)
@@ -591,6 +599,13 @@ class LearnerServer(_Endpoint):
         if worker.buffered >= self.config.credits_per_worker:
             self._reject("no_credit", f"{worker.worker_id} sent beyond its credit", worker, traj.trajectory_id)
             return
+        if traj.group_id != worker.last_group_id:  # a worker sends each group's members back to back
+            worker.groups_session += 1  # (a re-sent duplicate is no new start, so it is counted only here)
+            worker.last_group_id = traj.group_id
+            if self._admission_cap is not None and worker.groups_session > worker.starts_granted_session:
+                # started on a permit reclaimed since (the worker was thought dead): it counts all the same
+                worker.starts_granted_session += 1
+                self._starts_granted_total += 1
         traj.received_at = time.time()
         self._seen[traj.trajectory_id] = None
         if len(self._seen) > self.config.dedup_window:
@@ -656,6 +671,14 @@ class LearnerServer(_Endpoint):
             del self._versions[v]
             self._publish_times.pop(v, None)
 
+    def _reclaim_starts(self, worker: WorkerInfo) -> None:
+        """Return a dead or rejoining worker's unused admission permits to the fleet, so permits held by a
+        worker that never comes back cannot stall the learner."""
+        unused = worker.starts_granted_session - worker.groups_session
+        if unused > 0:
+            self._starts_granted_total -= unused
+            worker.starts_granted_session = worker.groups_session
+
     def _grant_starts(self, worker: WorkerInfo) -> int:
         """The worker's cumulative start limit this session: −1 without admission control; else top its unused
         permits up to ``ahead`` while the fleet's total stays within the cap."""
@@ -676,6 +699,7 @@ class LearnerServer(_Endpoint):
             for worker in self._workers.values():
                 if worker.alive and now - worker.last_seen > self.config.heartbeat_timeout_s:
                     worker.alive = False
+                    self._reclaim_starts(worker)
                     log.warning("worker %s silent for %.1f s: marked dead", worker.worker_id, now - worker.last_seen)
                 released = False
                 while worker.pending_notices and worker.pending_notices[0][0] <= clock_now:

@@ -85,6 +85,8 @@ def test_admission_limit_is_areal_rule():
     # after 10 batches of 8 groups, groups started may total (10 + 4 + 1) * 8
     assert buffer.admission_limit(10, 8) == 120
     assert GroupBuffer(BufferConfig(policy="window")).admission_limit(10, 8) is None
+    buffer.counters["dropped_partial"] += 3  # started, never to be trained: three more may start
+    assert buffer.admission_limit(10, 8) == 123
 
 
 def test_overflow_and_partial_expiry_are_counted():

@@ -379,6 +379,25 @@ def test_admission_control_caps_the_groups_the_fleet_may_start(learner):
             c.close()
 
 
+def test_permits_held_by_a_worker_that_leaves_go_back_to_the_fleet(learner):
+    """Admission permits a departed worker never used must not stall the learner."""
+    learner.set_admission(cap=2, ahead=2)
+    leaving, staying = (WorkerClient(learner.control_endpoint, f"p{i}", FAST) for i in range(2))
+    try:
+        leaving.wait_ready(10)
+        held = leaving.acquire_starts(2, timeout_s=5)
+        held += leaving.acquire_starts(2 - held, timeout_s=5)
+        assert held == 2  # it holds the whole cap
+        staying.wait_ready(10)
+        assert staying.acquire_starts(1, timeout_s=0.5) == 0
+        leaving.close()  # says bye with two unused permits
+        got = staying.acquire_starts(2, timeout_s=5)
+        assert got + staying.acquire_starts(2 - got, timeout_s=5) == 2
+    finally:
+        leaving.close()
+        staying.close()
+
+
 def test_closing_the_learner_tells_workers_the_run_is_over():
     server = LearnerServer("tcp://127.0.0.1:0", FAST)
     client = WorkerClient(server.control_endpoint, "w0", FAST)
