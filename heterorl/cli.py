@@ -11,6 +11,9 @@
     heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async)
     heterorl learner --bind ADDR        the learner alone (remote workers connect to it)
     heterorl rollout --connect ADDR     one rollout worker (on any machine that reaches the learner)
+    heterorl sweep SWEEP.yaml [k=v..]   a delay sweep: losses x delays x seeds, resumable, K cells at once
+    heterorl report SWEEP_DIR           tables, plots and a Markdown summary of a sweep
+    heterorl compare --losses gepo,grpo --delay 16   a quick side-by-side at one delay
 
 Every training command takes a YAML file (--config), dotted overrides
 (``loss.name=grpo rollout.temperature=0.7``) and --dry-run (print the resolved
@@ -297,12 +300,74 @@ def _print_runtime_summary(summary: dict, run_dir: Path) -> None:
          [f"after RL ({summary['mode']}, {summary['loss']})", summary["final_success"], summary["steps"]],
          ["best during RL", summary["best_success"], ""]],
     ))
+    simulated = summary.get("execution") == "simulated"
+    clock = " of virtual time" if simulated else ""
     print(f"\nchange: {100 * (summary['final_success'] - summary['base_success']):+.1f} points in "
           f"{summary['minutes']:.1f} min; staleness mean {summary['staleness_mean']:.2f} versions "
-          f"(max {summary['staleness_max']}); {summary['tokens_per_s']:.0f} tokens/s trained; "
-          f"learner idle {summary['learner_idle_frac']:.0%}, workers idle {summary['worker_idle_frac']:.0%}")
-    print(f"logs:   {run_dir / 'metrics.jsonl'} and {run_dir / 'logs'}/")
+          f"(max {summary['staleness_max']}); {summary['tokens_per_s']:.0f} tokens/s{clock} trained; "
+          f"learner idle {summary['learner_idle_frac']:.0%}, workers idle {summary['worker_idle_frac']:.0%}{clock}")
+    print(f"logs:   {run_dir / 'metrics.jsonl'}" + ("" if simulated else f" and {run_dir / 'logs'}/"))
     print(f"plot:   {run_dir / 'success.png'}")
+
+
+def _finish_sweep(sweep, failed: list[str]) -> int:
+    from heterorl.sweep_report import write_report
+
+    summary = write_report(sweep.out)
+    print(f"report: {summary}")
+    if failed:
+        print(f"{len(failed)} cells failed: {', '.join(failed)} (their logs: {sweep.out / 'cells'}/<cell>/log.txt); "
+              "run the sweep again to retry them", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from heterorl.sweep import Sweep
+
+    sweep = Sweep(args.sweep, args.overrides, out=args.out)
+    if args.dry_run:
+        for cell in sweep.cells:
+            print(cell.name, " ".join(f"{k}={v}" for k, v in cell.overrides.items() if not k.startswith("logging.")))
+        for cell in sweep.cells:
+            sweep.resolve(cell)  # every cell's config is valid
+        return 0
+    failed = sweep.run()
+    return _finish_sweep(sweep, failed)
+
+
+def cmd_report(args) -> int:
+    from heterorl.sweep_report import log_report_to_wandb, write_report
+
+    summary = write_report(args.sweep_dir, args.out)
+    print(summary.with_name("table.txt").read_text())
+    print(f"report: {summary}")
+    if args.wandb_project:
+        log_report_to_wandb(args.sweep_dir, args.wandb_project, args.wandb_mode)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from heterorl.sweep import Sweep, SweepSpec
+    from heterorl.sweep_report import compare_table, load_sweep
+
+    config = args.config
+    if not Path(config).exists() and "/" not in config:
+        config = str(packaged(config))
+    losses = [x for x in args.losses.split(",") if x]
+    seeds = [int(x) for x in args.seeds.split(",") if x]
+    name = f"compare-{'-'.join(losses)}-d{args.delay}"
+    spec = SweepSpec(name=name, config=str(Path(config).resolve()), mode=args.mode, parallel=args.parallel,
+                     losses=losses, delays=[args.delay], seeds=seeds,
+                     overrides=dict(o.split("=", 1) for o in args.overrides if "=" in o))
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        raise HeteroRLError(f"override {bad[0]!r} is not of the form key=value (e.g. rl.steps=30)")
+    sweep = Sweep(None, spec=spec, out=args.out or Path("runs") / "compare" / name)
+    failed = sweep.run()
+    print()
+    print(compare_table(load_sweep(sweep.out)))
+    return _finish_sweep(sweep, failed)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -322,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["engine", "losses", "transport", "async"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see --help after its name)")
     p.set_defaults(fn=cmd_bench)
-    p = sub.add_parser("train", help="learner + rollout workers as separate processes on this machine")
+    p = sub.add_parser("train", help="learner + rollout workers as separate processes on this machine "
+                       "(runtime.execution=simulated: all in one process on a virtual clock)")
     _add_config_args(p, DEMO_CONFIG)
     p.add_argument("--mode", choices=["sync", "async"], help="sync: workers wait for every new version "
                    "(the on-policy baseline); async: they never wait (default: runtime.mode)")
@@ -347,6 +413,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the learner")
     p.add_argument("--allow-plaintext", action="store_true", help="allow plaintext to a non-loopback address")
     p.set_defaults(fn=cmd_rollout)
+    p = sub.add_parser("sweep", help="a delay sweep: losses x delays x seeds (resumable), then its report")
+    p.add_argument("sweep", help="sweep YAML (see experiments/configs/)")
+    p.add_argument("--out", help="sweep directory (default: runs/sweeps/NAME)")
+    p.add_argument("--dry-run", action="store_true", help="list the cells and check their configs, run nothing")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="sweep-file overrides, e.g. seeds=[0] parallel=1")
+    p.set_defaults(fn=cmd_sweep)
+    p = sub.add_parser("report", help="tables, plots and a Markdown summary of a sweep directory")
+    p.add_argument("sweep_dir")
+    p.add_argument("--out", help="report folder (default: SWEEP_DIR/report)")
+    p.add_argument("--wandb-project", help="also log the table to wandb, grouped by the sweep's name")
+    p.add_argument("--wandb-mode", default="offline", choices=["offline", "online"])
+    p.set_defaults(fn=cmd_report)
+    p = sub.add_parser("compare", help="two or more losses side by side at one delay: one table, one plot")
+    p.add_argument("--losses", default="gepo,grpo", help="comma-separated losses or presets (default: gepo,grpo)")
+    p.add_argument("--delay", default="16", help="a delay preset: 0 (online), steps (8, 16, ...), lognormal, weibull")
+    p.add_argument("--config", default=DEMO_CONFIG, help=f"base run config (default: the packaged {DEMO_CONFIG})")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
+    p.add_argument("--mode", default="simulated", choices=["simulated", "live"])
+    p.add_argument("--parallel", type=int, default=1, help="runs at once (default 1)")
+    p.add_argument("--out", help="output directory (default: runs/compare/NAME)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="run-config overrides, e.g. rl.steps=30")
+    p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("keys", help="make a CurveZMQ key pair (NAME.key public, NAME.key_secret secret)")
     p.add_argument("--name", required=True, help="whose keys: 'learner' or a worker id")
     p.add_argument("--out", default="keys", help="folder for the key files (default: keys)")
@@ -355,7 +443,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest:  # key=value overrides may also come after options (argparse stops collecting them at an option)
+        if not hasattr(args, "overrides") or any(r.startswith("-") or "=" not in r for r in rest):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.overrides = [*args.overrides, *rest]
     try:
         return args.fn(args)
     except HeteroRLError as exc:

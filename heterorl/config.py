@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -102,11 +103,13 @@ class RuntimeConfig:
     """The learner + rollout workers system (`heterorl train`, `heterorl learner`, `heterorl rollout`)."""
 
     mode: str = "async"  # async: workers never wait for new weights | sync: each batch uses the newest version
+    # live: real processes over ZeroMQ | simulated: one process on a virtual clock (heterorl/simulate.py)
+    execution: str = "live"
     workers: int = 2  # rollout worker processes `heterorl train` starts
     address: str = "tcp://127.0.0.1:0"  # learner control address (weights on port + 1); port 0 = pick free ports
     groups_per_call: int = 4  # groups a worker samples per engine call
     throttle: List[float] = field(default_factory=list)  # slowdown factor of worker i = throttle[i % len]; 1 = full
-    threads: int = 1  # torch threads per process
+    threads: int = 1  # torch threads per learner / worker / simulated process (`sft` and `rl` use torch's default)
     learner_ranks: int = 1  # > 1: `heterorl train` runs the learner under torchrun as this many DDP ranks
     checkpoint_every: int = 25  # learner steps between checkpoints (0: only at the end)
     worker_timeout_s: float = 300.0  # learner fails if no data arrives and no worker is alive for this long
@@ -114,11 +117,23 @@ class RuntimeConfig:
 
 
 @dataclass
+class SimulateConfig:
+    """Virtual durations of the simulated execution (``runtime.execution=simulated``; docs/EXPERIMENTS.md)."""
+
+    step_s: Optional[float] = None  # virtual seconds per learner step; None: delay.seconds_per_step, else 1.0
+    # virtual seconds of one worker engine call (runtime.groups_per_call groups) at throttle 1; None: the fleet
+    # makes exactly one batch per learner step (step_s · workers · groups_per_call / prompts_per_step)
+    call_s: Optional[float] = None
+
+
+@dataclass
 class LoggingConfig:
     run_dir: str = "runs/demo"
     wandb_project: Optional[str] = None  # None: log to an offline wandb run in run_dir
     wandb_mode: str = "offline"  # offline | online | disabled
+    wandb_group: Optional[str] = None  # runs of one sweep share a group
     progress: bool = True
+    save_policy: bool = True  # save the trained policy folder in the run dir at the end
 
 
 @dataclass
@@ -135,6 +150,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     delay: DelaysConfig = field(default_factory=DelaysConfig)
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
 
 
@@ -143,6 +159,7 @@ _CHOICES = {
     "optim.schedule": ("constant", "cosine"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "runtime.mode": ("async", "sync"),
+    "runtime.execution": ("live", "simulated"),
 }
 
 
@@ -195,6 +212,10 @@ def _check(cfg: Config) -> None:
     if cfg.buffer.max_groups < cfg.rl.prompts_per_step:
         raise ConfigError(f"config key `buffer.max_groups` = {cfg.buffer.max_groups}: must hold at least one batch "
                           f"(`rl.prompts_per_step` = {cfg.rl.prompts_per_step})")
+    for key, value in (("simulate.step_s", cfg.simulate.step_s), ("simulate.call_s", cfg.simulate.call_s),
+                       ("delay.seconds_per_step", cfg.delay.seconds_per_step)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"config key `{key}` = {value}: must be > 0 (or null for the default)")
     cfg.delay.up.validate("delay.up")
     cfg.delay.down.validate("delay.down")
 
@@ -220,6 +241,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), t
             merged = OmegaConf.merge(merged, OmegaConf.load(path))
     except OmegaConfBaseException as exc:
         raise _explain(exc, str(path)) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path or '(text)'} is not valid YAML: {' '.join(str(exc).split())}") from None
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r} is not of the form key=value (e.g. loss.name=gepo)")

@@ -36,7 +36,7 @@ def setup_run(cfg: Config, name: str, policy: str, append: bool = False, data_pa
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     logger = MetricsLogger(run_dir, config=to_dict(cfg), name=name, wandb_project=cfg.logging.wandb_project,
-                           wandb_mode=cfg.logging.wandb_mode, append=append)
+                           wandb_mode=cfg.logging.wandb_mode, append=append, wandb_group=cfg.logging.wandb_group)
     training = TrainingClient(model, tokenizer, device=cfg.policy.device, seed=cfg.seed, data_parallel=data_parallel)
     return task, training, logger, run_dir
 
@@ -78,8 +78,6 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
 
     from heterorl.delay import DelayLink
     from heterorl.learner import Learner, learner_settings
-    from heterorl.policies import save_policy
-    from heterorl.report import plot_curves
     from heterorl.rollout import delay_clock
     from heterorl.transport import LearnerServer, TransportConfig
 
@@ -112,14 +110,25 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
     finally:
         server.close("run finished")
         logger.close()
-    save_policy(training.model, training.tokenizer, run_dir / "policy")
+    finish_run(cfg, task, training, run_dir, result, {"execution": "live",
+                                                      "transport_rejected": server.stats["rejected"]})
+    return result
+
+
+def finish_run(cfg: Config, task, training, run_dir: Path, result, extra: dict) -> None:
+    """What every finished run leaves in its run dir: the policy (unless logging.save_policy is off), the
+    success plot and summary.json."""
+    from heterorl.policies import save_policy
+    from heterorl.report import plot_curves
+
+    if cfg.logging.save_policy:
+        save_policy(training.model, training.tokenizer, run_dir / "policy")
     plot_curves({cfg.loss.name: [(h["step"], h["eval/success"]) for h in result.history]}, run_dir / "success.png",
                 title=f"{task.name}: held-out greedy success ({cfg.runtime.mode}, {cfg.loss.name})",
                 xlabel="learner step")
     summary = {**result.__dict__, "loss": cfg.loss.name, "mode": cfg.runtime.mode, "workers": cfg.runtime.workers,
-               "transport_rejected": server.stats["rejected"]}
+               **extra}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return result
 
 
 class _Child:
@@ -161,8 +170,16 @@ def _wait_for_endpoint(child: _Child, timeout_s: float) -> str:
 
 
 def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
-    """Start the learner and the workers, follow the run, stop everything at the end (or on any crash)."""
+    """Start the learner and the workers, follow the run, stop everything at the end (or on any crash).
+    With ``runtime.execution=simulated`` the whole run happens in this process on a virtual clock."""
     run_dir = Path(cfg.logging.run_dir)
+    if cfg.runtime.execution == "simulated":
+        if resume:
+            raise HeteroRLError("--resume needs the live execution; a simulated run is rerun (it is deterministic)")
+        from heterorl.simulate import simulate_run
+
+        simulate_run(cfg, progress)
+        return 0
     if resume and not (run_dir / "checkpoints").is_dir():
         raise HeteroRLError(f"nothing to resume in {run_dir}: no checkpoints folder")
     if not resume and (run_dir / "checkpoints").is_dir():

@@ -113,6 +113,22 @@ def _histogram(values: list[int]) -> list[int]:
     return np.bincount(np.asarray(values, dtype=np.int64)).tolist() if values else []
 
 
+def batch_metrics(groups: list[Group], staleness: list[int], staleness_s: list[float]) -> dict:
+    """Reward, completion length and staleness (in versions and seconds) of one batch of groups."""
+    rewards = [t.reward for g in groups for t in g.trajectories]
+    tokens = sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
+    return {
+        "rollout/reward_mean": float(np.mean(rewards)),
+        "rollout/reward_std": float(np.std(rewards)),
+        "rollout/completion_len": tokens / len(rewards),
+        "staleness/versions_mean": float(np.mean(staleness)),
+        "staleness/versions_max": int(max(staleness)),
+        "staleness/versions_hist": _histogram(staleness),
+        "staleness/seconds_mean": float(np.mean(staleness_s)),
+        "staleness/seconds_max": float(max(staleness_s)),
+    }
+
+
 class Learner:
     def __init__(self, cfg: Config, training: TrainingClient, task: Task, server: LearnerServer | None,
                  run_dir: str | Path, logger=None, progress=None) -> None:
@@ -275,7 +291,6 @@ class Learner:
             version = self._publish()
             self._admit()
             tokens = sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
-            rewards = [t.reward for g in groups for t in g.trajectories]
             state.tokens_trained += tokens
             state.groups_trained += len(groups)
             state.staleness_sum += sum(staleness)
@@ -284,16 +299,9 @@ class Learner:
             workers = self.server.workers()
             busy = sum(w.busy_s for w in workers)
             idle = sum(w.idle_s for w in workers)
+            metrics.update(batch_metrics(groups, staleness, staleness_s))
             metrics.update({
                 "policy/version": version,
-                "rollout/reward_mean": float(np.mean(rewards)),
-                "rollout/reward_std": float(np.std(rewards)),
-                "rollout/completion_len": tokens / len(rewards),
-                "staleness/versions_mean": float(np.mean(staleness)),
-                "staleness/versions_max": int(max(staleness)),
-                "staleness/versions_hist": _histogram(staleness),
-                "staleness/seconds_mean": float(np.mean(staleness_s)),
-                "staleness/seconds_max": float(max(staleness_s)),
                 "buffer/groups": self._buffered_groups(),
                 "buffer/trajectories_waiting": self.server.buffered(),
                 **{f"buffer/{k}": v for k, v in self.buffer.counters.items()},
@@ -302,6 +310,9 @@ class Learner:
                 "learner/idle_frac": state.idle_s / max(state.elapsed_s, 1e-9),
                 "workers/alive": sum(w.alive for w in workers),
                 "workers/idle_frac": idle / (busy + idle) if busy + idle > 0 else 0.0,
+                # what a simulated run needs to mimic this fleet: simulate.call_s = this × runtime.groups_per_call
+                "workers/busy_s_per_group": busy * cfg.rollout.group_size / max(sum(w.trajectories
+                                                                                    for w in workers), 1),
                 "throughput/tokens_per_s": state.tokens_trained / max(state.elapsed_s, 1e-9),
                 "transport/rejected": self.server.stats["rejected"],
             })

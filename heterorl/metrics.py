@@ -17,7 +17,8 @@ class MetricsLogger:
     """Writes one JSON object per ``log`` call to ``run_dir/metrics.jsonl`` and mirrors it to wandb."""
 
     def __init__(self, run_dir: str | Path, *, config: dict | None = None, name: str = "run",
-                 wandb_project: str | None = None, wandb_mode: str = "offline", append: bool = False):
+                 wandb_project: str | None = None, wandb_mode: str = "offline", append: bool = False,
+                 wandb_group: str | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -25,9 +26,9 @@ class MetricsLogger:
         self._start = time.time()
         self._wandb_run = None
         if wandb_mode != "disabled":
-            self._wandb_run = self._init_wandb(config, name, wandb_project, wandb_mode)
+            self._wandb_run = self._init_wandb(config, name, wandb_project, wandb_mode, wandb_group)
 
-    def _init_wandb(self, config, name, project, mode):
+    def _init_wandb(self, config, name, project, mode, group):
         import wandb
 
         if project is None:
@@ -35,6 +36,7 @@ class MetricsLogger:
         os.environ.setdefault("WANDB_SILENT", "true")
         return wandb.init(
             project=project or "heterorl", name=name, mode=mode, dir=str(self.run_dir), config=config or {},
+            group=group,
             reinit="finish_previous", settings=wandb.Settings(console="off", x_disable_stats=True),
         )
 

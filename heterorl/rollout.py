@@ -67,6 +67,35 @@ def delay_clock(cfg: Config):
     return RealClock() if cfg.delay.time_scale == 1.0 else ScaledClock(cfg.delay.time_scale)
 
 
+def sampling_params(cfg: Config, worker_id: str, groups_sent: int) -> SamplingParams:
+    """The rollout's sampling settings, seeded by (run seed, worker, groups sent so far): reproducible."""
+    return SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
+                          top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                          seed=zlib.crc32(f"{cfg.seed}/{worker_id}/{groups_sent}".encode()))
+
+
+def stamp_groups(task, worker_id: str, first_index: int, version: int, problems, prompts, groups,
+                 start_wall: float, end_wall: float) -> list[list[Trajectory]]:
+    """Score each sampled group and stamp its trajectories (ids, policy version per token, behaviour log-probs,
+    timestamps). Group ids are ``{worker_id}-{n}``, n counting from ``first_index``; empty completions are left
+    out (a group is as large as what remains)."""
+    stamped = []
+    for n, (problem, prompt, group) in enumerate(zip(problems, prompts, groups), start=first_index):
+        group_id = f"{worker_id}-{n}"
+        group = [sample for sample in group if sample.tokens]
+        stamped.append([Trajectory(
+            trajectory_id=f"{group_id}-{j}", group_id=group_id, prompt_id=problem.problem_id[:128],
+            sampler_id=worker_id, group_size=len(group),
+            prompt_tokens=np.asarray(prompt, dtype=np.int32),
+            completion_tokens=np.asarray(sample.tokens, dtype=np.int32),
+            behaviour_logprobs=np.minimum(np.asarray(sample.logprobs, dtype=np.float32), 0.0),
+            policy_versions=np.full(len(sample.tokens), version, dtype=np.int32),
+            reward=float(task.reward(problem, sample.text)),
+            generation_start=start_wall, generation_end=end_wall, stop_reason=sample.stop_reason,
+        ) for j, sample in enumerate(group)])
+    return stamped
+
+
 class RolloutWorker:
     """One worker's loop. ``run`` returns when the learner says the run is over or stays silent too long."""
 
@@ -157,34 +186,20 @@ class RolloutWorker:
 
     def _generate_and_send(self, cfg: Config, task, problems) -> None:
         worker_id = self.options.worker_id
-        tokenizer = self.sampler.tokenizer
-        prompts = [encode(tokenizer, p.prompt, "prompt") for p in problems]
-        params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
-                                top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                                seed=zlib.crc32(f"{cfg.seed}/{worker_id}/{self.groups_sent}".encode()))
+        prompts = [encode(self.sampler.tokenizer, p.prompt, "prompt") for p in problems]
         start_wall, start = time.time(), time.monotonic()
-        groups = self.sampler.sample(prompts, cfg.rollout.group_size, params).result()
+        groups = self.sampler.sample(prompts, cfg.rollout.group_size, sampling_params(cfg, worker_id,
+                                                                                       self.groups_sent)).result()
         elapsed = time.monotonic() - start
         if self.options.throttle > 1:
             time.sleep((self.options.throttle - 1) * elapsed)  # a slower device: counted as busy time
         self.busy_s += time.monotonic() - start
         self.client.busy_s = self.busy_s
-        end_wall = time.time()
-        for problem, prompt, group in zip(problems, prompts, groups):
-            group_id = f"{worker_id}-{self.groups_sent}"
-            self.groups_sent += 1
-            group = [sample for sample in group if sample.tokens]
-            for j, sample in enumerate(group):
-                traj = Trajectory(
-                    trajectory_id=f"{group_id}-{j}", group_id=group_id, prompt_id=problem.problem_id[:128],
-                    sampler_id=worker_id, group_size=len(group),
-                    prompt_tokens=np.asarray(prompt, dtype=np.int32),
-                    completion_tokens=np.asarray(sample.tokens, dtype=np.int32),
-                    behaviour_logprobs=np.minimum(np.asarray(sample.logprobs, dtype=np.float32), 0.0),
-                    policy_versions=np.full(len(sample.tokens), self.version, dtype=np.int32),
-                    reward=float(task.reward(problem, sample.text)),
-                    generation_start=start_wall, generation_end=end_wall, stop_reason=sample.stop_reason,
-                )
+        stamped = stamp_groups(task, worker_id, self.groups_sent, self.version, problems, prompts, groups,
+                               start_wall, time.time())
+        self.groups_sent += len(stamped)
+        for group in stamped:
+            for traj in group:
                 self._send(traj)
 
     def _send(self, traj: Trajectory) -> None:

@@ -48,6 +48,9 @@ def test_file_errors_name_the_key_and_file(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+    path.write_text("seed: 1\nseed: 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml is not valid YAML: .*duplicate key seed"):
+        load_config(path)
 
 
 def test_loss_advantage_auto_defers_to_the_loss_and_a_name_overrides_it():
