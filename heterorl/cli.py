@@ -339,7 +339,8 @@ def cmd_sweep(args) -> int:
 def cmd_report(args) -> int:
     from heterorl.sweep_report import log_report_to_wandb, write_report
 
-    summary = write_report(args.sweep_dir, args.out)
+    seeds = [int(x) for x in args.seeds.split(",") if x] if args.seeds else None
+    summary = write_report(args.sweep_dir, args.out, seeds)
     print(summary.with_name("table.txt").read_text())
     print(f"report: {summary}")
     if args.wandb_project:
@@ -422,6 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="tables, plots and a Markdown summary of a sweep directory")
     p.add_argument("sweep_dir")
     p.add_argument("--out", help="report folder (default: SWEEP_DIR/report)")
+    p.add_argument("--seeds", help="comma-separated seeds to report (default: all; e.g. those a running sweep has "
+                   "finished for every cell)")
     p.add_argument("--wandb-project", help="also log the table to wandb, grouped by the sweep's name")
     p.add_argument("--wandb-mode", default="offline", choices=["offline", "online"])
     p.set_defaults(fn=cmd_report)

@@ -98,14 +98,27 @@ def cell_name(loss: str, delay: str, seed: int) -> str:
     return f"{loss}__d{delay}__s{seed}"
 
 
-def load_sweep(sweep_dir: str | Path) -> Sweep:
+def load_sweep(sweep_dir: str | Path, seeds: Sequence[int] | None = None) -> Sweep:
     """Read ``sweep_dir/sweep.json`` and every ``sweep_dir/cells/*/``; raises ``HeteroRLError`` naming the file
-    if the spec is missing or malformed, or a finished cell's summary lacks a required key."""
+    if the spec is missing or malformed, or a finished cell's summary lacks a required key. ``seeds``: keep only
+    these seeds (e.g. the seeds every cell of a sweep still running has finished)."""
     path = Path(sweep_dir)
     spec = _read_spec(path / "sweep.json")
     cells_dir = path / "cells"
     cells = [_read_cell(d) for d in sorted(cells_dir.iterdir()) if d.is_dir()] if cells_dir.is_dir() else []
+    if seeds is not None:
+        unknown = sorted(set(seeds) - set(spec["seeds"]))
+        if unknown:
+            raise HeteroRLError(f"seeds {unknown} are not in the sweep {path / 'sweep.json'} (it has {spec['seeds']})")
+        spec["seeds"] = [s for s in spec["seeds"] if s in seeds]
+        cells = [c for c in cells if c.summary.get("seed", _seed_of(c.name)) in seeds]
     return Sweep(path=path, cells=cells, **spec)
+
+
+def _seed_of(name: str) -> int | None:
+    """The seed in a cell directory name (``…__s<seed>``), for cells without a summary yet."""
+    tail = name.rpartition("__s")[2]
+    return int(tail) if tail.isdigit() else None
 
 
 def _read_spec(spec_path: Path) -> dict:
@@ -242,12 +255,13 @@ def compare_table(sweep: Sweep) -> str:
     return "\n\n".join(blocks) if blocks else f"no finished cells in {sweep.path / 'cells'}"
 
 
-def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None,
+                 seeds: Sequence[int] | None = None) -> Path:
     """Write ``summary.md``, ``table.txt`` and the PNG plots of a sweep into ``out_dir`` (default
     ``sweep_dir/report``); returns the path of ``summary.md``. Per task: ``success_vs_step_<task>_<delay>.png``
     for each delay with a finished cell, and, when the sweep has more than one delay,
     ``final_vs_delay_<task>.png`` and ``drift_vs_delay_<task>.png``."""
-    sweep = load_sweep(sweep_dir)
+    sweep = load_sweep(sweep_dir, seeds)
     out = Path(out_dir) if out_dir is not None else sweep.path / "report"
     out.mkdir(parents=True, exist_ok=True)
     rows = summary_rows(sweep)
@@ -397,9 +411,12 @@ def _plot_final_vs_delay(sweep: Sweep, task: str, rows: list[SummaryRow], path: 
 def _plot_drift_vs_delay(sweep: Sweep, task: str, rows: list[SummaryRow], path: Path) -> Path:
     fig, (ax_var, ax_kl) = _pyplot().subplots(1, 2, figsize=(11, 4))
     _lines_vs_delay(ax_var, sweep, rows, "is_weight_var")
-    ax_var.set(title=f"{task}: importance-weight variance", ylabel="mean is/weight_var")
+    ax_var.set(title=f"{task}: importance-weight variance", ylabel="mean is/weight_var (symlog)")
     _lines_vs_delay(ax_kl, sweep, rows, "kl_k3")
-    ax_kl.set(title=f"{task}: KL estimate (k3)", ylabel="mean kl/k3")
+    ax_kl.set(title=f"{task}: KL estimate (k3)", ylabel="mean kl/k3 (symlog)")
+    for ax in (ax_var, ax_kl):  # the losses' drift spans orders of magnitude; 0 (on-policy) stays visible
+        ax.set_yscale("symlog", linthresh=1e-3)
+        ax.set_ylim(bottom=0)
     return _save(fig, path)
 
 

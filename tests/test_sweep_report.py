@@ -137,6 +137,10 @@ def test_one_delay_sweep_skips_vs_delay_plots_and_lists_absent_cells(tmp_path):
     assert sweep.missing() == [("gepo__d16__s1", "no summary.json"), ("gepo__d16__s2", "not started"),
                                ("grpo__d16__s1", "not started"), ("grpo__d16__s2", "not started")]
     assert [r.degradation_pct for r in summary_rows(sweep)["maze"]] == [None, None]  # no online cell
+    seed0 = load_sweep(root, seeds=[0])  # the seeds a running sweep has finished everywhere
+    assert seed0.seeds == [0] and seed0.missing() == [] and len(seed0.cells) == 2
+    with pytest.raises(HeteroRLError, match=r"seeds \[5\] are not in the sweep"):
+        load_sweep(root, seeds=[5])
     lines = compare_table(sweep).splitlines()
     assert lines[0] == "maze, delay 16:"
     assert lines[3].split() == ["gepo", "1", "0.400", "0.600", "±", "0.000", "0.500", "±", "0.000", "8.00",
