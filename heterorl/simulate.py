@@ -235,8 +235,8 @@ class Simulation:
                 if not math.isfinite(later):
                     raise HeteroRLError(f"the simulation stalled at step {step}: no data on its way and every "
                                         f"worker waiting ({len(self.buffer)} groups buffered); check buffer and delays")
-                idle_s += later - now
-                now = later
+                idle_s += max(0.0, later - now)  # (an arrival held back by a full buffer is not "later")
+                now = max(now, later)
             staleness = [version - g.oldest_version for g in groups]
             staleness_s = [now - self._published_s[g.oldest_version] for g in groups]
             staleness_all += staleness

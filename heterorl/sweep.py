@@ -226,7 +226,8 @@ class Sweep:
             # what the cell asked for (base file + its overrides), not the resolved config: a new config key
             # with a default in a later release does not make finished cells stale
             asked = {k: v for k, v in cell.overrides.items() if k != "logging.run_dir"}  # a moved sweep dir is fine
-            digest = hashlib.sha256(json.dumps([base_text, asked], sort_keys=True, default=str).encode()).hexdigest()[:16]
+            asked_json = json.dumps([base_text, asked], sort_keys=True, default=str)
+            digest = hashlib.sha256(asked_json.encode()).hexdigest()[:16]
             if self.is_done(cell, digest):
                 continue
             todo.append((cell, text, digest))
@@ -294,7 +295,8 @@ class Sweep:
 
     def _progress_line(self, cell: Cell, ok: bool, finished: int, total: int, seconds: float) -> str:
         if not ok:
-            return f"[{finished}/{total}] {cell.name}: FAILED after {seconds:.0f} s (see {self.out / 'cells' / cell.name / 'log.txt'})"
+            log_path = self.out / "cells" / cell.name / "log.txt"
+            return f"[{finished}/{total}] {cell.name}: FAILED after {seconds:.0f} s (see {log_path})"
         s = json.loads((self.out / "cells" / cell.name / "summary.json").read_text())
         return (f"[{finished}/{total}] {cell.name}: success {s['base_success']:.3f} -> {s['final_success']:.3f} "
                 f"(best {s['best_success']:.3f}), staleness {s['staleness_mean']:.1f} (max {s['staleness_max']}), "
