@@ -358,12 +358,12 @@ def cmd_compare(args) -> int:
     losses = [x for x in args.losses.split(",") if x]
     seeds = [int(x) for x in args.seeds.split(",") if x]
     name = f"compare-{'-'.join(losses)}-d{args.delay}"
-    spec = SweepSpec(name=name, config=str(Path(config).resolve()), mode=args.mode, parallel=args.parallel,
-                     losses=losses, delays=[args.delay], seeds=seeds,
-                     overrides=dict(o.split("=", 1) for o in args.overrides if "=" in o))
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         raise HeteroRLError(f"override {bad[0]!r} is not of the form key=value (e.g. rl.steps=30)")
+    spec = SweepSpec(name=name, config=str(Path(config).resolve()), mode=args.mode, parallel=args.parallel,
+                     losses=losses, delays=[args.delay], seeds=seeds,
+                     overrides=dict(o.split("=", 1) for o in args.overrides))
     sweep = Sweep(None, spec=spec, out=args.out or Path("runs") / "compare" / name)
     failed = sweep.run()
     print()

@@ -113,6 +113,14 @@ def _histogram(values: list[int]) -> list[int]:
     return np.bincount(np.asarray(values, dtype=np.int64)).tolist() if values else []
 
 
+def held_out_success(cfg: Config, training: TrainingClient, sampler: SamplingClient, task: Task) -> float:
+    """Greedy success of the learner's current weights (``sampler`` wraps ``training.model``) on the task's
+    held-out problems."""
+    training.model.eval()
+    tokens = cfg.rl.eval_max_tokens or cfg.rollout.max_tokens
+    return evaluate(sampler, task, task.eval_problems(), tokens).success
+
+
 def batch_metrics(groups: list[Group], staleness: list[int], staleness_s: list[float]) -> dict:
     """Reward, completion length and staleness (in versions and seconds) of one batch of groups."""
     rewards = [t.reward for g in groups for t in g.trajectories]
@@ -173,10 +181,7 @@ class Learner:
 
     # -- helpers ------------------------------------------------------------------------------------
     def _evaluate(self) -> float:
-        cfg = self.cfg
-        self.training.model.eval()
-        tokens = cfg.rl.eval_max_tokens or cfg.rollout.max_tokens
-        return evaluate(self._eval_engine, self.task, self.task.eval_problems(), tokens).success
+        return held_out_success(self.cfg, self.training, self._eval_engine, self.task)
 
     def _publish(self) -> int:
         version, state = self.training.save_weights_for_sampler().result()

@@ -275,12 +275,17 @@ class TrainingClient:
         """Future of ``OptimStepOutput``: one AdamW step on the accumulated gradients, then zero them."""
         return self._executor.submit(self._optim_step, params or AdamParams())
 
-    def _snapshot(self) -> SamplingClient:
-        self.version += 1
+    def frozen_copy(self) -> torch.nn.Module:
+        """A copy of the model in eval mode with no gradients: a sampler's own weights."""
         frozen = copy.deepcopy(self.model).eval()
         for p in frozen.parameters():
             p.requires_grad_(False)
-        return SamplingClient(TorchEngine(frozen, self.tokenizer, device=self.device), self.tokenizer, self.version)
+        return frozen
+
+    def _snapshot(self) -> SamplingClient:
+        self.version += 1
+        return SamplingClient(TorchEngine(self.frozen_copy(), self.tokenizer, device=self.device), self.tokenizer,
+                              self.version)
 
     def _export(self) -> tuple[int, dict]:
         self.version += 1

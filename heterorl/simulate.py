@@ -36,8 +36,7 @@ from heterorl.config import Config
 from heterorl.delay import DelayLink
 from heterorl.engines.torch_engine import TorchEngine
 from heterorl.errors import HeteroRLError
-from heterorl.evaluation import evaluate
-from heterorl.learner import LearnerResult, batch_metrics, group_datums
+from heterorl.learner import LearnerResult, batch_metrics, group_datums, held_out_success
 from heterorl.protocol import Trajectory
 from heterorl.rollout import sampling_params, shard_rng, stamp_groups
 from heterorl.session import SamplingClient, TrainingClient
@@ -107,9 +106,8 @@ class Simulation:
         self._started = 0  # groups the fleet started (admission control)
         self._steps_done = 0  # learner steps finished and published
         self._lost = 0  # trajectories their link dropped
-        model = _frozen_copy(training)
-        self._sampler = SamplingClient(TorchEngine(model, training.tokenizer, device=cfg.policy.device),
-                                       training.tokenizer, version=-1)
+        self._sampler = SamplingClient(TorchEngine(training.frozen_copy(), training.tokenizer,
+                                                   device=cfg.policy.device), training.tokenizer, version=-1)
         self._eval = SamplingClient(TorchEngine(training.model, training.tokenizer, device=cfg.policy.device),
                                     training.tokenizer)
 
@@ -149,9 +147,7 @@ class Simulation:
                 w.wake(now)  # credit back (a no-op unless it waits; it rechecks what it waits for)
 
     def _evaluate(self) -> float:
-        self.training.model.eval()
-        tokens = self.cfg.rl.eval_max_tokens or self.cfg.rollout.max_tokens
-        return evaluate(self._eval, self.task, self.task.eval_problems(), tokens).success
+        return held_out_success(self.cfg, self.training, self._eval, self.task)
 
     # -- the worker side --------------------------------------------------------------------------
     def _run_workers(self, until: float, before: bool = False) -> None:
@@ -275,15 +271,6 @@ class Simulation:
             tokens_per_s=tokens_trained / now, learner_idle_frac=idle_s / now,
             worker_idle_frac=idle / (busy + idle) if busy + idle > 0 else 0.0, history=history,
         )
-
-
-def _frozen_copy(training: TrainingClient):
-    import copy
-
-    model = copy.deepcopy(training.model).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model
 
 
 def simulate_run(cfg: Config, progress=None) -> LearnerResult:
