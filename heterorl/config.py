@@ -113,6 +113,9 @@ class RuntimeConfig:
     learner_ranks: int = 1  # > 1: `heterorl train` runs the learner under torchrun as this many DDP ranks
     checkpoint_every: int = 25  # learner steps between checkpoints (0: only at the end)
     worker_timeout_s: float = 300.0  # learner fails if no data arrives and no worker is alive for this long
+    # before its first step the learner waits up to this long for `workers` workers to hold its weights, so
+    # a run does not start on whichever worker loaded its model first (0: start on the first data)
+    fleet_wait_s: float = 120.0
     learner_timeout_s: float = 300.0  # a worker exits if the learner stays silent this long
 
 

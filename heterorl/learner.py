@@ -193,6 +193,21 @@ class Learner:
         cap = self.buffer.admission_limit(self.state.step, self.cfg.rl.prompts_per_step)
         self.server.set_admission(cap, ahead=self.cfg.runtime.groups_per_call)
 
+    def _await_fleet(self) -> None:
+        """Wait up to ``runtime.fleet_wait_s`` until ``runtime.workers`` live workers hold weights (they said
+        hello, loaded their model and applied a version); start with those present when the wait runs out."""
+        cfg = self.cfg.runtime
+        deadline = time.monotonic() + cfg.fleet_wait_s
+
+        def ready() -> int:
+            return sum(w.alive and w.version_held >= 0 for w in self.server.workers())
+
+        while ready() < cfg.workers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if cfg.fleet_wait_s > 0 and ready() < cfg.workers:
+            log.warning("%d of %d workers ready after runtime.fleet_wait_s = %.0f s; training starts with them",
+                        ready(), cfg.workers, cfg.fleet_wait_s)
+
     def _ingest(self) -> None:
         """Background thread: move arrived trajectories from the transport into the buffer while the learner
         trains, so workers get their credits back at once. A full buffer (``buffer.max_groups``) stops the
@@ -267,6 +282,7 @@ class Learner:
                 self.logger.log(0, {"eval/success": base})
         version = self._publish()
         self._admit()
+        self._await_fleet()
         total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
         ingest = threading.Thread(target=self._ingest, name="heterorl-learner-ingest", daemon=True)
         ingest.start()

@@ -83,7 +83,7 @@ def test_train_async_runs_learner_and_workers_and_reports(tmp_path):
     for key in ("staleness/versions_hist", "staleness/seconds_mean", "learner/idle_frac", "workers/idle_frac",
                 "throughput/tokens_per_s", "is/weight_var", "kl/k3", "buffer/groups"):
         assert key in records[-1], key
-    # both workers took part (one may be briefly marked dead while it holds the GIL importing its model)
+    # both workers took part: the learner waited for both to hold its weights before its first step
     assert max(r["workers/alive"] for r in records) == 2 and records[-1]["transport/rejected"] == 0
     assert "held-out greedy success" in out.stdout and "staleness mean" in out.stdout
     for name in ("learner", "worker-0", "worker-1"):
@@ -202,7 +202,8 @@ def test_a_worker_with_a_skewed_clock_does_not_corrupt_staleness(tmp_path):
     from heterorl.tasks import make_task
     from heterorl.transport import LearnerServer, WorkerClient
 
-    cfg = load_config(write_config(tmp_path, steps=2))
+    # one hand-made worker, not the two the config names: start on its first data
+    cfg = load_config(write_config(tmp_path, steps=2), overrides=["runtime.fleet_wait_s=0"])
     task = make_task(cfg.task.name, dict(cfg.task.options))
     model, tokenizer = load_policy("maze-sft-base")
     training = TrainingClient(model, tokenizer, seed=0)
