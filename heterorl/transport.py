@@ -20,8 +20,8 @@ weights — learner ROUTER (bind PORT+1 unless given) ↔ a DEALER per worker.
     Pull-based chunked transfer with credit (the ZeroMQ guide's file-transfer
     pattern): a ``weights_notice`` on the control channel says a version is
     out; the worker asks for the header of the newest version released to it,
-    then keeps ``weights_pipeline`` chunk requests in flight. Each chunk has a
-    CRC-32, the whole a SHA-256. A worker that joins late or misses notices
+    then keeps ``weights_pipeline`` chunk requests in flight. Each chunk has an
+    XXH3-64 checksum; the header's byte and chunk counts guard the whole. A worker that joins late or misses notices
     always gets the newest whole version, never a diff. HWM ``weights_hwm``.
 
 Liveness: both sides send heartbeats every ``heartbeat_interval_s``; a peer
@@ -48,7 +48,6 @@ import os
 import socket as pysocket
 import threading
 import time
-import zlib
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +207,40 @@ def _receive(sock: zmq.Socket, handle, limit: int = 256) -> None:
         except zmq.Again:
             return
         handle(sock, frames)
+
+
+class _SendBuffers:
+    """Reusable buffers for outgoing trajectory batches. A fresh multi-megabyte array per message costs more
+    in page faults than the copy into it (the allocator gives freed memory back to the system and faults it
+    in again on the next message), so the worker keeps ``keep`` buffers and reuses each once ZeroMQ reports
+    it is done with the frames viewing it."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self.allocated = 0  # new buffers made (the rest of the messages reused one)
+        self._free: list[np.ndarray] = []
+        self._busy: list[tuple[np.ndarray, zmq.MessageTracker]] = []
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least ``nbytes``: a released one if it fits, else a new one."""
+        self._free += [buffer for buffer, tracker in self._busy if tracker.done]
+        self._busy = [(buffer, tracker) for buffer, tracker in self._busy if not tracker.done]
+        for i, buffer in enumerate(self._free):
+            if len(buffer) >= nbytes:
+                return self._free.pop(i)
+        if self._free and len(self._free) + len(self._busy) >= self.keep:
+            self._free.pop(0)  # too small for today's batches: let it go
+        self.allocated += 1
+        return np.empty(max(1 << 16, 1 << (nbytes - 1).bit_length()), np.uint8)  # headroom for bigger batches
+
+    def sent(self, buffer: np.ndarray, tracker: zmq.MessageTracker) -> None:
+        if len(self._free) + len(self._busy) < self.keep:
+            self._busy.append((buffer, tracker))
+
+    def unused(self, buffer: np.ndarray) -> None:
+        """``buffer`` was taken but nothing was sent from it."""
+        if len(self._free) + len(self._busy) < self.keep:
+            self._free.append(buffer)
 
 
 def _send(sock: zmq.Socket, frames: list, stats: Counter, what: str) -> bool:
@@ -641,7 +674,7 @@ class LearnerServer(_Endpoint):
             self.stats["weights/headers_sent"] += 1
             return
         data = packed.chunk(request.chunk)
-        chunk = WeightsChunk(version=packed.header.version, index=request.chunk, crc32=packed.chunk_crc(request.chunk),
+        chunk = WeightsChunk(version=packed.header.version, index=request.chunk, checksum=packed.chunk_checksum(request.chunk),
                              data=data)
         if _send(sock, [routing_id, *encode(chunk)], self.stats, "weights_chunk"):
             self.stats["weights/bytes_sent"] += len(data)
@@ -750,6 +783,7 @@ class WorkerClient(_Endpoint):
         self._clock = clock
         self._lock = threading.Condition()
         self._outbox: list = []  # heap of (due_time, sequence, Trajectory); a reordering delay link may reorder
+        self._send_buffers = _SendBuffers()  # used by the I/O thread only
         self._sequence = itertools.count()
         self._sent_session = 0
         self._credit_limit = 0
@@ -1009,10 +1043,15 @@ class WorkerClient(_Endpoint):
                 sent_at = time.time()
                 for _, _, traj in batch:
                     traj.sent_at = sent_at
+                message = TrajectoryBatch([t for _, _, t in batch])
+                buffer = self._send_buffers.take(message.payload_nbytes())
+                header, *data = encode(message, out=buffer)
+                frames = [zmq.Frame(frame, copy=False, track=True) for frame in data]
                 try:
-                    control.send_multipart(encode(TrajectoryBatch([t for _, _, t in batch])), flags=zmq.NOBLOCK,
-                                           copy=False)
+                    control.send_multipart([header, *frames], flags=zmq.NOBLOCK, copy=False)
+                    self._send_buffers.sent(buffer, zmq.MessageTracker(*frames))
                 except zmq.Again:
+                    self._send_buffers.unused(buffer)
                     self.stats["send_blocked"] += 1
                     for item in batch:  # HWM reached: keep them queued, try on the next loop
                         heapq.heappush(self._outbox, item)

@@ -2,20 +2,19 @@
 
 Tensors are laid out back to back in name order as raw little-endian bytes;
 the layout (names, dtypes, shapes) travels in a :class:`WeightsHeader`; each
-chunk carries its CRC-32. The receiver checks each chunk as it arrives and
-rebuilds tensors as views of the reassembled buffer (no second copy).
+chunk carries its XXH3-64 checksum. The receiver checks each chunk as it
+arrives and rebuilds tensors as views of the reassembled buffer (no second copy).
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from heterorl.protocol import TENSOR_DTYPES, ProtocolError, WeightsHeader
+from heterorl.protocol import TENSOR_DTYPES, ProtocolError, WeightsHeader, chunk_checksum
 
 _TORCH_DTYPES = {
     torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64",
@@ -30,17 +29,17 @@ class PackedWeights:
 
     header: WeightsHeader
     buffer: np.ndarray  # uint8
-    crcs: dict = field(default_factory=dict)  # chunk index → CRC-32, computed on first request
+    checksums: dict = field(default_factory=dict)  # chunk index → XXH3-64, computed on first request
 
     def chunk(self, index: int) -> memoryview:
         start = index * self.header.chunk_bytes
         return memoryview(self.buffer[start:start + self.header.chunk_bytes])
 
-    def chunk_crc(self, index: int) -> int:
-        """The chunk's CRC-32, computed once (lazily, so checksumming overlaps the transfer)."""
-        if index not in self.crcs:
-            self.crcs[index] = zlib.crc32(self.chunk(index))
-        return self.crcs[index]
+    def chunk_checksum(self, index: int) -> int:
+        """The chunk's checksum, computed once (lazily, so checksumming overlaps the transfer)."""
+        if index not in self.checksums:
+            self.checksums[index] = chunk_checksum(self.chunk(index))
+        return self.checksums[index]
 
 
 def pack_state_dict(state: dict[str, torch.Tensor], version: int, chunk_bytes: int = 4 * 2**20) -> PackedWeights:
@@ -69,7 +68,7 @@ def pack_state_dict(state: dict[str, torch.Tensor], version: int, chunk_bytes: i
 
 def unpack_state_dict(header: WeightsHeader, buffer) -> dict[str, torch.Tensor]:
     """Tensors viewing ``buffer`` (a writable uint8 array or bytearray holding every chunk, each already
-    checked against its CRC-32 on arrival)."""
+    checked against its checksum on arrival)."""
     if len(buffer) != header.total_bytes:
         raise ProtocolError("total_bytes", f"received {len(buffer)} bytes, header says {header.total_bytes}",
                             "length_mismatch")

@@ -1,7 +1,6 @@
 """Wire protocol: every message round-trips; every malformed frame is one ProtocolError naming the field."""
 
 import math
-import zlib
 
 import msgpack
 import numpy as np
@@ -12,7 +11,7 @@ from hypothesis import strategies as st
 
 from heterorl.protocol import (
     SCHEMA_VERSION, Ack, Bye, Heartbeat, Hello, Limits, ProtocolError, Ready, Trajectory, TrajectoryBatch,
-    WeightsChunk, WeightsHeader, WeightsNotice, WeightsRequest, decode, encode,
+    WeightsChunk, WeightsHeader, WeightsNotice, WeightsRequest, chunk_checksum, decode, encode,
 )
 from heterorl.weights import pack_state_dict, unpack_state_dict
 
@@ -88,7 +87,7 @@ def test_weights_round_trip_through_chunks_with_checksums():
     buffer = bytearray(header.total_bytes)
     for i in range(header.num_chunks):
         data = packed.chunk(i)
-        chunk = decode(encode(WeightsChunk(5, i, zlib.crc32(data), data)))
+        chunk = decode(encode(WeightsChunk(5, i, chunk_checksum(data), data)))
         assert chunk.data.obj is data.obj  # the chunk frame is viewed, not copied
         buffer[i * 1000:i * 1000 + len(chunk.data)] = chunk.data
     got = unpack_state_dict(header, buffer)
@@ -100,10 +99,10 @@ def test_weights_round_trip_through_chunks_with_checksums():
 def test_corrupted_weights_fail_their_checksums():
     packed = pack_state_dict({"w": torch.ones(100)}, version=1, chunk_bytes=128)
     data = bytearray(packed.chunk(0))
-    crc = zlib.crc32(data)
+    checksum = chunk_checksum(data)
     data[3] ^= 0xFF
-    rejects(encode(WeightsChunk(1, 0, crc, bytes(data))), "data", "checksum")
-    assert packed.chunk_crc(0) == crc and packed.chunk_crc(1) == zlib.crc32(packed.chunk(1))
+    rejects(encode(WeightsChunk(1, 0, checksum, bytes(data))), "data", "checksum")
+    assert packed.chunk_checksum(0) == checksum and packed.chunk_checksum(1) == chunk_checksum(packed.chunk(1))
     with pytest.raises(ProtocolError, match="total_bytes"):
         unpack_state_dict(packed.header, bytearray(packed.header.total_bytes - 1))
 
