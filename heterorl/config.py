@@ -41,8 +41,8 @@ class PolicyConfig:
 @dataclass
 class RolloutConfig:
     group_size: int = 8  # completions per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # the learner scores log-probs at the same temperature (0: greedy, scored at 1)
+    top_p: float = 1.0  # truncation the learner cannot reproduce: importance weights then drift from 1
     top_k: int = 0
     max_tokens: int = 32
 

@@ -24,11 +24,17 @@ def selected_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """``out[b, t] = log p(input_ids[b, t+1] | input_ids[b, :t+1])``, shape (B, T-1).
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """``out[b, t] = log p(input_ids[b, t+1] | input_ids[b, :t+1])``, shape (B, T-1), under the model's
+    distribution at ``temperature`` (logits divided by it, as a sampler at that temperature draws).
 
     Positions past a row's length hold garbage; mask them with ``attention_mask[:, 1:]``.
     Gradients flow when called with grad enabled.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    return selected_logprobs(logits[:, :-1], input_ids[:, 1:])
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: log-probs need a temperature > 0")
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    if temperature != 1.0:
+        logits = logits.float() / temperature
+    return selected_logprobs(logits, input_ids[:, 1:])

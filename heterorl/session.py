@@ -171,14 +171,19 @@ class TrainingClient:
             self._forward_model = DistributedDataParallel(self.model, device_ids=ids)  # syncs rank 0's weights
 
     # -- loss computation -------------------------------------------------
-    def _loss_batch(self, datums: Sequence[Datum], with_grad: bool) -> gepo.LossBatch:
+    def _loss_batch(self, datums: Sequence[Datum], with_grad: bool, temperature: float = 1.0) -> gepo.LossBatch:
         if not datums:
             raise HeteroRLError("forward/forward_backward got no datums")
+        if not (isinstance(temperature, (int, float)) and temperature > 0):
+            raise HeteroRLError(f"temperature={temperature!r}: give the sampling temperature (> 0) the "
+                                "completions were drawn at")
         for i, datum in enumerate(datums):
             datum.validate(i)
         input_ids, attention_mask = pad_right([d.tokens for d in datums], self.pad_token_id, self.device)
         with torch.set_grad_enabled(with_grad):
-            logprobs = token_logprobs(self._forward_model if with_grad else self.model, input_ids, attention_mask)  # (B, T-1), predicts tokens[1:]
+            # (B, T-1), predicts tokens[1:]
+            logprobs = token_logprobs(self._forward_model if with_grad else self.model, input_ids, attention_mask,
+                                      temperature)
         width = max(d.completion_len for d in datums)
         # completion token j of datum i sits at input column prompt_len + j, predicted by logprobs column prompt_len + j − 1
         cols = torch.stack(
@@ -231,10 +236,10 @@ class TrainingClient:
             raise HeteroRLError(str(exc).strip("'\"")) from None
         return spec.fn, config
 
-    def _run_loss(self, datums, loss_fn, loss_config, backward: bool) -> ForwardBackwardOutput:
+    def _run_loss(self, datums, loss_fn, loss_config, backward: bool, temperature: float) -> ForwardBackwardOutput:
         fn, config = self._resolve_loss(loss_fn, loss_config)
         self.model.train(backward)
-        batch = self._loss_batch(datums, with_grad=backward)
+        batch = self._loss_batch(datums, with_grad=backward, temperature=temperature)
         loss, metrics = fn(batch, config)
         if not torch.isfinite(loss):
             raise HeteroRLError(f"loss is {float(loss)} (not finite); metrics: {metrics}")
@@ -244,13 +249,18 @@ class TrainingClient:
         return ForwardBackwardOutput(loss=float(loss.detach()), metrics=metrics, logprobs=logprobs)
 
     # -- primitives ---------------------------------------------------------
-    def forward(self, datums: Sequence[Datum], loss_fn: LossFnArg = "cross_entropy", loss_config=None) -> Future:
-        """Future of ``ForwardBackwardOutput`` without touching gradients."""
-        return self._executor.submit(self._run_loss, list(datums), loss_fn, loss_config, False)
+    def forward(self, datums: Sequence[Datum], loss_fn: LossFnArg = "cross_entropy", loss_config=None, *,
+                temperature: float = 1.0) -> Future:
+        """Future of ``ForwardBackwardOutput`` without touching gradients (see ``forward_backward``)."""
+        return self._executor.submit(self._run_loss, list(datums), loss_fn, loss_config, False, temperature)
 
-    def forward_backward(self, datums: Sequence[Datum], loss_fn: LossFnArg = "cross_entropy", loss_config=None) -> Future:
-        """Future of ``ForwardBackwardOutput``; gradients accumulate until ``optim_step``."""
-        return self._executor.submit(self._run_loss, list(datums), loss_fn, loss_config, True)
+    def forward_backward(self, datums: Sequence[Datum], loss_fn: LossFnArg = "cross_entropy", loss_config=None, *,
+                         temperature: float = 1.0) -> Future:
+        """Future of ``ForwardBackwardOutput``; gradients accumulate until ``optim_step``.
+
+        ``temperature``: the one the completions were sampled at. The learner's log-probs are then those of
+        the same tempered distribution as the behaviour log-probs, so on-policy importance weights are 1."""
+        return self._executor.submit(self._run_loss, list(datums), loss_fn, loss_config, True, temperature)
 
     def _optim_step(self, params: AdamParams) -> OptimStepOutput:
         if self.optimizer is None:

@@ -99,7 +99,8 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
             continue
         if world > 1:
             batch = [d for g in group_rows(batch)[rank::world] for d in g]
-        out = training.forward_backward(batch, cfg.loss.name, loss_options(cfg)).result()
+        out = training.forward_backward(batch, cfg.loss.name, loss_options(cfg),
+                                        temperature=cfg.rollout.temperature or 1.0).result()
         lr = learning_rate(training.step + 1, cfg.optim.lr, total_updates, cfg.optim.warmup_steps,
                            cfg.optim.schedule, cfg.optim.min_lr_ratio)
         optim = training.optim_step(AdamParams(

@@ -60,6 +60,27 @@ def test_forward_reports_completion_logprobs(training, tiny_policy):
     assert out.loss == pytest.approx(float(-expected.mean()), abs=1e-5)
 
 
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.5])
+def test_learner_logprobs_match_the_samplers_at_its_temperature(training, tiny_policy, temperature):
+    """On-policy, the learner's log-probs of sampled tokens equal the sampler's at the same temperature, so
+    importance weights are exactly 1; at temperature 1 they would not be (unless it is 1)."""
+    _, tok = tiny_policy
+    sampler = training.save_weights_and_get_sampling_client()
+    prompt = tok("S.#\n..G\n>")["input_ids"]
+    params = SamplingParams(max_tokens=6, temperature=temperature, seed=3)
+    samples = sampler.sample(prompt, num_samples=6, sampling_params=params).result()
+    datums = [Datum(tokens=prompt + s.tokens, prompt_len=len(prompt), behaviour_logprobs=s.logprobs) for s in samples]
+    out = training.forward(datums, temperature=temperature).result()
+    for d, got in zip(datums, out.logprobs):
+        assert torch.allclose(torch.tensor(got), torch.tensor(d.behaviour_logprobs), atol=1e-4)
+    if temperature != 1.0:
+        plain = training.forward(datums).result()
+        assert not all(torch.allclose(torch.tensor(a), torch.tensor(d.behaviour_logprobs), atol=1e-3)
+                       for d, a in zip(datums, plain.logprobs))
+    with pytest.raises(HeteroRLError, match="temperature"):
+        training.forward(datums, temperature=0).result()
+
+
 def test_sampling_client_is_a_frozen_versioned_snapshot(training, tiny_policy):
     _, tok = tiny_policy
     sampler = training.save_weights_and_get_sampling_client()
