@@ -13,6 +13,7 @@ from gepo.advantages import (
     group_centered,
     group_mean,
     group_normalized,
+    raw_reward,
 )
 from gepo.batch import LossBatch, LossInputError, masked_mean
 from gepo.losses import RLConfig
@@ -34,5 +35,6 @@ __all__ = [
     "loss_names",
     "make_loss_config",
     "masked_mean",
+    "raw_reward",
     "register_loss",
 ]

@@ -33,6 +33,13 @@ def group_normalized(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float 
     return centred / (std[index] + eps)
 
 
+def raw_reward(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """A_i = r_i: REINFORCE without a baseline. With 0/1 rewards only the successful completions carry
+    gradient, so the update is cross-entropy on them (rejection-sampling fine-tuning, RAFT / ReST-EM): it
+    never pushes probability away from a failed completion's tokens, which tolerates larger learning rates."""
+    return rewards.clone()
+
+
 def bnpo(rewards: torch.Tensor, group_ids: torch.Tensor, max_weight: float = 1e6) -> torch.Tensor:
     """BNPO's Beta re-weighting (Xiao et al. 2025, arXiv 2506.02864), as the GEPO authors ran it.
 
@@ -60,7 +67,8 @@ def bnpo(rewards: torch.Tensor, group_ids: torch.Tensor, max_weight: float = 1e6
     return weight[index] * (rewards - means.to(rewards.dtype)[index])
 
 
-ADVANTAGE_ESTIMATORS = {"group_centered": group_centered, "group_normalized": group_normalized, "bnpo": bnpo}
+ADVANTAGE_ESTIMATORS = {"group_centered": group_centered, "group_normalized": group_normalized, "bnpo": bnpo,
+                        "raw_reward": raw_reward}
 ADVANTAGE_CHOICES = (*ADVANTAGE_ESTIMATORS, "given")
 
 

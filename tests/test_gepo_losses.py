@@ -200,6 +200,20 @@ def test_bnpo_advantages_by_hand():
     assert torch.allclose(gepo.bnpo(rewards[:4], groups[:4]), rewards[:4] - 0.25)
 
 
+def test_raw_reward_advantage_is_cross_entropy_on_the_successes():
+    """A = r with 0/1 rewards: on-policy GRPO's gradient is minus the mean-token log-prob gradient of the
+    successful rows only; failed rows get none."""
+    lp = torch.tensor([[-0.5, -1.0], [-0.2, -0.3], [-2.0, -0.1]], dtype=F64, requires_grad=True)
+    batch = gepo.LossBatch(logprobs=lp, mask=torch.ones(3, 2, dtype=F64), behaviour_logprobs=lp.detach().clone(),
+                           rewards=torch.tensor([1.0, 0.0, 1.0], dtype=F64), group_ids=torch.tensor([0, 0, 1]))
+    assert torch.equal(gepo.raw_reward(batch.rewards, batch.group_ids), batch.rewards)
+    loss, _ = run("grpo", batch, advantage="raw_reward")
+    loss.backward()
+    rows = lp.grad.abs().sum(-1)
+    assert rows[1].item() == 0 and rows[0].item() > 0 and rows[2].item() > 0
+    assert torch.allclose(lp.grad[0], lp.grad[2]) and (lp.grad[[0, 2]] < 0).all()
+
+
 def test_bnpo_loss_by_hand():
     batch = batch_of([[-1.0, -1.0], [-1.0, 0.0]], [[-1.0, -1.0], [-1.0, 0.0]], [[1, 1], [1, 0]],
                      advantages=[2.0, -1.0])
