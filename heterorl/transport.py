@@ -371,6 +371,7 @@ class LearnerServer(_Endpoint):
         self._by_routing: dict[bytes, str] = {}
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._versions: OrderedDict[int, PackedWeights] = OrderedDict()
+        self._retired: deque[PackedWeights] = deque(maxlen=2)  # dropped versions whose buffers publish reuses
         self._publish_times: dict[int, float] = {}
         self._newest = -1
         self._admission_cap: int | None = None  # total groups the fleet may start (None: no admission control)
@@ -414,8 +415,16 @@ class LearnerServer(_Endpoint):
             return len(self._buffer)
 
     def publish(self, version: int, state: dict) -> None:
-        """Make ``state`` available as ``version`` (strictly increasing); workers are notified after their delay."""
-        packed = pack_state_dict(state, version, self.config.weights_chunk_bytes)
+        """Make ``state`` available as ``version`` (strictly increasing); workers are notified after their delay.
+        The tensors are copied once, into the buffer of a retired version when one is free."""
+        with self._lock:
+            if version <= self._newest:
+                raise TransportError(f"weights version {version} is not newer than {self._newest}")
+            spare = next((p for p in self._retired if not p.in_flight()), None)
+            if spare is not None:
+                self._retired.remove(spare)
+        packed = pack_state_dict(state, version, self.config.weights_chunk_bytes,
+                                 out=spare.buffer if spare is not None else None)
         with self._lock:
             if version <= self._newest:
                 raise TransportError(f"weights version {version} is not newer than {self._newest}")
@@ -669,14 +678,19 @@ class LearnerServer(_Endpoint):
             if released is None:
                 return  # nothing released yet (the worker asks again on the next notice)
             packed = self._versions.get(request.version) if request.chunk >= 0 else None
+            if packed is not None and request.chunk < packed.header.num_chunks:
+                # under the lock: once tracked, publish will not reuse the buffer until ZeroMQ is done with it
+                data = packed.chunk(request.chunk)
+                chunk = WeightsChunk(version=packed.header.version, index=request.chunk,
+                                     checksum=packed.chunk_checksum(request.chunk))
+                frame = zmq.Frame(data, copy=False, track=True)
+                packed.track(zmq.MessageTracker(frame))
         if packed is None or request.chunk >= packed.header.num_chunks:
             _send(sock, [routing_id, *encode(released.header)], self.stats, "weights_header")
             self.stats["weights/headers_sent"] += 1
             return
-        data = packed.chunk(request.chunk)
-        chunk = WeightsChunk(version=packed.header.version, index=request.chunk, checksum=packed.chunk_checksum(request.chunk),
-                             data=data)
-        if _send(sock, [routing_id, *encode(chunk)], self.stats, "weights_chunk"):
+        header, _ = encode(chunk)
+        if _send(sock, [routing_id, header, frame], self.stats, "weights_chunk"):
             self.stats["weights/bytes_sent"] += len(data)
 
     def _schedule_notice(self, worker: WorkerInfo, version: int, now: float, size: int) -> None:
@@ -698,11 +712,13 @@ class LearnerServer(_Endpoint):
                 break
             if oldest in needed:
                 self.stats["weights/retention_skips"] += 1
-            del self._versions[oldest]
-            self._publish_times.pop(oldest, None)
+            self._retire(oldest)
         for v in [v for v in self._versions if v not in needed and v != self._newest]:
-            del self._versions[v]
-            self._publish_times.pop(v, None)
+            self._retire(v)
+
+    def _retire(self, version: int) -> None:
+        self._retired.append(self._versions.pop(version))
+        self._publish_times.pop(version, None)
 
     def _reclaim_starts(self, worker: WorkerInfo) -> None:
         """Return a dead or rejoining worker's unused admission permits to the fleet, so permits held by a

@@ -30,6 +30,17 @@ class PackedWeights:
     header: WeightsHeader
     buffer: np.ndarray  # uint8
     checksums: dict = field(default_factory=dict)  # chunk index → XXH3-64, computed on first request
+    trackers: list = field(default_factory=list)  # zmq.MessageTrackers of chunk frames that view the buffer
+
+    def track(self, tracker) -> None:
+        """Note a frame viewing the buffer that ZeroMQ may still be sending."""
+        if len(self.trackers) >= 64:
+            self.trackers = [t for t in self.trackers if not t.done]
+        self.trackers.append(tracker)
+
+    def in_flight(self) -> bool:
+        """True while ZeroMQ may still read the buffer (it must not be overwritten)."""
+        return any(not t.done for t in self.trackers)
 
     def chunk(self, index: int) -> memoryview:
         start = index * self.header.chunk_bytes
@@ -42,8 +53,10 @@ class PackedWeights:
         return self.checksums[index]
 
 
-def pack_state_dict(state: dict[str, torch.Tensor], version: int, chunk_bytes: int = 4 * 2**20) -> PackedWeights:
-    """Copy ``state`` (CPU or GPU tensors) once into one buffer and describe it."""
+def pack_state_dict(state: dict[str, torch.Tensor], version: int, chunk_bytes: int = 4 * 2**20,
+                    out: np.ndarray | None = None) -> PackedWeights:
+    """Copy ``state`` (CPU or GPU tensors) once into one buffer and describe it. ``out``: a uint8 array to
+    reuse as that buffer when its size is exactly right (a retired version's: no fresh pages to fault in)."""
     names = sorted(state)
     tensors = []
     for name in names:
@@ -53,7 +66,8 @@ def pack_state_dict(state: dict[str, torch.Tensor], version: int, chunk_bytes: i
                              f"cast it to one of {sorted(_TORCH_DTYPES.values())}")
         tensors.append(tensor)
     sizes = [t.numel() * t.element_size() for t in tensors]
-    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    reuse = out is not None and out.dtype == np.uint8 and out.ndim == 1 and len(out) == sum(sizes)
+    flat = torch.from_numpy(out) if reuse else torch.empty(sum(sizes), dtype=torch.uint8)
     offset = 0
     for tensor, size in zip(tensors, sizes):
         if size:  # a byte view of the tensor (bfloat16 included), copied straight from its device
