@@ -63,4 +63,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['staleness']:>10.2f}")
     ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
     print(f"async / sync: {ratio:.2f}x  (target >= 1.6x; the limit is 2x: sampling and training fully overlapped)")
+    bound = overlap_bound(results["sync"]["learner_idle"], results["sync"]["worker_idle"])
+    if bound is not None:
+        print(f"overlap bound of this workload: {bound:.2f}x (sync-mode busy shares: learner "
+              f"{1 - results['sync']['learner_idle']:.0%}, worker {1 - results['sync']['worker_idle']:.0%}); "
+              f"async reached {ratio / bound:.0%} of it")
     return 0
+
+
+def overlap_bound(learner_idle: float, worker_idle: float) -> float | None:
+    """The best async/sync ratio a perfect overlap can give: (T + S) / max(T, S), with T and S the learner's
+    and the worker's busy shares of a sync step. 2x only when training and sampling take equally long."""
+    train, sample = 1 - learner_idle, 1 - worker_idle
+    if max(train, sample) <= 0:
+        return None
+    return (train + sample) / max(train, sample)
