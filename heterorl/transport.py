@@ -21,8 +21,9 @@ weights — learner ROUTER (bind PORT+1 unless given) ↔ a DEALER per worker.
     pattern): a ``weights_notice`` on the control channel says a version is
     out; the worker asks for the header of the newest version released to it,
     then keeps ``weights_pipeline`` chunk requests in flight. Each chunk has an
-    XXH3-64 checksum; the header's byte and chunk counts guard the whole. A worker that joins late or misses notices
-    always gets the newest whole version, never a diff. HWM ``weights_hwm``.
+    XXH3-64 checksum; the header's byte and chunk counts guard the whole. A
+    worker that joins late or misses notices always gets the newest whole
+    version, never a diff. HWM ``weights_hwm``.
 
 Liveness: both sides send heartbeats every ``heartbeat_interval_s``; a peer
 silent for ``heartbeat_timeout_s`` is marked dead (learner: in the worker
