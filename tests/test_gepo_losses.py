@@ -436,7 +436,7 @@ def test_bad_inputs_are_errors_naming_the_field_and_the_fix():
 
 
 def test_bad_options_are_errors_listing_the_choices():
-    with pytest.raises(ValueError, match="advantage='std'.*group_centered, group_normalized, bnpo, given"):
+    with pytest.raises(ValueError, match="advantage='std'.*group_centered, group_normalized, bnpo, raw_reward, given"):
         gepo.make_loss_config("gepo", {"advantage": "std"})
     with pytest.raises(ValueError, match="group_by='prompts'.*'prompt', 'batch'"):
         gepo.make_loss_config("gepo", {"group_by": "prompts"})
