@@ -110,21 +110,33 @@ class _Inbox:
 
 def _ours_sender(address: str, worker_id: str, prompt_tokens: int, completion_tokens: int,
                  commands: Any, reports: Any) -> None:
-    """Per command ``n``: send ``n`` trajectories as fast as credit allows, report CPU used; None ends."""
+    """Per command ``n``: send ``n`` trajectories as fast as credit allows, report CPU used; None ends.
+
+    The trajectories of the next round are made between rounds, as the raw sender's frame is made before
+    it starts: both time moving data they already hold, not making it."""
     from heterorl.transport import WorkerClient
 
     base = _trajectory(worker_id, prompt_tokens, completion_tokens)
+    made = 0
+
+    def make(count: int) -> list:
+        nonlocal made
+        out = [dataclasses.replace(base, trajectory_id=f"{worker_id}-{made + i}") for i in range(count)]
+        made += count
+        return out
+
     with WorkerClient(address, worker_id) as client:
         client.wait_ready(_TIMEOUT_S)
         reports.put(("ready", worker_id))
-        sent = 0
+        ready: list = []
         while (n := commands.get(timeout=_TIMEOUT_S)) is not None:
+            ready += make(max(0, n - len(ready)))  # only the first round of a new size makes them here
             cpu = _cpu_s()
-            for _ in range(n):
-                client.send(dataclasses.replace(base, trajectory_id=f"{worker_id}-{sent}"), _TIMEOUT_S)
-                sent += 1
+            for traj in ready[:n]:
+                client.send(traj, _TIMEOUT_S)
             client.flush(_TIMEOUT_S)
             reports.put(("done", worker_id, _cpu_s() - cpu))
+            ready = make(n)  # the next round is usually the same size
 
 
 def _raw_sender(address: str, worker_id: str, frame: bytes, commands: Any, reports: Any) -> None:

@@ -84,6 +84,15 @@ def test_bench_losses_times_every_loss_against_grpo():
     assert rows["grpo"][-1] == "1.00x" and float(rows["gepo"][-1].rstrip("x")) > 0
 
 
+def test_bench_transport_measures_both_channels_against_raw_pyzmq():
+    out = heterorl("bench", "transport", "--trajectories", "400", "--workers", "1,2", "--prompt-tokens", "64",
+                   "--completion-tokens", "256", "--weights-mib", "8", "--repeats", "1")
+    assert out.returncode == 0, out.stderr
+    ratios = [float(part.split("x")[0]) for part in out.stdout.split("ratio ")[1:]]
+    assert len(ratios) == 3 and all(r > 0 for r in ratios)  # 1 worker, 2 workers, weights
+    assert "trajectories, 2 workers" in out.stdout and "receiver peak RSS" in out.stdout
+
+
 def test_keys_makes_a_curve_pair_and_never_overwrites_one(tmp_path):
     import zmq.auth
 
