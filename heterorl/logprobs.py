@@ -30,10 +30,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     distribution at ``temperature`` (logits divided by it, as a sampler at that temperature draws).
 
     Positions past a row's length hold garbage; mask them with ``attention_mask[:, 1:]``.
-    Gradients flow when called with grad enabled.
+    Gradients flow when called with grad enabled. ``temperature`` must be > 0 (callers check it).
     """
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature}: log-probs need a temperature > 0")
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
     if temperature != 1.0:
         logits = logits.float() / temperature
