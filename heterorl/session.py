@@ -29,7 +29,7 @@ import gepo
 from heterorl.engines.base import SampleOutput, SamplingEngine, SamplingParams
 from heterorl.engines.torch_engine import TorchEngine
 from heterorl.errors import HeteroRLError
-from heterorl.logprobs import pad_right, token_logprobs
+from heterorl.logprobs import packed_completion_logprobs, pad_right, prompt_groups, should_pack, token_logprobs
 
 
 @dataclass
@@ -149,14 +149,19 @@ class TrainingClient:
     """
 
     def __init__(self, model, tokenizer, *, device: str = "cpu", seed: int | None = None,
-                 data_parallel: bool = False):
+                 data_parallel: bool = False, share_prompts: bool = True):
         """``data_parallel``: when torch.distributed is initialised with several ranks, wrap the model in
         DistributedDataParallel (gloo on CPU, NCCL on GPU) so ``forward_backward`` averages gradients over the
-        ranks; every rank must then call the same primitives in the same order."""
+        ranks; every rank must then call the same primitives in the same order.
+
+        ``share_prompts``: run a prompt that several datums repeat once per forward (a group's completions
+        packed into one row behind it, each seeing only the prompt and itself): same log-probs and gradients,
+        a fraction of the tokens. Off, every datum is its own row."""
         self.model = model.to(device)
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.share_prompts = share_prompts
         self.version = 0
         self.step = 0
         self.optimizer: torch.optim.AdamW | None = None
@@ -179,17 +184,8 @@ class TrainingClient:
                                 "completions were drawn at")
         for i, datum in enumerate(datums):
             datum.validate(i)
-        input_ids, attention_mask = pad_right([d.tokens for d in datums], self.pad_token_id, self.device)
-        with torch.set_grad_enabled(with_grad):
-            # (B, T-1), predicts tokens[1:]
-            logprobs = token_logprobs(self._forward_model if with_grad else self.model, input_ids, attention_mask,
-                                      temperature)
-        width = max(d.completion_len for d in datums)
-        # completion token j of datum i sits at input column prompt_len + j, predicted by logprobs column prompt_len + j − 1
-        cols = torch.stack(
-            [torch.arange(width) + d.prompt_len - 1 for d in datums]
-        ).clamp(max=logprobs.shape[1] - 1).to(self.device)
-        completion_logprobs = logprobs.gather(1, cols)
+        completion_logprobs = self._completion_logprobs(datums, with_grad, temperature)
+        width = completion_logprobs.shape[1]
         mask = torch.zeros((len(datums), width), device=self.device)
         behaviour = torch.zeros_like(mask) if datums[0].behaviour_logprobs is not None else None
         versions = torch.zeros_like(mask, dtype=torch.long) if datums[0].policy_versions is not None else None
@@ -223,6 +219,28 @@ class TrainingClient:
             policy_versions=versions,
             current_version=self.version,
         )
+
+    def _completion_logprobs(self, datums: Sequence[Datum], with_grad: bool, temperature: float) -> torch.Tensor:
+        """(B, longest completion) log-probs of each datum's completion tokens; past a completion's end, garbage.
+
+        Datums that repeat a prompt (a group's completions) are packed one row per prompt when the model
+        allows it and it pays (``heterorl.logprobs.should_pack``); ``share_prompts=False`` turns that off."""
+        forward_model = self._forward_model if with_grad else self.model
+        tokens, prompt_lens = [d.tokens for d in datums], [d.prompt_len for d in datums]
+        with torch.set_grad_enabled(with_grad):
+            if self.share_prompts:
+                groups = prompt_groups(tokens, prompt_lens)
+                if should_pack(self.model, tokens, prompt_lens, groups):
+                    return packed_completion_logprobs(self.model, tokens, prompt_lens, groups, self.pad_token_id,
+                                                      temperature, forward_model, self.device)
+            input_ids, attention_mask = pad_right(tokens, self.pad_token_id, self.device)
+            logprobs = token_logprobs(forward_model, input_ids, attention_mask, temperature)  # predicts tokens[1:]
+        width = max(d.completion_len for d in datums)
+        # completion token j of datum i sits at input column prompt_len + j, predicted by logprobs column prompt_len + j − 1
+        cols = torch.stack(
+            [torch.arange(width) + d.prompt_len - 1 for d in datums]
+        ).clamp(max=logprobs.shape[1] - 1).to(self.device)
+        return logprobs.gather(1, cols)
 
     @staticmethod
     def _resolve_loss(loss_fn: LossFnArg, loss_config):

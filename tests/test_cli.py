@@ -69,11 +69,13 @@ def test_sft_end_to_end_writes_policy_logs_and_wandb(tmp_path):
 
 
 def test_bench_engine_prints_a_ratio():
-    out = heterorl("bench", "engine", "--batch", "8", "--max-tokens", "4", "--repeats", "1")
+    out = heterorl("bench", "engine", "--batch", "8", "--group-size", "4", "--max-tokens", "4", "--repeats", "1")
     assert out.returncode == 0, out.stderr
-    assert "ratio (ours / generate)" in out.stdout
-    ratio = float(out.stdout.split("ratio (ours / generate)")[1].split("x")[0])
-    assert ratio > 0
+    ratios = [float(part.split("x")[0]) for part in out.stdout.split("ratio (ours / generate)")[1:]]
+    assert len(ratios) == 2 and min(ratios) > 0  # distinct prompts, then groups
+    assert "2 prompts x 4 samples" in out.stdout
+    packed = float(out.stdout.split("ratio (packed / per row)")[1].split("x")[0])
+    assert packed > 0
 
 
 def test_bench_losses_times_every_loss_against_grpo():
@@ -91,6 +93,18 @@ def test_bench_transport_measures_both_channels_against_raw_pyzmq():
     ratios = [float(part.split("x")[0]) for part in out.stdout.split("ratio ")[1:]]
     assert len(ratios) == 3 and all(r > 0 for r in ratios)  # 1 worker, 2 workers, weights
     assert "trajectories, 2 workers" in out.stdout and "receiver peak RSS" in out.stdout
+
+
+def test_bench_async_runs_both_modes_and_prints_ratio_and_bound():
+    out = heterorl("bench", "async", "--steps", "4", "--prompts", "4", "--group-size", "4")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+            if line.startswith(("  sync ", "  async "))}
+    assert set(rows) == {"sync", "async"} and all(float(r[1]) > 0 for r in rows.values())
+    assert float(rows["sync"][-1]) == 0.0  # sync trains on-policy only
+    ratio = float(out.stdout.split("async / sync:")[1].split("x")[0])
+    bound = float(out.stdout.split("overlap bound of this workload:")[1].split("x")[0])
+    assert ratio > 0 and 1.0 <= bound <= 2.0
 
 
 def test_keys_makes_a_curve_pair_and_never_overwrites_one(tmp_path):

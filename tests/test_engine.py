@@ -91,6 +91,21 @@ def test_same_seed_same_samples_and_different_seed_differs(engine, tiny_policy):
     assert tokens(a) != tokens(c)
 
 
+def test_a_prompt_prefilled_once_samples_as_if_every_row_were_prefilled(engine, tiny_policy):
+    """num_samples > 1 prefills each prompt once and repeats its KV cache; the rows then draw the same
+    tokens with the same log-probs as the same rows prefilled one by one (same seed, same row order)."""
+    _, tok = tiny_policy
+    prompts = _prompts(tok)  # different lengths: the repeated cache carries the left padding too
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=5)
+    shared = [s for g in engine.generate(prompts, params, num_samples=4) for s in g]
+    rows = [p for p in prompts for _ in range(4)]
+    alone = [g[0] for g in engine.generate(rows, params, num_samples=1)]
+    assert [s.tokens for s in shared] == [s.tokens for s in alone]
+    for a, b in zip(shared, alone):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    assert len({tuple(s.tokens) for s in shared}) > 3  # the samples of a prompt differ
+
+
 def test_stop_reasons_and_stop_tokens(engine, tiny_policy):
     _, tok = tiny_policy
     prompts = _prompts(tok)

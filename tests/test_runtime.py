@@ -280,6 +280,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
 def test_async_bench_overlap_bound():
     from heterorl.bench_async import overlap_bound
 
-    assert overlap_bound(0.5, 0.5) == pytest.approx(2.0)  # equal halves: perfect overlap doubles throughput
-    assert overlap_bound(0.26, 0.69) == pytest.approx((0.74 + 0.31) / 0.74)  # training-bound: far below 2
-    assert overlap_bound(1.0, 1.0) is None
+    assert overlap_bound(0.4, 0.4) == pytest.approx(2.0)  # equal halves: perfect overlap doubles throughput
+    assert overlap_bound(0.74, 0.31) == pytest.approx((0.74 + 0.31) / 0.74)  # training-bound: far below 2
+    assert overlap_bound(0.2, 0.6) == pytest.approx(0.8 / 0.6)  # sampling-bound alike
+    assert overlap_bound(0.0, 0.0) is None

@@ -81,6 +81,66 @@ def test_learner_logprobs_match_the_samplers_at_its_temperature(training, tiny_p
         training.forward(datums, temperature=0).result()
 
 
+def _group_datums(tok, seed=0):
+    """Groups of completions behind shared prompts of different lengths, one lone prompt, shuffled."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = ["S.#\n..G\n>", "S.\n.G\n>", "S..#\n#..G\n...#\n>"]
+    datums = []
+    for g, prompt in enumerate(prompts):
+        p = tok(prompt)["input_ids"]
+        for _ in range(4 if g < 2 else 1):
+            moves = "".join(rng.choice("UDLR") for _ in range(rng.randint(1, 7)))
+            completion = tok(moves)["input_ids"] + [tok.eos_token_id]
+            datums.append(Datum(tokens=p + completion, prompt_len=len(p), reward=float(rng.random() < 0.5),
+                                group_id=g, behaviour_logprobs=[-1.0] * len(completion)))
+    rng.shuffle(datums)
+    return datums
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompts_give_the_same_logprobs_and_gradients(tiny_policy, attention):
+    """Packing a group's completions behind one copy of their prompt is an optimisation only: log-probs and
+    gradients equal those of one row per datum."""
+    from heterorl.logprobs import prompt_groups, should_pack
+
+    model, tok = tiny_policy
+    model = copy.deepcopy(model)
+    model.set_attn_implementation(attention)
+    datums = _group_datums(tok)
+    groups = prompt_groups([d.tokens for d in datums], [d.prompt_len for d in datums])
+    assert sorted(len(g) for g in groups) == [1, 4, 4]
+    assert should_pack(model, [d.tokens for d in datums], [d.prompt_len for d in datums], groups)
+    results = {}
+    for share in (False, True):
+        client = TrainingClient(model, tok, share_prompts=share)
+        model.zero_grad()
+        out = client.forward_backward(datums, "grpo", temperature=0.7).result()
+        results[share] = (out, torch.cat([p.grad.flatten() for p in model.parameters()]))
+    (plain, plain_grad), (packed, packed_grad) = results[False], results[True]
+    for a, b in zip(plain.logprobs, packed.logprobs):
+        assert len(a) == len(b)
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+    assert packed.loss == pytest.approx(plain.loss, abs=1e-6)
+    assert plain_grad.abs().sum() > 0
+    assert torch.allclose(packed_grad, plain_grad, rtol=1e-4, atol=1e-7)
+
+
+def test_packing_is_skipped_where_it_cannot_help(tiny_policy):
+    from heterorl.logprobs import prompt_groups, should_pack
+
+    model, tok = tiny_policy
+    lone = _datums(tok)  # three different prompts: nothing to share
+    tokens, lens = [d.tokens for d in lone], [d.prompt_len for d in lone]
+    assert not should_pack(model, tokens, lens, prompt_groups(tokens, lens))
+    shared = [d.tokens for d in _group_datums(tok)]
+    shared_lens = [d.prompt_len for d in _group_datums(tok)]
+    other = copy.deepcopy(model)
+    other.config._attn_implementation = "flash_attention_2"  # takes no custom 4D mask
+    assert not should_pack(other, shared, shared_lens, prompt_groups(shared, shared_lens))
+
+
 def test_sampling_client_is_a_frozen_versioned_snapshot(training, tiny_policy):
     _, tok = tiny_policy
     sampler = training.save_weights_and_get_sampling_client()

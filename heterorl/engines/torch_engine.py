@@ -1,8 +1,8 @@
 """Batched generation with a KV cache on any Hugging Face causal LM (CPU or GPU).
 
-Prompts are left-padded into one batch (each prompt repeated ``num_samples``
-times), prefilled once, then decoded one token per step through the model's
-KV cache. Rows that have stopped keep decoding padding until every row stops,
+Prompts are left-padded into one batch and prefilled once each; the KV cache
+is repeated ``num_samples`` times per prompt, and the batch decodes one token
+per step through it. Rows that have stopped keep decoding padding until every row stops,
 so the batch shape stays fixed; their extra tokens are discarded.
 """
 
@@ -44,7 +44,8 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 class TorchEngine(SamplingEngine):
     """Sampling engine over a Hugging Face ``*ForCausalLM`` module.
 
-    ``max_batch_sequences`` bounds how many sequences decode together (memory).
+    ``max_batch_sequences`` bounds how many sequences decode together (memory); the samples of one prompt
+    always decode together.
     """
 
     def __init__(self, model, tokenizer, *, device: str | torch.device = "cpu", max_batch_sequences: int = 1024):
@@ -87,22 +88,37 @@ class TorchEngine(SamplingEngine):
             )
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-        rows = [p for p in prompts for _ in range(num_samples)]
+        per_batch = max(1, self.max_batch_sequences // num_samples)
         outputs: list[SampleOutput] = []
-        for start in range(0, len(rows), self.max_batch_sequences):
-            outputs.extend(self._generate_batch(rows[start : start + self.max_batch_sequences], params, generator))
+        for start in range(0, len(prompts), per_batch):
+            outputs.extend(self._generate_batch(prompts[start : start + per_batch], num_samples, params, generator))
         return [outputs[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
 
-    def _generate_batch(self, rows: list[list[int]], params: SamplingParams, generator) -> list[SampleOutput]:
-        batch = len(rows)
-        prompt_len = max(len(r) for r in rows)
-        input_ids = torch.full((batch, prompt_len), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, prompt_len), dtype=torch.long)
-        for i, row in enumerate(rows):  # left padding: every prompt ends at the same column
+    def _generate_batch(self, prompts: list[list[int]], num_samples: int, params: SamplingParams,
+                        generator) -> list[SampleOutput]:
+        """Rows ``num_samples`` per prompt, prompt-major. Each prompt is prefilled once and its KV cache
+        repeated for its samples (when the model's cache can be repeated), else prefilled once per row."""
+        batch = len(prompts) * num_samples
+        prompt_len = max(len(r) for r in prompts)
+        input_ids = torch.full((len(prompts), prompt_len), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), prompt_len), dtype=torch.long)
+        for i, row in enumerate(prompts):  # left padding: every prompt ends at the same column
             input_ids[i, prompt_len - len(row) :] = torch.tensor(row)
             attention_mask[i, prompt_len - len(row) :] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        if all(len(r) == prompt_len for r in prompts):
+            attention_mask = None  # all ones: leave it out so attention takes its plain causal path
+        cache = next_logits = None
+        if num_samples > 1:  # prefill each prompt once, then repeat its cache for its samples
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=True)
+            if hasattr(self._cache_of(out), "batch_repeat_interleave"):
+                cache, next_logits = self._cache_of(out), out.logits[:, -1].repeat_interleave(num_samples, 0)
+                cache.batch_repeat_interleave(num_samples)
+            input_ids, position_ids = (t.repeat_interleave(num_samples, 0) for t in (input_ids, position_ids))
+            if attention_mask is not None:
+                attention_mask = attention_mask.repeat_interleave(num_samples, 0)
 
         stop_set = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.eos_token_id})
         stop_ids = torch.tensor(sorted(stop_set), dtype=torch.long, device=self.device)
@@ -111,10 +127,10 @@ class TorchEngine(SamplingEngine):
         lengths = torch.full((batch,), params.max_tokens, dtype=torch.long, device=self.device)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
 
-        if all(len(r) == prompt_len for r in rows):
-            attention_mask = None  # all ones: leave it out so attention takes its plain causal path
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
-        cache, next_logits = self._cache_of(out), out.logits[:, -1]
+        if cache is None:  # one sample per prompt, or a cache that cannot be repeated: prefill every row
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=True)
+            cache, next_logits = self._cache_of(out), out.logits[:, -1]
         next_position = position_ids[:, -1:] + 1
         for step in range(params.max_tokens):
             token, token_logprob = self._sample(next_logits, params, generator)
