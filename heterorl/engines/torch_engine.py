@@ -2,8 +2,8 @@
 
 Prompts are left-padded into one batch and prefilled once each; the KV cache
 is repeated ``num_samples`` times per prompt, and the batch decodes one token
-per step through it. Rows that have stopped keep decoding padding until every row stops,
-so the batch shape stays fixed; their extra tokens are discarded.
+per step through it. Rows that have stopped keep decoding padding until every
+row stops, so the batch shape stays fixed; their extra tokens are discarded.
 """
 
 from __future__ import annotations
