@@ -45,6 +45,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 PACK_ATTENTION = ("sdpa", "eager")  # attention implementations that take a custom 4D mask
 PACK_MAX_ROW = 2048  # a packed row longer than this costs more in attention than the shared prompt saves
 PACK_MIN_SAVING = 0.25  # pack only when it removes at least this share of the tokens
+PACK_MAX_MASK = 2**28  # rows x row length^2 entries of the mask (256 MiB as bool): beyond, one row per datum
 
 
 def prompt_groups(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> list[list[int]]:
@@ -65,7 +66,8 @@ def should_pack(model, sequences: Sequence[Sequence[int]], prompt_lens: Sequence
     total = sum(len(s) for s in sequences)
     saved = sum(prompt_lens[g[0]] * (len(g) - 1) for g in groups)
     longest = max(prompt_lens[g[0]] + sum(len(sequences[i]) - prompt_lens[i] for i in g) for g in groups)
-    return saved >= PACK_MIN_SAVING * total and longest <= PACK_MAX_ROW
+    return (saved >= PACK_MIN_SAVING * total and longest <= PACK_MAX_ROW
+            and len(groups) * longest ** 2 <= PACK_MAX_MASK)
 
 
 def packed_completion_logprobs(model, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],

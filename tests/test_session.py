@@ -127,7 +127,7 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients(tiny_policy, attent
     assert torch.allclose(packed_grad, plain_grad, rtol=1e-4, atol=1e-7)
 
 
-def test_packing_is_skipped_where_it_cannot_help(tiny_policy):
+def test_packing_is_skipped_where_it_cannot_help(tiny_policy, monkeypatch):
     from heterorl.logprobs import prompt_groups, should_pack
 
     model, tok = tiny_policy
@@ -136,9 +136,13 @@ def test_packing_is_skipped_where_it_cannot_help(tiny_policy):
     assert not should_pack(model, tokens, lens, prompt_groups(tokens, lens))
     shared = [d.tokens for d in _group_datums(tok)]
     shared_lens = [d.prompt_len for d in _group_datums(tok)]
+    groups = prompt_groups(shared, shared_lens)
+    assert should_pack(model, shared, shared_lens, groups)
     other = copy.deepcopy(model)
     other.config._attn_implementation = "flash_attention_2"  # takes no custom 4D mask
-    assert not should_pack(other, shared, shared_lens, prompt_groups(shared, shared_lens))
+    assert not should_pack(other, shared, shared_lens, groups)
+    monkeypatch.setattr("heterorl.logprobs.PACK_MAX_MASK", 100)  # the mask would outgrow its memory budget
+    assert not should_pack(model, shared, shared_lens, groups)
 
 
 def test_sampling_client_is_a_frozen_versioned_snapshot(training, tiny_policy):
