@@ -56,6 +56,12 @@ def prompt_groups(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]
     return list(groups.values())
 
 
+def _row_lengths(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+                 groups: list[list[int]]) -> list[int]:
+    """Tokens in each group's packed row: its prompt once, then every member's completion."""
+    return [prompt_lens[g[0]] + sum(len(sequences[i]) - prompt_lens[i] for i in g) for g in groups]
+
+
 def should_pack(model, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
                 groups: list[list[int]]) -> bool:
     """Whether ``packed_completion_logprobs`` is both possible for ``model`` and worth it for this batch."""
@@ -65,7 +71,7 @@ def should_pack(model, sequences: Sequence[Sequence[int]], prompt_lens: Sequence
         return False
     total = sum(len(s) for s in sequences)
     saved = sum(prompt_lens[g[0]] * (len(g) - 1) for g in groups)
-    longest = max(prompt_lens[g[0]] + sum(len(sequences[i]) - prompt_lens[i] for i in g) for g in groups)
+    longest = max(_row_lengths(sequences, prompt_lens, groups))
     return (saved >= PACK_MIN_SAVING * total and longest <= PACK_MAX_ROW
             and len(groups) * longest ** 2 <= PACK_MAX_MASK)
 
@@ -81,7 +87,7 @@ def packed_completion_logprobs(model, sequences: Sequence[Sequence[int]], prompt
     mask, ``PACK_ATTENTION``); ``forward_model`` (default ``model``) is what is called, e.g. its DDP wrapper.
     """
     rows, width = len(groups), max(len(s) - n for s, n in zip(sequences, prompt_lens))
-    lengths = [prompt_lens[g[0]] + sum(len(sequences[i]) - prompt_lens[i] for i in g) for g in groups]
+    lengths = _row_lengths(sequences, prompt_lens, groups)
     span = max(lengths)
     input_ids = torch.full((rows, span), pad_id, dtype=torch.long)
     position_ids = torch.zeros((rows, span), dtype=torch.long)

@@ -134,8 +134,8 @@ def test_packing_is_skipped_where_it_cannot_help(tiny_policy, monkeypatch):
     lone = _datums(tok)  # three different prompts: nothing to share
     tokens, lens = [d.tokens for d in lone], [d.prompt_len for d in lone]
     assert not should_pack(model, tokens, lens, prompt_groups(tokens, lens))
-    shared = [d.tokens for d in _group_datums(tok)]
-    shared_lens = [d.prompt_len for d in _group_datums(tok)]
+    grouped = _group_datums(tok)
+    shared, shared_lens = [d.tokens for d in grouped], [d.prompt_len for d in grouped]
     groups = prompt_groups(shared, shared_lens)
     assert should_pack(model, shared, shared_lens, groups)
     other = copy.deepcopy(model)
