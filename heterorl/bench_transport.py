@@ -108,7 +108,7 @@ class _Inbox:
 
 # -- sender processes (trajectories) ----------------------------------------------------------------
 
-def _ours_sender(address: str, worker_id: str, prompt_tokens: int, completion_tokens: int,
+def _ours_sender(address: str, worker_id: str, prompt_tokens: int, completion_tokens: int, config: Any,
                  commands: Any, reports: Any) -> None:
     """Per command ``n``: send ``n`` trajectories as fast as credit allows, report CPU used; None ends.
 
@@ -125,7 +125,7 @@ def _ours_sender(address: str, worker_id: str, prompt_tokens: int, completion_to
         made += count
         return out
 
-    with WorkerClient(address, worker_id) as client:
+    with WorkerClient(address, worker_id, config) as client:
         client.wait_ready(_TIMEOUT_S)
         reports.put(("ready", worker_id))
         ready: list = []
@@ -166,15 +166,16 @@ class _Senders:
         for p in self.procs:
             p.start()
 
-    def run(self, n_each: int, receive: Any) -> tuple[float, float]:
-        """(elapsed s, CPU s of all processes) to move ``n_each`` per sender; ``receive(total)`` consumes here."""
+    def run(self, n_each: int, receive: Any) -> tuple[float, float, float]:
+        """(elapsed s, CPU s of this receiving process, CPU s of the senders) to move ``n_each`` per sender;
+        ``receive(total)`` consumes here."""
         cpu, start = _cpu_s(), time.perf_counter()
         for q in self.commands:
             q.put(n_each)
         receive(n_each * len(self.commands))
         elapsed = time.perf_counter() - start
         own_cpu = _cpu_s() - cpu
-        return elapsed, own_cpu + sum(r[2] for r in self.reports.collect("done", len(self.commands)))
+        return elapsed, own_cpu, sum(r[2] for r in self.reports.collect("done", len(self.commands)))
 
     def close(self) -> None:
         for q in self.commands:
@@ -184,20 +185,21 @@ class _Senders:
 
 
 def _bench_trajectories(ctx, workers: int, n_total: int, repeats: int, prompt_tokens: int,
-                        completion_tokens: int, frame: bytes) -> dict[str, tuple[float, float]]:
-    """{"ours"/"raw": (best trajectories/s, CPU s per trajectory in that round)}."""
+                        completion_tokens: int, frame: bytes, config: Any) -> dict[str, tuple[float, float, float]]:
+    """{"ours"/"raw": (best trajectories/s, CPU s per trajectory of the receiver and of the senders in that
+    round)}."""
     import zmq
 
     from heterorl.transport import LearnerServer
 
     n_each = max(1, n_total // workers)
-    server = LearnerServer(f"{_HOST}:0")
+    server = LearnerServer(f"{_HOST}:0", config)
     zctx = zmq.Context()
     pull = zctx.socket(zmq.PULL)
     raw_address = f"{_HOST}:{pull.bind_to_random_port(_HOST)}"
     groups = {
-        "ours": _Senders(ctx, _ours_sender, [(server.control_endpoint, f"w{i}", prompt_tokens, completion_tokens)
-                                             for i in range(workers)]),
+        "ours": _Senders(ctx, _ours_sender, [(server.control_endpoint, f"w{i}", prompt_tokens, completion_tokens,
+                                              config) for i in range(workers)]),
         "raw": _Senders(ctx, _raw_sender, [(raw_address, f"r{i}", frame) for i in range(workers)]),
     }
     for group in groups.values():
@@ -218,13 +220,13 @@ def _bench_trajectories(ctx, workers: int, n_total: int, repeats: int, prompt_to
     receivers = {"ours": receive_ours, "raw": receive_raw}
     for name, group in groups.items():  # warm-up
         group.run(max(1, n_each // 10), receivers[name])
-    best: dict[str, tuple[float, float]] = {"ours": (0.0, 0.0), "raw": (0.0, 0.0)}
+    best: dict[str, tuple[float, float, float]] = {"ours": (0.0, 0.0, 0.0), "raw": (0.0, 0.0, 0.0)}
     for _ in range(repeats):
         for name, group in groups.items():
-            elapsed, cpu = group.run(n_each, receivers[name])
-            rate = n_each * workers / elapsed
+            elapsed, receiver_cpu, sender_cpu = group.run(n_each, receivers[name])
+            rate, count = n_each * workers / elapsed, n_each * workers
             if rate > best[name][0]:
-                best[name] = (rate, cpu / (n_each * workers))
+                best[name] = (rate, receiver_cpu / count, sender_cpu / count)
     for group in groups.values():
         group.close()
     pull.close(0)
@@ -353,25 +355,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights-mib", type=int, default=100, help="state dict size (a multiple of 4 MiB)")
     parser.add_argument("--weight-receivers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per measurement (best of)")
+    parser.add_argument("--credits", type=int, default=None,
+                        help="credits_per_worker of the transport (default: TransportConfig's)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="trajectory_batch of the transport (default: TransportConfig's)")
     parser.add_argument("--skip", choices=["trajectories", "weights"], action="append", default=[])
     args = parser.parse_args(argv)
     if args.weights_mib < 4 or args.weights_mib % 4:
         parser.error(f"--weights-mib {args.weights_mib} must be a positive multiple of 4 (tensors of 4 MiB)")
     ctx = mp.get_context("spawn")
+    from heterorl.errors import ConfigError
+    from heterorl.transport import TransportConfig
+
+    try:
+        config = TransportConfig(**{name: value for name, value in (("credits_per_worker", args.credits),
+                                                                    ("trajectory_batch", args.batch))
+                                    if value is not None})
+    except ConfigError as exc:
+        parser.error(str(exc))
 
     if "trajectories" not in args.skip:
         frame = _encoded_frame(args.prompt_tokens, args.completion_tokens)
         mb = len(frame) / 1e6
         print(f"trajectories: {args.prompt_tokens} prompt + {args.completion_tokens} completion tokens = "
-              f"{len(frame):,} bytes per encoded frame; {args.trajectories:,} per measurement, best of {args.repeats}")
+              f"{len(frame):,} bytes per encoded frame; {args.trajectories:,} per measurement, best of {args.repeats}; "
+              f"{config.credits_per_worker} credits per worker, up to {config.trajectory_batch} per message")
         for workers in (int(w) for w in args.workers.split(",")):
             r = _bench_trajectories(ctx, workers, args.trajectories, args.repeats, args.prompt_tokens,
-                                    args.completion_tokens, frame)
-            (ours, ours_cpu), (raw, raw_cpu) = r["ours"], r["raw"]
+                                    args.completion_tokens, frame, config)
+            (ours, ours_in, ours_out), (raw, raw_in, raw_out) = r["ours"], r["raw"]
             label = f"{workers} worker{'s' if workers > 1 else ''}"
             print(f"  trajectories, {label}: ours {ours:6.0f}/s {ours * mb:5.0f} MB/s | raw {raw:6.0f}/s "
                   f"{raw * mb:5.0f} MB/s | {_verdict(ours / raw, _TRAJECTORY_TARGET)}")
-            print(f"    CPU per trajectory, all processes: ours {ours_cpu * 1e6:4.0f} us | raw {raw_cpu * 1e6:4.0f} us")
+            print(f"    CPU per trajectory, all processes: ours {(ours_in + ours_out) * 1e6:4.0f} us "
+                  f"(learner {ours_in * 1e6:.0f} + senders {ours_out * 1e6:.0f}) | raw {(raw_in + raw_out) * 1e6:4.0f} us "
+                  f"(PULL {raw_in * 1e6:.0f} + senders {raw_out * 1e6:.0f})")
     if "weights" not in args.skip:
         w = _bench_weights(ctx, args.weights_mib, args.weight_receivers, args.repeats)
         delivered_gb = w["bytes"] * args.weight_receivers / 1e9

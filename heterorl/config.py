@@ -84,6 +84,10 @@ class RLConfig:
     steps: int = 100
     prompts_per_step: int = 32
     updates_per_batch: int = 1  # optimizer steps on each sampled batch (minibatches)
+    # train only on groups whose rewards differ (DAPO's dynamic-sampling filter, without re-sampling): a group
+    # that scored alike has zero group-relative advantage, so this saves its compute, and the loss's mean over
+    # sequences then runs over the groups that carry signal
+    drop_uniform_groups: bool = False
     eval_every: int = 10
     eval_max_tokens: Optional[int] = None  # None = rollout.max_tokens
 

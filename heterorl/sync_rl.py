@@ -84,7 +84,8 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
                    shard: tuple[int, int] = (0, 1)) -> dict:
     """``forward_backward`` + ``optim_step`` on ``cfg.rl.updates_per_batch`` minibatches of whole groups.
 
-    A minibatch in which every group scored alike carries no learning signal and is skipped. Returns the
+    A minibatch in which every group scored alike carries no learning signal and is skipped; with
+    ``cfg.rl.drop_uniform_groups`` such groups are dropped from every minibatch first. Returns the
     metrics of the last update (the loss's diagnostics, ``optim/lr``, ``optim/grad_norm``) and
     ``optim/updates`` (how many updates ran).
 
@@ -94,9 +95,11 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
     """
     rank, world = shard
     metrics: dict = {"optim/updates": 0}
+    if cfg.rl.drop_uniform_groups:
+        datums = [d for group in group_rows(datums) if has_signal([group]) for d in group]
     for batch in minibatches(datums, cfg.rl.updates_per_batch):
-        if not has_signal(group_rows(batch)):
-            continue
+        if not has_signal(group_rows(batch)) or len(group_rows(batch)) < world:
+            continue  # (every rank decides alike, so no rank waits in an all-reduce the others skip)
         if world > 1:
             batch = [d for g in group_rows(batch)[rank::world] for d in g]
         out = training.forward_backward(batch, cfg.loss.name, loss_options(cfg),

@@ -47,6 +47,7 @@ import itertools
 import logging
 import os
 import socket as pysocket
+import sys
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -800,7 +801,8 @@ class WorkerClient(_Endpoint):
         self._clock = clock
         self._lock = threading.Condition()
         self._outbox: list = []  # heap of (due_time, sequence, Trajectory); a reordering delay link may reorder
-        self._send_buffers = _SendBuffers()  # used by the I/O thread only
+        # used by the I/O thread only; enough buffers for every message the credit window lets be in flight
+        self._send_buffers = _SendBuffers(keep=-(-self.config.credits_per_worker // self.config.trajectory_batch) + 2)
         self._sequence = itertools.count()
         self._sent_session = 0
         self._credit_limit = 0
@@ -1088,13 +1090,40 @@ class WorkerClient(_Endpoint):
             self._lock.notify_all()
 
 
+class _ReceiveBuffers:
+    """The buffers of delivered weight versions, each reused for a later version of the same size once nothing
+    views it any more. A fresh buffer costs a page fault per 4 KiB on its first write (about 25 ms per 100 MiB,
+    as much as the copy into it); once the worker has loaded a version into its model and dropped the delivered
+    tensors, that version's buffer takes the next one instead. Whether anything still views a buffer is read
+    from its reference count: every tensor of a delivered state dict, and every view made of one, keeps it
+    alive, so a buffer someone still uses is never overwritten. At most ``keep`` buffers are held for reuse."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self.allocated = 0  # fresh buffers made (the other versions were received into a reused one)
+        self._kept: list[np.ndarray] = []
+
+    def take(self, nbytes: int) -> np.ndarray:
+        for i in range(len(self._kept)):
+            # two references when only this list holds it: the list's and getrefcount's argument
+            if len(self._kept[i]) == nbytes and sys.getrefcount(self._kept[i]) == 2:
+                return self._kept.pop(i)
+        self.allocated += 1
+        return np.empty(nbytes, np.uint8)
+
+    def reuse_later(self, buffer: np.ndarray) -> None:
+        """``buffer`` was delivered (or its transfer abandoned): reuse it once nothing views it."""
+        self._kept = [*self._kept, buffer][-self.keep:]
+
+
 class _Fetch:
     """State of one pull-based weights transfer on a worker (header, then pipelined chunks)."""
 
     def __init__(self) -> None:
+        self.buffers = _ReceiveBuffers()
         self.active = False
         self.header: WeightsHeader | None = None
-        self.buffer: bytearray | None = None
+        self.buffer: np.ndarray | None = None
         self.received: set[int] = set()
         self.next_chunk = 0
         self.last_progress = 0.0
@@ -1103,6 +1132,8 @@ class _Fetch:
     def start(self, sock: zmq.Socket, client: WorkerClient, now: float) -> None:
         if self.active and self.header is None:
             return  # a header request is already out
+        if self.buffer is not None:  # an unfinished transfer: its buffer can take a later version
+            self.buffers.reuse_later(self.buffer)
         self.active, self.header, self.buffer, self.received, self.next_chunk = True, None, None, set(), 0
         self.last_progress = now
         request = WeightsRequest(client.worker_id, have_version=client._fetched_version)
@@ -1118,7 +1149,10 @@ class _Fetch:
             if message.version <= client._fetched_version:
                 self.active = False  # nothing newer released to us yet
                 return
-            self.header, self.buffer, self.received = message, np.empty(message.total_bytes, np.uint8), set()
+            if self.buffer is not None:  # a transfer of an older version was under way: its buffer is free
+                self.buffers.reuse_later(self.buffer)
+            self.header, self.buffer, self.received = message, self.buffers.take(message.total_bytes), set()
+            client.stats["weights/fresh_buffers"] = self.buffers.allocated
             self.last_progress = now
             self.next_chunk = min(client.config.weights_pipeline, message.num_chunks)
             for index in range(self.next_chunk):
@@ -1150,10 +1184,12 @@ class _Fetch:
         except ProtocolError as exc:
             client.stats["weights/checksum_failures"] += 1
             log.warning("weights version %d failed verification (%s); fetching again", header.version, exc)
+            self.buffers.reuse_later(buffer)
             self.retry = True
             return
         client.stats["weights/versions_received"] += 1
         client._deliver_weights(header.version, state)
+        self.buffers.reuse_later(buffer)
 
     def check_timeout(self, sock, client: WorkerClient, now: float) -> None:
         if self.retry:

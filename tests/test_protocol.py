@@ -229,6 +229,9 @@ def test_a_batch_is_validated_as_a_whole_and_names_the_entry():
     rejects(with_header(trajectory_id=["t0", "t 1", "t2"]), "trajectory_id[1]", "bounds")
     rejects(with_header(completion_len=[1, 2]), "completion_len", "length_mismatch")
     rejects(with_header(completion_len=[1, 2, 4]), "completion_tokens", "length_mismatch")
+    rejects(with_header(completion_len=[1, 0, 5]), "completion_len[1]", "bounds")  # bulk checks fall back to
+    rejects(with_header(prompt_len=[4, True, 4]), "prompt_len[1]", "type")  # name the entry; no bool for int
+    rejects(with_header(group_size=[4, 4.0, 4]), "group_size[1]", "type")
     rejects(with_header(trajectory_id=[]), "trajectory_id", "type")
     rejects(with_header()[:3], "frame", "malformed")  # two of the four arrays missing
     nan = np.array([-0.5, np.nan, -0.5, -0.5, -0.5, -0.5], "<f4").tobytes()

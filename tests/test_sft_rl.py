@@ -11,7 +11,7 @@ from heterorl.metrics import read_metrics
 from heterorl.policies import load_policy
 from heterorl.session import TrainingClient
 from heterorl.sft import run_sft
-from heterorl.sync_rl import minibatches, run_sync_rl
+from heterorl.sync_rl import minibatches, optimize_batch, rollout_datums, run_sync_rl
 from heterorl.session import Datum
 from heterorl.tasks import make_task
 
@@ -58,3 +58,35 @@ def test_minibatches_keep_groups_whole():
     batches = minibatches(datums, 2)
     assert [[d.group_id for d in b] for b in batches] == [[0, 0, 1, 1, 2, 2], [3, 3, 4, 4]]
     assert sum(len(b) for b in minibatches(datums, 7)) == 10
+
+
+def test_dropping_uniform_groups_trains_on_fewer_rows_and_learns_the_same():
+    """Groups that scored alike have zero advantage: dropping them leaves the gradient's direction, so Adam's
+    first step (which is invariant to the gradient's scale) moves the weights the same, for a fraction of rows."""
+    import copy
+
+    import torch
+
+    cfg = load_config(packaged("maze_rl.yaml"), ["rollout.group_size=4", "optim.warmup_steps=0"])
+    task = _maze(cfg)
+    model, tok = load_policy(str(packaged(SFT_BASE)))
+    sampler = TrainingClient(model, tok).save_weights_and_get_sampling_client()
+    problems = task.eval_problems()[:3]
+    datums, _ = rollout_datums(sampler, task, problems, cfg, seed=0)
+    for d, reward in zip(datums, [1, 1, 1, 1, 0, 1, 0, 1, 0, 0, 0, 0]):  # uniform, mixed, uniform groups
+        d.reward = float(reward)
+        d.policy_versions = [0] * len(d.policy_versions)  # sampled by version 0 of the fresh clients below
+    after = {}
+    for drop in (False, True):
+        cfg.rl.drop_uniform_groups = drop
+        training = TrainingClient(copy.deepcopy(model), tok, seed=0)
+        rows = []
+        original = training.forward_backward
+        training.forward_backward = lambda batch, *a, **k: rows.append(len(batch)) or original(batch, *a, **k)
+        metrics = optimize_batch(training, datums, cfg, total_updates=1)
+        assert metrics["optim/updates"] == 1
+        after[drop] = (rows, [p.detach().clone() for p in training.model.parameters()])
+    assert after[False][0] == [12] and after[True][0] == [4]
+    for kept, dropped in zip(after[False][1], after[True][1]):
+        torch.testing.assert_close(kept, dropped, atol=1e-5, rtol=0)  # a step is lr = 1e-4; Adam's eps differs
+    assert any(not torch.equal(p, q) for p, q in zip(after[True][1], model.parameters()))  # it did learn

@@ -164,6 +164,47 @@ def test_weights_are_chunked_checksummed_and_late_joiners_get_the_newest(learner
     assert wait_for(lambda: (worker.latest_weights() or (0,))[0] == 3, 10)  # the early worker catches up too
 
 
+def test_a_weights_receive_buffer_is_reused_only_once_nothing_views_it():
+    from heterorl.transport import _ReceiveBuffers
+    from heterorl.weights import pack_state_dict, unpack_state_dict
+
+    packed = pack_state_dict({"a": torch.arange(10.0), "b": torch.ones(3, 4)}, 1)
+    n = len(packed.buffer)
+    pool = _ReceiveBuffers(keep=1)
+    first = pool.take(n)
+    first[:] = packed.buffer
+    address = first.ctypes.data
+    state = unpack_state_dict(packed.header, first)
+    pool.reuse_later(first)
+    del first
+    assert pool.take(n).ctypes.data != address and pool.allocated == 2  # the delivered tensors still view it
+    view = state["b"][1:]
+    del state
+    assert pool.take(n).ctypes.data != address and pool.allocated == 3  # so does a view made of one of them
+    del view
+    assert pool.take(n).ctypes.data == address and pool.allocated == 3  # nothing does: reused
+
+
+def test_weights_received_into_reused_buffers_never_change_a_version_still_held(learner, worker):
+    """A worker that keeps every version it took must find each intact; one that drops them reuses buffers."""
+    learner.config = TransportConfig(**{**FAST.__dict__, "weights_chunk_bytes": 4096})
+    held = {}
+    for version in range(1, 5):  # holds every state: each version needs its own buffer
+        learner.publish(version, {"w": torch.full((5000,), float(version))})
+        got_version, held[version] = worker.wait_weights(version - 1, timeout_s=10)
+        assert got_version == version
+    for version, state in held.items():
+        assert torch.equal(state["w"], torch.full((5000,), float(version))), version
+    assert worker.stats["weights/fresh_buffers"] == 4
+    held.clear()
+    for version in range(5, 9):  # drops each state once read: two buffers take turns
+        learner.publish(version, {"w": torch.full((5000,), float(version))})
+        got_version, state = worker.wait_weights(version - 1, timeout_s=10)
+        assert got_version == version and torch.equal(state["w"], torch.full((5000,), float(version)))
+        del state
+    assert worker.stats["weights/fresh_buffers"] == 4  # versions 5-8 went into the buffers of 3 and 4
+
+
 def test_weights_delay_holds_each_release_back():
     delays = {"slow": 0.8, "fast": 0.0}
     server = LearnerServer("tcp://127.0.0.1:0", FAST, weights_delay=lambda wid: (lambda t, size: t + delays[wid]))
