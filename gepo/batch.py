@@ -45,6 +45,10 @@ class LossBatch:
     current_version     version of the learner's weights now, i.e. the last version it published; a token's
                         staleness is current_version − its policy version (0 on-policy). None: taken to be
                         the newest version among the batch's tokens (so staleness is a lower bound).
+    group_size          completions sampled per prompt (G). Given, every group must have exactly G rows: a
+                        prompt split unevenly across group ids, or a group missing rows, is an error naming the
+                        group. None (the default) accepts groups of any size, e.g. partial groups released
+                        after a timeout; a group of one row then gets advantage 0.
     """
 
     logprobs: torch.Tensor
@@ -56,6 +60,7 @@ class LossBatch:
     policy_versions: torch.Tensor | None = None
     proximal_logprobs: torch.Tensor | None = None
     current_version: int | None = None
+    group_size: int | None = None
     keep: torch.Tensor = field(init=False, repr=False)  # (B, T) bool: mask > 0
 
     def __post_init__(self):
@@ -78,6 +83,8 @@ class LossBatch:
             value = getattr(self, name)
             if value is not None and (value.dtype.is_floating_point or value.dtype == torch.bool):
                 raise LossInputError(f"{name} must hold integers, got dtype {value.dtype}")
+        if self.group_size is not None:
+            self._check_group_sizes()
         empty = ~self.keep.any(-1)
         if bool(empty.any()):
             raise LossInputError(
@@ -124,6 +131,17 @@ class LossBatch:
         self.require(name)
         value = getattr(self, name)
         return torch.where(self.keep, value, torch.zeros_like(value))
+
+    def _check_group_sizes(self) -> None:
+        if self.group_ids is None:
+            raise LossInputError("group_size is given but group_ids is not: give the (B,) prompt id of each row")
+        ids, counts = torch.unique(self.group_ids, return_counts=True)
+        wrong = (counts != self.group_size).nonzero().flatten().tolist()
+        if wrong:
+            sizes = ", ".join(f"group {int(ids[i])} has {int(counts[i])}" for i in wrong[:5])
+            raise LossInputError(f"group_size is {self.group_size} but {sizes} rows: each prompt's completions "
+                                 "must share one group id, all of them; or leave group_size None to allow "
+                                 "partial groups")
 
     def resolved_current_version(self) -> int:
         """``current_version``, or the newest version among the completion tokens when it was not given."""

@@ -416,6 +416,12 @@ def test_bad_inputs_are_errors_naming_the_field_and_the_fix():
         gepo.LossBatch(logprobs=lp, mask=mask, group_ids=torch.tensor([0.0, 1.0]))
     with pytest.raises(gepo.LossInputError, match="newer than the learner"):
         gepo.LossBatch(logprobs=lp, mask=mask, policy_versions=torch.full((2, 3), 5), current_version=4)
+    lp4, mask4 = torch.zeros(4, 3), torch.ones(4, 3)
+    with pytest.raises(gepo.LossInputError, match="group_size is 2 but group 7 has 3, group 9 has 1 rows"):
+        gepo.LossBatch(logprobs=lp4, mask=mask4, group_ids=torch.tensor([7, 7, 9, 7]), group_size=2)
+    with pytest.raises(gepo.LossInputError, match="group_size is given but group_ids is not"):
+        gepo.LossBatch(logprobs=lp4, mask=mask4, group_size=2)
+    gepo.LossBatch(logprobs=lp4, mask=mask4, group_ids=torch.tensor([7, 9, 9, 7]), group_size=2)  # even: fine
 
     batch = gepo.LossBatch(logprobs=lp, mask=mask, rewards=torch.tensor([1.0, 0.0]), group_ids=torch.tensor([0, 0]))
     with pytest.raises(gepo.LossInputError, match="needs `behaviour_logprobs`.*sampler's per-token log-probs"):
