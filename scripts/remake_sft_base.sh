@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
-# Remake the shipped maze SFT base (heterorl/assets/maze-sft-base) from scratch.
-# Seed 0 everywhere (config `seed`, `policy.tiny.seed`); stops at the first eval with
-# held-out greedy success >= 0.45. About 5 minutes on 2 CPU cores.
+# Remake a shipped maze SFT base from scratch:
+#   scripts/remake_sft_base.sh           heterorl/assets/maze-sft-base  (5x5 mazes, maze_sft.yaml, ~5 min)
+#   scripts/remake_sft_base.sh maze4     heterorl/assets/maze4-sft-base (4x4 mazes, maze4_sft.yaml, ~3.5 min)
+# Further arguments are config overrides. Seed 0 everywhere (config `seed`, `policy.tiny.seed`); SFT stops at
+# the first eval with held-out greedy success >= 0.45. Times are for 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/heterorl sft --config maze_sft.yaml sft.output=heterorl/assets/maze-sft-base logging.run_dir=runs/sft-base "$@"
+which=maze
+if [[ $# -gt 0 && "$1" != *=* ]]; then which="$1"; shift; fi
+case "$which" in
+  maze)  config=maze_sft.yaml;  base=maze-sft-base ;;
+  maze4) config=maze4_sft.yaml; base=maze4-sft-base ;;
+  *) echo "unknown base '$which': choose maze or maze4" >&2; exit 2 ;;
+esac
+.venv/bin/heterorl sft --config "$config" sft.output="heterorl/assets/$base" logging.run_dir="runs/sft-$base" "$@"

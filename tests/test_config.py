@@ -1,5 +1,7 @@
 """Configuration: YAML + dotted overrides, typed, with errors that name the key."""
 
+from pathlib import Path
+
 import pytest
 
 from heterorl.config import Config, ConfigError, load_config, loss_options, to_yaml
@@ -56,3 +58,13 @@ def test_file_errors_name_the_key_and_file(tmp_path):
 def test_loss_advantage_auto_defers_to_the_loss_and_a_name_overrides_it():
     assert loss_options(load_config(None, ["loss.options.clip_eps=0.1"])) == {"clip_eps": 0.1}  # auto
     assert loss_options(load_config(None, ["loss.name=gepo", "loss.advantage=bnpo"])) == {"advantage": "bnpo"}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[1] / "heterorl" / "configs").glob("*.yaml")))
+def test_every_packaged_config_loads_and_names_what_it_starts_from(name):
+    from heterorl.cli import packaged
+    from heterorl.policies import SHIPPED
+
+    cfg = load_config(packaged(name))
+    if cfg.rl.base is not None:  # a run config: it starts from a policy the package ships
+        assert cfg.rl.base in SHIPPED, (name, cfg.rl.base)

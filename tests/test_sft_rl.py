@@ -20,15 +20,17 @@ def _maze(cfg):
     return make_task(cfg.task.name, dict(cfg.task.options))
 
 
-def test_shipped_base_is_deliberately_partial():
-    cfg = load_config(packaged("maze_sft.yaml"))
-    model, tok = load_policy(str(packaged(SFT_BASE)))
+@pytest.mark.parametrize("config, base", [("maze_sft.yaml", SFT_BASE), ("maze4_sft.yaml", "maze4-sft-base")])
+def test_shipped_base_is_deliberately_partial(config, base):
+    cfg = load_config(packaged(config))
+    model, tok = load_policy(base)
     sampler = TrainingClient(model, tok).save_weights_and_get_sampling_client()
     task = _maze(cfg)
     success = evaluate(sampler, task, task.eval_problems(), cfg.rollout.max_tokens).success
     assert 0.35 <= success <= 0.60
-    recorded = json.loads((packaged(SFT_BASE) / "sft_summary.json").read_text())
+    recorded = json.loads((packaged(base) / "sft_summary.json").read_text())
     assert success == pytest.approx(recorded["success"], abs=0.02)
+    assert recorded["config"]["task"]["options"] == dict(cfg.task.options)  # made by the config it is tested with
 
 
 @pytest.mark.slow
