@@ -1096,7 +1096,8 @@ class _ReceiveBuffers:
     as much as the copy into it); once the worker has loaded a version into its model and dropped the delivered
     tensors, that version's buffer takes the next one instead. Whether anything still views a buffer is read
     from its reference count: every tensor of a delivered state dict, and every view made of one, keeps it
-    alive, so a buffer someone still uses is never overwritten. At most ``keep`` buffers are held for reuse."""
+    alive, so a buffer someone still uses is never overwritten. At most ``keep`` buffers are held for reuse: two
+    by default, the peak a worker reaches anyway while it receives a version and still holds the previous one."""
 
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
@@ -1151,6 +1152,7 @@ class _Fetch:
                 return
             if self.buffer is not None:  # a transfer of an older version was under way: its buffer is free
                 self.buffers.reuse_later(self.buffer)
+                self.buffer = None  # (so that it can be taken right back)
             self.header, self.buffer, self.received = message, self.buffers.take(message.total_bytes), set()
             client.stats["weights/fresh_buffers"] = self.buffers.allocated
             self.last_progress = now

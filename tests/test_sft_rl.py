@@ -34,13 +34,14 @@ def test_shipped_base_is_deliberately_partial(config, base):
 
 
 @pytest.mark.slow
-def test_short_remake_of_the_base_follows_the_recorded_curve():
-    cfg = load_config(packaged("maze_sft.yaml"), ["sft.steps=60", "sft.eval_every=1000"])
+@pytest.mark.parametrize("config, base", [("maze_sft.yaml", SFT_BASE), ("maze4_sft.yaml", "maze4-sft-base")])
+def test_short_remake_of_the_base_follows_the_recorded_curve(config, base):
+    cfg = load_config(packaged(config), ["sft.steps=60", "sft.eval_every=1000"])
     task = _maze(cfg)
     model, tok = load_policy("tiny", alphabet=task.alphabet(), tiny=cfg.policy.tiny)
     losses = {}
     run_sft(cfg, TrainingClient(model, tok, seed=cfg.seed), task, progress=lambda s, m: losses.update({s: m["sft/loss"]}))
-    recorded = {r["step"]: r["sft/loss"] for r in read_metrics(packaged(SFT_BASE) / "sft_metrics.jsonl")}
+    recorded = {r["step"]: r["sft/loss"] for r in read_metrics(packaged(base) / "sft_metrics.jsonl")}
     for step in (1, 10, 30, 60):
         assert losses[step] == pytest.approx(recorded[step], rel=0.02), step
     assert losses[60] < 0.6 * losses[1]
