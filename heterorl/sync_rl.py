@@ -98,10 +98,11 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
     if cfg.rl.drop_uniform_groups:
         datums = [d for group in group_rows(datums) if has_signal([group]) for d in group]
     for batch in minibatches(datums, cfg.rl.updates_per_batch):
-        if not has_signal(group_rows(batch)) or len(group_rows(batch)) < world:
+        groups = group_rows(batch)
+        if not has_signal(groups) or len(groups) < world:
             continue  # (every rank decides alike, so no rank waits in an all-reduce the others skip)
         if world > 1:
-            batch = [d for g in group_rows(batch)[rank::world] for d in g]
+            batch = [d for g in groups[rank::world] for d in g]
         out = training.forward_backward(batch, cfg.loss.name, loss_options(cfg),
                                         temperature=cfg.rollout.temperature or 1.0).result()
         lr = learning_rate(training.step + 1, cfg.optim.lr, total_updates, cfg.optim.warmup_steps,
