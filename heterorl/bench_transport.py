@@ -3,7 +3,8 @@
 Trajectories: ``--trajectories`` trajectories per measurement (``--prompt-tokens``
 + ``--completion-tokens``; ~62 KB encoded by default), sent from each count of
 worker processes in ``--workers`` (spawned; each runs a ``WorkerClient`` and
-sends its share as fast as credit allows) into one ``LearnerServer`` in this
+sends its share as fast as credit allows, a group of 8 per ``send_many`` call as
+the rollout worker does) into one ``LearnerServer`` in this
 process, which consumes them with ``get``. Baseline: the same encoded frames,
 the same count and the same number of sender processes over raw PUSH/PULL
 (PULL here; no validation, no credit). MB/s counts encoded frame bytes. CPU per
@@ -40,6 +41,7 @@ _HOST = "tcp://127.0.0.1"
 _TIMEOUT_S = 120.0
 _TRAJECTORY_TARGET = 0.8
 _WEIGHTS_TARGET = 0.6
+_GROUP = 8  # completions per prompt: a worker hands the transport one scored group at a time
 
 
 # -- payloads and measurements ----------------------------------------------------------------------
@@ -51,7 +53,7 @@ def _trajectory(sampler_id: str, prompt_tokens: int, completion_tokens: int):
     rng = np.random.default_rng(0)
     now = time.time()
     return Trajectory(
-        trajectory_id=f"{sampler_id}-0", group_id="g-0", prompt_id="p-0", sampler_id=sampler_id, group_size=8,
+        trajectory_id=f"{sampler_id}-0", group_id="g-0", prompt_id="p-0", sampler_id=sampler_id, group_size=_GROUP,
         prompt_tokens=rng.integers(0, 150_000, prompt_tokens, dtype=np.int32),
         completion_tokens=rng.integers(0, 150_000, completion_tokens, dtype=np.int32),
         behaviour_logprobs=-rng.exponential(1.0, completion_tokens).astype(np.float32),
@@ -121,7 +123,8 @@ def _ours_sender(address: str, worker_id: str, prompt_tokens: int, completion_to
 
     def make(count: int) -> list:
         nonlocal made
-        out = [dataclasses.replace(base, trajectory_id=f"{worker_id}-{made + i}") for i in range(count)]
+        out = [dataclasses.replace(base, trajectory_id=f"{worker_id}-{made + i}", group_id=f"g-{(made + i) // _GROUP}",
+                                   prompt_id=f"p-{(made + i) // _GROUP}") for i in range(count)]
         made += count
         return out
 
@@ -132,8 +135,8 @@ def _ours_sender(address: str, worker_id: str, prompt_tokens: int, completion_to
         while (n := commands.get(timeout=_TIMEOUT_S)) is not None:
             ready += make(max(0, n - len(ready)))  # only the first round of a new size makes them here
             cpu = _cpu_s()
-            for traj in ready[:n]:
-                client.send(traj, _TIMEOUT_S)
+            for start in range(0, n, _GROUP):  # a group at a time, as a rollout worker sends what it scored
+                client.send_many(ready[start:min(n, start + _GROUP)], _TIMEOUT_S)
             client.flush(_TIMEOUT_S)
             reports.put(("done", worker_id, _cpu_s() - cpu))
             ready = make(n)  # the next round is usually the same size

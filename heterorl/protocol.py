@@ -1,9 +1,9 @@
 """Wire protocol between rollout workers and the learner: versioned messages, msgpack frames, strict decoding.
 
 A message travels as ZeroMQ frames: a msgpack map (the header, with ``"v"`` =
-schema version and ``"kind"``), then raw little-endian data frames — a weight
-chunk's bytes, or the four concatenated arrays of a trajectory batch — which
-the receiver views without a copy (``numpy.frombuffer``). A single
+schema version and ``"kind"``), then at most one raw little-endian data frame —
+a weight chunk's bytes, or the four arrays of all trajectories of a batch back
+to back — which the receiver views without a copy (``numpy.frombuffer``). A single
 ``trajectory`` message keeps its arrays as msgpack ``bin`` fields. Nothing is
 ever pickled.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import re
 import time
 from dataclasses import dataclass, field, fields
@@ -29,7 +30,7 @@ import xxhash
 
 from heterorl.errors import HeteroRLError
 
-SCHEMA_VERSION = 2  # 2: weights chunks carry an XXH3-64 checksum instead of a CRC-32
+SCHEMA_VERSION = 3  # 2: weights chunks carry an XXH3-64 checksum instead of a CRC-32; 3: one data frame per batch
 
 _ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:@/+=-]+$")
 _INT32_MAX = 2**31 - 1
@@ -114,6 +115,8 @@ def _str_list(name: str, value: Any, limits: Limits, max_len: int) -> list[str]:
         raise ProtocolError(name, f"expected a list, got {type(value).__name__}", "type")
     if len(value) > max_len:
         raise ProtocolError(name, f"{len(value)} entries exceed the limit {max_len}", "too_large")
+    if not value or (_types_are(value, {str}) and 1 <= min(map(len, value)) and max(map(len, value)) <= 256):
+        return value  # the common case, checked in bulk; else find and name the culprit
     return [_str(f"{name}[{i}]", v, 256) for i, v in enumerate(value)]
 
 
@@ -326,49 +329,48 @@ class Trajectory(Message):
 class TrajectoryBatch(Message):
     """Worker → learner: the trajectories the transport sends together (what goes on the wire).
 
-    Per-trajectory scalars travel as lists in the header, with ``prompt_len`` and ``completion_len``; the four
-    arrays of all trajectories travel concatenated, as four raw little-endian frames (prompt tokens, completion
-    tokens, behaviour log-probs, policy versions), and are decoded as views split by those lengths — one
-    vectorised check per array for the whole batch, no copy.
+    Per-trajectory scalars travel as lists in the header, with ``prompt_len`` and ``completion_len``; the arrays of
+    all trajectories travel in one raw little-endian data frame, four sections back to back: every prompt's tokens,
+    every completion's tokens, behaviour log-probs and policy versions (each entry 4 bytes). They are decoded as
+    views split by those lengths — one vectorised check per array for the whole batch, no copy. One frame, not
+    four: each zero-copy frame costs the sender a tracker and the receiver a frame object.
     """
 
     kind: ClassVar[str] = "trajectories"
-    data_frames: ClassVar[int] = 4
+    data_frames: ClassVar[int] = 1
     trajectories: list[Trajectory] = field(default_factory=list)
 
     _SCALARS: ClassVar[tuple[str, ...]] = (
         "trajectory_id", "group_id", "prompt_id", "sampler_id", "group_size", "reward", "generation_start",
         "generation_end", "sent_at", "stop_reason")
-
-    def to_wire(self):
-        body = {name: [getattr(t, name) for t in self.trajectories] for name in self._SCALARS}
-        body["prompt_len"] = [len(t.prompt_tokens) for t in self.trajectories]
-        body["completion_len"] = [len(t.completion_tokens) for t in self.trajectories]
-        return body
-
     _ARRAYS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("prompt_tokens", "<i4"), ("completion_tokens", "<i4"), ("behaviour_logprobs", "<f4"),
         ("policy_versions", "<i4"))
 
+    def to_wire(self):
+        ts = self.trajectories
+        body = {name: [getattr(t, name) for t in ts] for name in self._SCALARS}
+        body["prompt_len"] = [len(t.prompt_tokens) for t in ts]
+        body["completion_len"] = [len(t.completion_tokens) for t in ts]
+        return body
+
     def payload_nbytes(self) -> int:
-        """Bytes of the four data frames together (every entry is 4 bytes)."""
+        """Bytes of the data frame (every entry is 4 bytes)."""
         return 4 * sum(len(t.prompt_tokens) + 3 * len(t.completion_tokens) for t in self.trajectories)
 
     def payload(self, out: np.ndarray | None = None) -> list:
-        """The four data frames; written into ``out`` (a uint8 array of at least ``payload_nbytes()``) when
-        given, so a sender can reuse its buffers, else into new arrays."""
-        ts, frames, offset = self.trajectories, [], 0
+        """The data frame; written into ``out`` (a uint8 array of at least ``payload_nbytes()``) when given, so a
+        sender can reuse its buffers, else into a new array."""
+        ts = self.trajectories
+        if out is None:
+            out = np.empty(self.payload_nbytes(), np.uint8)
+        offset = 0
         for name, dtype in self._ARRAYS:
             parts = [getattr(t, name) for t in ts]
-            if out is None:
-                frames.append(np.concatenate(parts).astype(dtype, copy=False))
-                continue
-            count = sum(len(p) for p in parts)
-            frame = out[offset:offset + 4 * count].view(dtype)
-            np.concatenate(parts, out=frame, casting="same_kind")
-            frames.append(frame)
+            count = sum(map(len, parts))
+            np.concatenate(parts, out=out[offset:offset + 4 * count].view(dtype), casting="same_kind")
             offset += 4 * count
-        return frames
+        return [out[:offset]]
 
     @classmethod
     def from_wire(cls, body, limits, data=()):
@@ -383,21 +385,17 @@ class TrajectoryBatch(Message):
         prompt_len = _lengths("prompt_len", body["prompt_len"], limits.max_tokens)
         completion_len = _lengths("completion_len", body["completion_len"], limits.max_tokens)
         total_prompt, total_completion = sum(prompt_len), sum(completion_len)
-        cap = limits.max_tokens * n
-        prompt = _array("prompt_tokens", data[0], "<i4", cap)
-        completion = _array("completion_tokens", data[1], "<i4", cap)
-        logprobs = _array("behaviour_logprobs", data[2], "<f4", cap)
-        versions = _array("policy_versions", data[3], "<i4", cap)
-        if len(prompt) != total_prompt:
-            raise ProtocolError("prompt_tokens", f"{len(prompt)} tokens, prompt_len sums to {total_prompt}",
-                                "length_mismatch")
-        for name, array in (("completion_tokens", completion), ("behaviour_logprobs", logprobs),
-                            ("policy_versions", versions)):
-            if len(array) != total_completion:
-                raise ProtocolError(name, f"{len(array)} entries, completion_len sums to {total_completion}",
-                                    "length_mismatch")
+        frame = data[0]
+        expected = 4 * (total_prompt + 3 * total_completion)
+        if frame.nbytes != expected:
+            raise ProtocolError("data", f"{frame.nbytes} bytes, but prompt_len and completion_len imply {expected} "
+                                "(4 per prompt token, 12 per completion token)", "length_mismatch")
+        words = np.frombuffer(frame, "<i4")
+        cuts = (0, total_prompt, total_prompt + total_completion, total_prompt + 2 * total_completion, len(words))
+        prompt, completion, logprobs, versions = (words[a:b] for a, b in zip(cuts, cuts[1:]))
+        logprobs = logprobs.view("<f4")
         _check_token_arrays(prompt, completion, logprobs, versions, limits)
-        if _scalars_valid(body, n, limits):  # the common case, checked in bulk; else find and name the culprit
+        if _scalars_valid(body, limits):  # the common case, checked in bulk; else find and name the culprit
             return cls(_build_batch(body, n, prompt, completion, logprobs, versions, prompt_len, completion_len))
         trajectories = []
         p_off = c_off = 0
@@ -440,41 +438,40 @@ _IDS_PATTERN = re.compile(r"(?:[A-Za-z0-9_.:@/+=-]{1,128}\n)*")
 _REASONS_PATTERN = re.compile(r"(?:[A-Za-z0-9_.:@/+=-]{1,32}\n)*")
 
 
-def _scalars_valid(body: dict, n: int, limits: Limits) -> bool:
+def _scalars_valid(body: dict, limits: Limits) -> bool:
     """Bulk check of a batch's per-trajectory scalars; False sends the decoder down the per-entry path."""
-    for name in ("trajectory_id", "group_id", "prompt_id", "sampler_id"):
-        values = body[name]
-        if limits.max_id_chars != 128 or not _types_are(values, {str}) \
-                or not _IDS_PATTERN.fullmatch("\n".join(values) + "\n"):
-            return False
-    reasons = body["stop_reason"]
-    if not _types_are(reasons, {str}) or not _REASONS_PATTERN.fullmatch("\n".join(reasons) + "\n"):
+    if limits.max_id_chars != 128:
         return False
+    for name, pattern in (("trajectory_id", _IDS_PATTERN), ("group_id", _IDS_PATTERN), ("prompt_id", _IDS_PATTERN),
+                          ("sampler_id", _IDS_PATTERN), ("stop_reason", _REASONS_PATTERN)):
+        values = body[name] if name == "trajectory_id" else set(body[name])  # the others repeat within a batch
+        if not _types_are(values, {str}) or not pattern.fullmatch("\n".join(values) + "\n"):
+            return False
     sizes = body["group_size"]
     if not _types_are(sizes, {int}) or min(sizes) < 1 or max(sizes) > 65_536:
         return False
-    numbers = [body[name] for name in ("reward", "generation_start", "generation_end", "sent_at")]
-    if not _types_are(itertools.chain.from_iterable(numbers), {float, int}):
+    rewards, starts, ends, sent = (body[name] for name in ("reward", "generation_start", "generation_end", "sent_at"))
+    numbers = (*rewards, *starts, *ends, *sent)
+    if not _types_are(numbers, {float, int}):
         return False
-    table = np.asarray(numbers, dtype=np.float64)
-    return bool(np.isfinite(table).all() and np.abs(table[0]).max() <= limits.max_abs_reward
-                and (table[2] >= table[1]).all())
+    try:
+        finite = math.isfinite(math.fsum(numbers))  # NaN or inf anywhere makes the sum NaN or inf
+    except OverflowError:  # finite values too large to add up: the per-entry path judges each
+        return False
+    return finite and max(map(abs, rewards)) <= limits.max_abs_reward and all(map(operator.ge, ends, starts))
 
 
 def _build_batch(body, n, prompt, completion, logprobs, versions, prompt_len, completion_len) -> list[Trajectory]:
-    p_ends = np.cumsum(prompt_len).tolist()
-    c_ends = np.cumsum(completion_len).tolist()
-    out, p_off, c_off = [], 0, 0
-    ids, groups, prompts, samplers = body["trajectory_id"], body["group_id"], body["prompt_id"], body["sampler_id"]
-    sizes, rewards, starts, ends, sent, reasons = (body[k] for k in (
-        "group_size", "reward", "generation_start", "generation_end", "sent_at", "stop_reason"))
-    for i in range(n):
-        p_end, c_end = p_ends[i], c_ends[i]
-        out.append(Trajectory(ids[i], groups[i], prompts[i], samplers[i], sizes[i], prompt[p_off:p_end],
-                              completion[c_off:c_end], logprobs[c_off:c_end], versions[c_off:c_end],
-                              float(rewards[i]), float(starts[i]), float(ends[i]), float(sent[i]), 0.0, reasons[i]))
-        p_off, c_off = p_end, c_end
-    return out
+    p_ends = list(itertools.accumulate(prompt_len))
+    c_ends = list(itertools.accumulate(completion_len))
+    p_spans = list(zip([0, *p_ends[:-1]], p_ends))
+    c_spans = list(zip([0, *c_ends[:-1]], c_ends))
+    return [Trajectory(i, g, p, s, size, prompt[p0:p1], completion[c0:c1], logprobs[c0:c1], versions[c0:c1],
+                       float(r), float(t0), float(t1), float(ts), 0.0, why)
+            for i, g, p, s, size, (p0, p1), (c0, c1), r, t0, t1, ts, why in zip(
+                body["trajectory_id"], body["group_id"], body["prompt_id"], body["sampler_id"], body["group_size"],
+                p_spans, c_spans, body["reward"], body["generation_start"], body["generation_end"], body["sent_at"],
+                body["stop_reason"])]
 
 
 @dataclass

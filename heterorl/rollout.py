@@ -199,16 +199,18 @@ class RolloutWorker:
                                start_wall, time.time())
         self.groups_sent += len(stamped)
         for group in stamped:
-            for traj in group:
-                self._send(traj)
+            self._send(list(group))
 
-    def _send(self, traj: Trajectory) -> None:
+    def _send(self, group: list[Trajectory]) -> None:
+        """Queue a group's trajectories in one call, waiting out back-pressure; HeteroRLError once the learner has
+        been silent for ``learner_timeout_s``."""
         silent_since = None
-        while not self.client.finished.is_set():
+        while group and not self.client.finished.is_set():
             try:
-                self._wait(self.client.send, traj, 1.0)
+                self._wait(self.client.send_many, group, 1.0)
                 return
-            except TransportTimeout:  # back-pressure (the learner is behind) or the learner is gone
+            except TransportTimeout as exc:  # back-pressure (the learner is behind) or the learner is gone
+                group = group[exc.done:]
                 if self.client.learner_alive:
                     silent_since = None
                     continue

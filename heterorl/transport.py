@@ -45,6 +45,7 @@ import heapq
 import ipaddress
 import itertools
 import logging
+import math
 import os
 import socket as pysocket
 import sys
@@ -53,7 +54,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import zmq
@@ -78,7 +79,12 @@ class TransportError(HeteroRLError):
 
 
 class TransportTimeout(TransportError):
-    """A blocking transport call ran out of time."""
+    """A blocking transport call ran out of time. ``done``: how many of its items it got through first (for
+    ``send_many``: the trajectories queued or dropped by the delay link; resend from there)."""
+
+    def __init__(self, message: str, done: int = 0) -> None:
+        super().__init__(message)
+        self.done = done
 
 
 @dataclass
@@ -227,8 +233,8 @@ class _SendBuffers:
         """A buffer of at least ``nbytes``: a released one if it fits, else a new one."""
         self._free += [buffer for buffer, tracker in self._busy if tracker.done]
         self._busy = [(buffer, tracker) for buffer, tracker in self._busy if not tracker.done]
-        for i, buffer in enumerate(self._free):
-            if len(buffer) >= nbytes:
+        for i in range(len(self._free) - 1, -1, -1):  # the most recently released first: the warmest in cache
+            if len(self._free[i]) >= nbytes:
                 return self._free.pop(i)
         if self._free and len(self._free) + len(self._busy) >= self.keep:
             self._free.pop(0)  # too small for today's batches: let it go
@@ -404,10 +410,10 @@ class LearnerServer(_Endpoint):
                     return []
                 self._lock.wait(left)
             taken = [self._buffer.popleft() for _ in range(min(max_items, len(self._buffer)))]
-            for traj in taken:
-                worker = self._workers.get(traj.sampler_id)
+            for sampler_id, count in Counter(traj.sampler_id for traj in taken).items():
+                worker = self._workers.get(sampler_id)
                 if worker is not None:
-                    worker.buffered -= 1
+                    worker.buffered -= count
         if taken:
             self._wakeup.wake()  # the freed credits go out now, not at the next poll timeout
         return taken
@@ -575,11 +581,10 @@ class LearnerServer(_Endpoint):
                 worker.alive = True
                 log.info("worker %s is back", worker.worker_id)
             if isinstance(message, TrajectoryBatch):
-                for traj in message.trajectories:
-                    self._on_trajectory(worker, traj)
+                self._on_batch(worker, message.trajectories, time.time())
                 self._lock.notify_all()
             elif isinstance(message, Trajectory):
-                self._on_trajectory(worker, message)
+                self._on_trajectory(worker, message, time.time())
                 self._lock.notify_all()
             elif isinstance(message, Heartbeat):
                 if message.sender_id != worker.worker_id:
@@ -629,7 +634,40 @@ class LearnerServer(_Endpoint):
                                 "start_limit": -1 if self._admission_cap is None else 0})
         _send(sock, [routing_id, *encode(ready)], self.stats, "ready")
 
-    def _on_trajectory(self, worker: WorkerInfo, traj: Trajectory) -> None:
+    def _on_batch(self, worker: WorkerInfo, trajectories: list[Trajectory], received_at: float) -> None:
+        """Take in a batch: in bulk when every member is new, within credit and the worker's own, else one by
+        one (which names each refusal)."""
+        ids = [traj.trajectory_id for traj in trajectories]
+        if (worker.buffered + len(ids) > self.config.credits_per_worker or not self._seen.keys().isdisjoint(ids)
+                or len(set(ids)) != len(ids) or any(traj.sampler_id != worker.worker_id for traj in trajectories)):
+            for traj in trajectories:
+                self._on_trajectory(worker, traj, received_at)
+            return
+        for traj in trajectories:
+            traj.received_at = received_at
+            if traj.group_id != worker.last_group_id:
+                self._count_group(worker, traj.group_id)
+        self._seen.update(dict.fromkeys(ids))
+        while len(self._seen) > self.config.dedup_window:
+            self._seen.popitem(last=False)
+        self._buffer.extend(trajectories)
+        worker.received_session += len(ids)
+        worker.buffered += len(ids)
+        worker.trajectories += len(ids)
+        worker.acks += ids
+        self.stats["accepted"] += len(ids)
+
+    def _count_group(self, worker: WorkerInfo, group_id: str) -> None:
+        """A worker sends each group's members back to back: a new group id is a new start (a re-sent duplicate
+        is none, so callers count only new trajectories)."""
+        worker.groups_session += 1
+        worker.last_group_id = group_id
+        if self._admission_cap is not None and worker.groups_session > worker.starts_granted_session:
+            # started on a permit reclaimed since (the worker was thought dead): it counts all the same
+            worker.starts_granted_session += 1
+            self._starts_granted_total += 1
+
+    def _on_trajectory(self, worker: WorkerInfo, traj: Trajectory, received_at: float) -> None:
         worker.received_session += 1
         if traj.sampler_id != worker.worker_id:
             self._reject("forged_id", f"trajectory names sampler {traj.sampler_id!r} on {worker.worker_id}'s link",
@@ -643,14 +681,9 @@ class LearnerServer(_Endpoint):
         if worker.buffered >= self.config.credits_per_worker:
             self._reject("no_credit", f"{worker.worker_id} sent beyond its credit", worker, traj.trajectory_id)
             return
-        if traj.group_id != worker.last_group_id:  # a worker sends each group's members back to back
-            worker.groups_session += 1  # (a re-sent duplicate is no new start, so it is counted only here)
-            worker.last_group_id = traj.group_id
-            if self._admission_cap is not None and worker.groups_session > worker.starts_granted_session:
-                # started on a permit reclaimed since (the worker was thought dead): it counts all the same
-                worker.starts_granted_session += 1
-                self._starts_granted_total += 1
-        traj.received_at = time.time()
+        if traj.group_id != worker.last_group_id:
+            self._count_group(worker, traj.group_id)
+        traj.received_at = received_at
         self._seen[traj.trajectory_id] = None
         if len(self._seen) > self.config.dedup_window:
             self._seen.popitem(last=False)
@@ -801,6 +834,8 @@ class WorkerClient(_Endpoint):
         self._clock = clock
         self._lock = threading.Condition()
         self._outbox: list = []  # heap of (due_time, sequence, Trajectory); a reordering delay link may reorder
+        self._latest_due = -math.inf  # the latest due time in the outbox (all are due once it has passed)
+        self._in_hand = 0  # trajectories taken from the outbox by the I/O thread and not yet handed to the socket
         # used by the I/O thread only; enough buffers for every message the credit window lets be in flight
         self._send_buffers = _SendBuffers(keep=-(-self.config.credits_per_worker // self.config.trajectory_batch) + 2)
         self._sequence = itertools.count()
@@ -841,25 +876,41 @@ class WorkerClient(_Endpoint):
 
         Returns False when the trajectory delay link dropped it (simulated loss), True otherwise.
         """
+        return self.send_many([trajectory], timeout_s) == 1
+
+    def send_many(self, trajectories: Sequence[Trajectory], timeout_s: float) -> int:
+        """Queue ``trajectories`` in order (a group, say), each once a credit is free; one lock round for all
+        that credit allows at once, where ``send`` takes one per trajectory. TransportTimeout when ``timeout_s``
+        passes with some not queued: its ``done`` counts those dealt with before it (resend the rest). Returns
+        how many were queued: the rest were dropped by the trajectory delay link (simulated loss).
+        """
         deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while not (self.learner_alive and self._sent_session < self._credit_limit):
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stop.is_set():
-                    raise TransportTimeout(f"no credit from the learner within {timeout_s} s "
-                                           f"(sent {self._sent_session} of {self._credit_limit} granted)")
-                self._lock.wait(min(left, 0.1))
-            now = self._clock()
-            due = now if self._delay is None else self._delay(now, trajectory.nbytes)
-            if due is None:
-                self.stats["delay/dropped"] += 1
-                return False
-            self._sent_session += 1
-            heapq.heappush(self._outbox, (due, next(self._sequence), trajectory))
-            pending = len(self._outbox)
-        if pending == 1 or pending >= self.config.trajectory_batch:
-            self._wakeup.wake()  # a full batch goes at once; a first one starts the linger clock
-        return True
+        queued, i, batch = 0, 0, self.config.trajectory_batch
+        while i < len(trajectories):
+            with self._lock:
+                while not (self.learner_alive and self._sent_session < self._credit_limit):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._stop.is_set():
+                        raise TransportTimeout(f"no credit from the learner within {timeout_s} s "
+                                               f"(sent {self._sent_session} of {self._credit_limit} granted)", i)
+                    self._lock.wait(min(left, 0.1))
+                before = len(self._outbox)
+                take = min(len(trajectories) - i, self._credit_limit - self._sent_session)
+                now = self._clock()
+                for trajectory in trajectories[i:i + take]:
+                    due = now if self._delay is None else self._delay(now, trajectory.nbytes)
+                    if due is None:
+                        self.stats["delay/dropped"] += 1
+                        continue
+                    self._sent_session += 1
+                    self._latest_due = max(self._latest_due, due)
+                    heapq.heappush(self._outbox, (due, next(self._sequence), trajectory))
+                    queued += 1
+                pending = len(self._outbox)
+            i += take
+            if before == 0 < pending or pending // batch > before // batch:
+                self._wakeup.wake()  # a full batch goes at once; a first one starts the linger clock
+        return queued
 
     def acquire_starts(self, wanted: int, timeout_s: float) -> int:
         """How many of ``wanted`` groups may be started now (admission control); blocks up to ``timeout_s`` for
@@ -912,7 +963,7 @@ class WorkerClient(_Endpoint):
         """Wait until every queued trajectory has been handed to the socket."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._outbox:
+            while self._outbox or self._in_hand:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -1048,35 +1099,56 @@ class WorkerClient(_Endpoint):
 
     def _drain_outbox(self, control: zmq.Socket) -> None:
         """Send the due trajectories in messages of up to ``trajectory_batch``; a partial batch waits until its
-        oldest member has been due for ``trajectory_linger_ms`` (a few ms of latency for far fewer messages)."""
+        oldest member has been due for ``trajectory_linger_ms`` (a few ms of latency for far fewer messages).
+        Messages are encoded and sent outside the lock, so ``send`` is not held up meanwhile."""
         now = self._clock()
+        size = self.config.trajectory_batch
         linger = self.config.trajectory_linger_ms / 1000 * self._time_scale()
         with self._lock:
-            due = sum(1 for item in self._outbox if item[0] <= now) if self._outbox else 0
-            if due < self.config.trajectory_batch and (not due or now - self._outbox[0][0] < linger):
+            if not self._outbox:
                 return
-            while self._outbox and self._outbox[0][0] <= now:
-                batch = []
-                while self._outbox and self._outbox[0][0] <= now and len(batch) < self.config.trajectory_batch:
-                    batch.append(heapq.heappop(self._outbox))
-                sent_at = time.time()
-                for _, _, traj in batch:
-                    traj.sent_at = sent_at
-                message = TrajectoryBatch([t for _, _, t in batch])
-                buffer = self._send_buffers.take(message.payload_nbytes())
-                header, *data = encode(message, out=buffer)
-                frames = [zmq.Frame(frame, copy=False, track=True) for frame in data]
-                try:
-                    control.send_multipart([header, *frames], flags=zmq.NOBLOCK, copy=False)
-                    self._send_buffers.sent(buffer, zmq.MessageTracker(*frames))
-                except zmq.Again:
-                    self._send_buffers.unused(buffer)
-                    self.stats["send_blocked"] += 1
-                    for item in batch:  # HWM reached: keep them queued, try on the next loop
-                        heapq.heappush(self._outbox, item)
+            due = len(self._outbox) if self._latest_due <= now else sum(1 for item in self._outbox if item[0] <= now)
+            if due < size and (not due or now - self._outbox[0][0] < linger):
+                return
+            batches = []
+            while due:
+                batches.append([heapq.heappop(self._outbox) for _ in range(min(due, size))])
+                due -= len(batches[-1])
+            if not self._outbox:
+                self._latest_due = -math.inf
+            self._in_hand = sum(len(batch) for batch in batches)
+        try:
+            for i, batch in enumerate(batches):
+                if not self._send_batch(control, [item[2] for item in batch]):
+                    with self._lock:  # HWM reached: keep them queued, try on the next loop
+                        for item in itertools.chain.from_iterable(batches[i:]):
+                            heapq.heappush(self._outbox, item)
+                            self._latest_due = max(self._latest_due, item[0])
                     break
-                self.stats["sent"] += len(batch)
-            self._lock.notify_all()
+        finally:
+            with self._lock:
+                self._in_hand = 0
+                self._lock.notify_all()
+
+    def _send_batch(self, control: zmq.Socket, trajectories: list[Trajectory]) -> bool:
+        """One ``trajectories`` message, its arrays sent without a copy from a reused buffer; False when the
+        socket would block."""
+        sent_at = time.time()
+        for traj in trajectories:
+            traj.sent_at = sent_at
+        message = TrajectoryBatch(trajectories)
+        buffer = self._send_buffers.take(message.payload_nbytes())
+        header, *data = encode(message, out=buffer)
+        frames = [zmq.Frame(frame, copy=False, track=True) for frame in data]
+        try:
+            control.send_multipart([header, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._send_buffers.unused(buffer)
+            self.stats["send_blocked"] += 1
+            return False
+        self._send_buffers.sent(buffer, zmq.MessageTracker(*frames))
+        self.stats["sent"] += len(trajectories)
+        return True
 
     def _time_scale(self) -> float:
         """Delay-clock seconds per real second (a ScaledClock runs faster than real time)."""

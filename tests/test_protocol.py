@@ -78,6 +78,14 @@ def test_control_messages_round_trip(message):
     assert decode(encode(message)) == message
 
 
+def test_id_lists_are_checked_in_bulk_and_the_culprit_named():
+    body = header_of(Ack(["a", "b", "c"], [], 3, -1))
+    for accepted, culprit, reason in ((["a", 5, "c"], "accepted[1]", "type"), (["a", "b", ""], "accepted[2]", "bounds"),
+                                      (["x" * 257, "b"], "accepted[0]", "bounds")):
+        rejects([msgpack.packb(body | {"accepted": accepted})], culprit, reason)
+    assert decode([msgpack.packb(body | {"accepted": ["a" * 256]})]).accepted == ["a" * 256]
+
+
 def test_weights_round_trip_through_chunks_with_checksums():
     state = {"w": torch.randn(300, 7), "b": torch.arange(5, dtype=torch.int64),
              "h": torch.randn(4, 4).to(torch.bfloat16), "m": torch.tensor([True, False])}
@@ -207,9 +215,10 @@ def batch_frames(n: int = 3) -> list:
                                               policy_versions=np.full(i + 1, i, np.int32)) for i in range(n)]))
 
 
-def test_a_batch_carries_its_arrays_as_frames_and_decodes_to_views():
+def test_a_batch_carries_its_arrays_in_one_frame_and_decodes_to_views():
     frames = batch_frames(3)
-    assert len(frames) == 5  # header + prompt, completion, log-prob and version arrays of all three
+    assert len(frames) == 2  # header + the prompt, completion, log-prob and version arrays of all three
+    assert len(memoryview(frames[1])) == 4 * (3 * 4 + 3 * (1 + 2 + 3))  # 4 prompt tokens each, 1..3 completion
     got = decode([bytes(memoryview(f)) for f in frames])
     assert [t.trajectory_id for t in got.trajectories] == ["t0", "t1", "t2"]
     assert [t.completion_tokens.tolist() for t in got.trajectories] == [[0], [0, 1], [0, 1, 2]]
@@ -220,20 +229,29 @@ def test_a_batch_carries_its_arrays_as_frames_and_decodes_to_views():
 
 def test_a_batch_is_validated_as_a_whole_and_names_the_entry():
     header = msgpack.unpackb(batch_frames(3)[0], raw=False)
-    arrays = [bytes(memoryview(f)) for f in batch_frames(3)[1:]]
+    data = bytes(memoryview(batch_frames(3)[1]))
 
     def with_header(**changes):
-        return [msgpack.packb(header | changes, use_bin_type=True), *arrays]
+        return [msgpack.packb(header | changes, use_bin_type=True), data]
 
     rejects(with_header(reward=[1.0, float("nan"), 0.0]), "reward[1]", "not_finite")
     rejects(with_header(trajectory_id=["t0", "t 1", "t2"]), "trajectory_id[1]", "bounds")
     rejects(with_header(completion_len=[1, 2]), "completion_len", "length_mismatch")
-    rejects(with_header(completion_len=[1, 2, 4]), "completion_tokens", "length_mismatch")
+    rejects(with_header(completion_len=[1, 2, 4]), "data", "length_mismatch")
     rejects(with_header(completion_len=[1, 0, 5]), "completion_len[1]", "bounds")  # bulk checks fall back to
     rejects(with_header(prompt_len=[4, True, 4]), "prompt_len[1]", "type")  # name the entry; no bool for int
     rejects(with_header(group_size=[4, 4.0, 4]), "group_size[1]", "type")
     rejects(with_header(trajectory_id=[]), "trajectory_id", "type")
-    rejects(with_header()[:3], "frame", "malformed")  # two of the four arrays missing
-    nan = np.array([-0.5, np.nan, -0.5, -0.5, -0.5, -0.5], "<f4").tobytes()
-    rejects([msgpack.packb(header, use_bin_type=True), arrays[0], arrays[1], nan, arrays[3]],
-            "behaviour_logprobs", "not_finite")
+    rejects(with_header()[:1], "frame", "malformed")  # the data frame missing
+    rejects([*with_header(), data], "frame", "malformed")  # one too many
+    rejects([with_header()[0], data[:-4]], "data", "length_mismatch")
+    words = np.frombuffer(data, "<i4").copy()
+    logprobs = words[12 + 6:12 + 12].view("<f4")  # after 3 x 4 prompt tokens and 6 completion tokens
+    logprobs[1] = np.nan
+    rejects(with_header()[:1] + [words.tobytes()], "behaviour_logprobs", "not_finite")
+    logprobs[1] = 0.5
+    rejects(with_header()[:1] + [words.tobytes()], "behaviour_logprobs", "bounds")
+    logprobs[1] = -0.5
+    versions = words[12 + 12:]
+    versions[0] = -1
+    rejects(with_header()[:1] + [words.tobytes()], "policy_versions", "bounds")
