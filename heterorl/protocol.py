@@ -396,7 +396,7 @@ class TrajectoryBatch(Message):
         logprobs = logprobs.view("<f4")
         _check_token_arrays(prompt, completion, logprobs, versions, limits)
         if _scalars_valid(body, limits):  # the common case, checked in bulk; else find and name the culprit
-            return cls(_build_batch(body, n, prompt, completion, logprobs, versions, prompt_len, completion_len))
+            return cls(_build_batch(body, prompt, completion, logprobs, versions, prompt_len, completion_len))
         trajectories = []
         p_off = c_off = 0
         for i in range(n):
@@ -461,7 +461,7 @@ def _scalars_valid(body: dict, limits: Limits) -> bool:
     return finite and max(map(abs, rewards)) <= limits.max_abs_reward and all(map(operator.ge, ends, starts))
 
 
-def _build_batch(body, n, prompt, completion, logprobs, versions, prompt_len, completion_len) -> list[Trajectory]:
+def _build_batch(body, prompt, completion, logprobs, versions, prompt_len, completion_len) -> list[Trajectory]:
     p_ends = list(itertools.accumulate(prompt_len))
     c_ends = list(itertools.accumulate(completion_len))
     p_spans = list(zip([0, *p_ends[:-1]], p_ends))
