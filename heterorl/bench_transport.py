@@ -12,7 +12,7 @@ trajectory sums user+system time of every process taking part (learner or
 PULL here, plus the senders), so it stays meaningful on a busy machine where
 the rates are noisy.
 
-Weights: ``publish`` of a ``--weights-mb`` state dict (float32 tensors of 1M
+Weights: ``publish`` of a ``--weights-mib`` state dict (float32 tensors of 1M
 elements) until ``--weight-receivers`` worker processes hold the verified
 version. Baseline: the same bytes, in the same 4 MiB chunks, sent raw ROUTER →
 DEALER to as many receiver processes, which keep the frames (no checksum, no
