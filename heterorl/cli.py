@@ -77,6 +77,8 @@ def _progress(total: int, desc: str, enabled: bool):
         for key, short in (("eval/success", "eval"), ("rollout/reward_mean", "reward"), ("sft/loss", "loss")):
             if key in metrics:
                 shown[short] = round(float(metrics[key]), 3)
+        if metrics.get("optim/updates", 1) == 0:  # a step without an update (optim/skip_reason says why)
+            shown["no-update steps"] = shown.get("no-update steps", 0) + 1
         bar.set_postfix(shown, refresh=False)
         bar.update(step - bar.n)
 
@@ -144,7 +146,8 @@ def _rl(cfg, title: str) -> int:
                        xlabel="RL step")
     summary = {"base_success": result.base_success, "final_success": result.final_success,
                "best_success": result.best_success, "steps": result.steps, "minutes": result.minutes,
-               "loss": cfg.loss.name, "history": result.history}
+               "loss": cfg.loss.name, "steps_without_update": result.steps_without_update,
+               "history": result.history}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print()
     print(format_table(
@@ -153,7 +156,8 @@ def _rl(cfg, title: str) -> int:
          [f"after RL ({cfg.loss.name})", result.final_success, training.step],
          ["best during RL", result.best_success, ""]],
     ))
-    print(f"\nchange: {100 * (result.final_success - result.base_success):+.1f} points in {result.minutes:.1f} min")
+    print(f"\nchange: {100 * (result.final_success - result.base_success):+.1f} points in {result.minutes:.1f} min"
+          + _without_update(result.steps_without_update))
     print(f"logs:   {run_dir / 'metrics.jsonl'}" + (f"  (wandb offline run under {run_dir / 'wandb'})"
                                                     if cfg.logging.wandb_mode != "disabled" else ""))
     print(f"plot:   {plot}")
@@ -305,9 +309,14 @@ def _print_runtime_summary(summary: dict, run_dir: Path) -> None:
     print(f"\nchange: {100 * (summary['final_success'] - summary['base_success']):+.1f} points in "
           f"{summary['minutes']:.1f} min; staleness mean {summary['staleness_mean']:.2f} versions "
           f"(max {summary['staleness_max']}); {summary['tokens_per_s']:.0f} tokens/s{clock} trained; "
-          f"learner idle {summary['learner_idle_frac']:.0%}, workers idle {summary['worker_idle_frac']:.0%}{clock}")
+          f"learner idle {summary['learner_idle_frac']:.0%}, workers idle {summary['worker_idle_frac']:.0%}{clock}"
+          + _without_update(summary.get("steps_without_update", 0)))
     print(f"logs:   {run_dir / 'metrics.jsonl'}" + ("" if simulated else f" and {run_dir / 'logs'}/"))
     print(f"plot:   {run_dir / 'success.png'}")
+
+
+def _without_update(count: int) -> str:
+    return f"; {count} steps without an update (optim/skip_reason in the metrics says why)" if count else ""
 
 
 def _finish_sweep(sweep, failed: list[str]) -> int:

@@ -57,6 +57,7 @@ class LearnerResult:
     tokens_per_s: float  # completion tokens trained per second of wall time
     learner_idle_frac: float
     worker_idle_frac: float
+    steps_without_update: int = 0  # steps whose batch ran no update (optim/skip_reason in their metrics)
     history: list[dict] = field(default_factory=list)
 
 
@@ -72,6 +73,7 @@ class LearnerState:
     staleness_max: int = 0
     groups_trained: int = 0
     tokens_trained: int = 0
+    steps_without_update: int = 0
     idle_s: float = 0.0
     elapsed_s: float = 0.0
 
@@ -309,6 +311,7 @@ class Learner:
                 for g in groups:
                     self._trained.update(t.trajectory_id for t in g.trajectories)
             state.step += 1
+            state.steps_without_update += not metrics["optim/updates"]
             version = self._publish()
             self._admit()
             tokens = sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
@@ -358,7 +361,8 @@ class Learner:
             staleness_mean=state.staleness_sum / max(state.groups_trained, 1), staleness_max=state.staleness_max,
             tokens_per_s=state.tokens_trained / max(state.elapsed_s, 1e-9),
             learner_idle_frac=state.idle_s / max(state.elapsed_s, 1e-9),
-            worker_idle_frac=idle / (busy + idle) if busy + idle > 0 else 0.0, history=state.history,
+            worker_idle_frac=idle / (busy + idle) if busy + idle > 0 else 0.0,
+            steps_without_update=state.steps_without_update, history=state.history,
         )
 
 

@@ -219,7 +219,7 @@ class Simulation:
         version = self._publish(now)
         total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
         staleness_all: list[int] = []
-        tokens_trained = 0
+        tokens_trained, without_update = 0, 0
         for step in range(1, cfg.rl.steps + 1):
             while True:
                 self._run_workers(now)
@@ -237,6 +237,7 @@ class Simulation:
             staleness_s = [now - self._published_s[g.oldest_version] for g in groups]
             staleness_all += staleness
             metrics = optimize_batch(self.training, group_datums(groups), cfg, total_updates)
+            without_update += not metrics["optim/updates"]
             tokens_trained += sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
             self._run_workers(now + self.step_s, before=True)  # calls started while the learner trains
             now += self.step_s
@@ -269,7 +270,8 @@ class Simulation:
             minutes=(time.monotonic() - wall_start) / 60,
             staleness_mean=float(np.mean(staleness_all)), staleness_max=int(max(staleness_all)),
             tokens_per_s=tokens_trained / now, learner_idle_frac=idle_s / now,
-            worker_idle_frac=idle / (busy + idle) if busy + idle > 0 else 0.0, history=history,
+            worker_idle_frac=idle / (busy + idle) if busy + idle > 0 else 0.0,
+            steps_without_update=without_update, history=history,
         )
 
 

@@ -236,8 +236,8 @@ def _footer(sweep: Sweep) -> list[str]:
         f"{sweep.online_delay!r}; positive means worse than online; n/a when that cell is missing or its last "
         "success is 0.",
         "best-last: mean over seeds of best minus last success. staleness: mean policy versions behind "
-        "(summary staleness_mean). IS weight var, KL k3: mean over the run's logged steps of is/weight_var and "
-        "kl/k3 (NaN steps skipped), then over seeds.",
+        "(summary staleness_mean). IS weight var, KL k3: mean over the run's steps that ran an update of "
+        "is/weight_var and kl/k3 (a step without one, optim/updates 0, has no loss metrics), then over seeds.",
     ]
 
 

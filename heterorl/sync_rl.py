@@ -31,6 +31,7 @@ class RLResult:
     best_success: float
     steps: int
     minutes: float
+    steps_without_update: int = 0  # steps whose every minibatch was skipped (see optimize_batch)
     history: list[dict] = field(default_factory=list)  # {"step", "eval/success", ...}
 
 
@@ -80,6 +81,11 @@ def minibatches(datums: list[Datum], count: int) -> list[list[Datum]]:
     return [[d for g in ordered[i:i + size] for d in g] for i in range(0, len(ordered), size)]
 
 
+# ``optim/skip_reason`` of a step that ran no update (``optim/updates`` 0)
+NO_SIGNAL = "no_signal"  # every group's completions scored alike: every group-relative advantage is 0
+TOO_FEW_GROUPS = "too_few_groups"  # fewer groups with signal in each minibatch than learner ranks
+
+
 def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, total_updates: int,
                    shard: tuple[int, int] = (0, 1)) -> dict:
     """``forward_backward`` + ``optim_step`` on ``cfg.rl.updates_per_batch`` minibatches of whole groups.
@@ -87,7 +93,9 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
     A minibatch in which every group scored alike carries no learning signal and is skipped; with
     ``cfg.rl.drop_uniform_groups`` such groups are dropped from every minibatch first. Returns the
     metrics of the last update (the loss's diagnostics, ``optim/lr``, ``optim/grad_norm``) and
-    ``optim/updates`` (how many updates ran).
+    ``optim/updates`` (how many updates ran). A step that ran no update has no loss, so it reports none of
+    the loss's metrics (``loss/*``, ``is/*``, ``kl/*``) nor ``optim/lr``/``optim/grad_norm``: by design they
+    are absent, not NaN, and ``optim/skip_reason`` says why (`NO_SIGNAL` or `TOO_FEW_GROUPS`).
 
     ``shard = (rank, world)``: under data parallelism every rank is given the whole batch, makes the same
     minibatch and skip decisions, and runs ``forward_backward`` on its share of each minibatch's groups
@@ -95,12 +103,16 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
     """
     rank, world = shard
     metrics: dict = {"optim/updates": 0}
+    reason = NO_SIGNAL
     if cfg.rl.drop_uniform_groups:
         datums = [d for group in group_rows(datums) if has_signal([group]) for d in group]
     for batch in minibatches(datums, cfg.rl.updates_per_batch):
         groups = group_rows(batch)
-        if not has_signal(groups) or len(groups) < world:
+        if not has_signal(groups):
             continue  # (every rank decides alike, so no rank waits in an all-reduce the others skip)
+        if len(groups) < world:
+            reason = TOO_FEW_GROUPS
+            continue
         if world > 1:
             batch = [d for g in groups[rank::world] for d in g]
         out = training.forward_backward(batch, cfg.loss.name, loss_options(cfg),
@@ -113,6 +125,8 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
         metrics.update(out.metrics)
         metrics.update({"optim/lr": lr, "optim/grad_norm": optim.grad_norm})
         metrics["optim/updates"] += 1
+    if not metrics["optim/updates"]:
+        metrics["optim/skip_reason"] = reason
     return metrics
 
 
@@ -128,10 +142,12 @@ def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, 
     if logger:
         logger.log(0, {"eval/success": base})
     total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
+    without_update = 0
     for step in range(1, cfg.rl.steps + 1):
         problems = [task.sample_train(rng) for _ in range(cfg.rl.prompts_per_step)]
         datums, metrics = rollout_datums(sampler, task, problems, cfg, seed=cfg.seed * 100_003 + step)
         metrics.update(optimize_batch(training, datums, cfg, total_updates))
+        without_update += not metrics["optim/updates"]
         sampler = training.save_weights_and_get_sampling_client()
         metrics["policy/version"] = sampler.version
         if step % cfg.rl.eval_every == 0 or step == cfg.rl.steps:
@@ -143,4 +159,5 @@ def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, 
             progress(step, metrics)
     successes = [h["eval/success"] for h in history]
     return RLResult(base_success=base, final_success=successes[-1], best_success=max(successes),
-                    steps=cfg.rl.steps, minutes=(time.time() - start) / 60, history=history)
+                    steps=cfg.rl.steps, minutes=(time.time() - start) / 60, steps_without_update=without_update,
+                    history=history)

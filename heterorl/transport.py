@@ -930,6 +930,13 @@ class WorkerClient(_Endpoint):
                     return 0
                 self._lock.wait(min(left, 0.1))
 
+    @property
+    def start_limit(self) -> int:
+        """The admission limit in force: how many groups this session may start in all (-1: no admission
+        control). It rides on the learner's acks, so it follows `LearnerServer.set_admission` a beat later."""
+        with self._lock:
+            return self._start_limit
+
     def set_trajectory_delay(self, schedule: DelaySchedule | None, clock: Callable[[], float] | None = None) -> None:
         """Install the delay link for trajectories (known once the learner's config arrives with ``ready``)."""
         with self._lock:

@@ -210,7 +210,7 @@ def test_scaled_clock_runs_factor_times_faster():
     real_c, sim_end, real_d = time.monotonic(), clock.now(), time.monotonic()
     # the simulated interval, scaled back, lies between the real intervals that bracket its two readings
     assert real_c - real_b <= (sim_end - sim_start) / 200 <= real_d - real_a
-    assert 0.1 <= real_c - real_b < 0.5
+    assert 0.1 <= real_c - real_b < 5.0  # never short; the upper bound only needs the machine not to stall 5 s
     with pytest.raises(ClockError, match="factor"):
         ScaledClock(0)
 
@@ -286,7 +286,7 @@ def test_blocking_get_wakes_when_another_thread_puts():
     time.sleep(0.05)
     queue.put("hello")
     consumer.join(timeout=6)
-    assert result["message"] == "hello" and result["waited_s"] < 1.0
+    assert result["message"] == "hello" and result["waited_s"] < 4.0  # woken by the put, not by the 5 s timeout
 
 
 # ---- configuration ---------------------------------------------------------------------------------------------

@@ -93,3 +93,24 @@ def test_dropping_uniform_groups_trains_on_fewer_rows_and_learns_the_same():
     for kept, dropped in zip(after[False][1], after[True][1]):
         torch.testing.assert_close(kept, dropped, atol=1e-5, rtol=0)  # a step is lr = 1e-4; Adam's eps differs
     assert any(not torch.equal(p, q) for p, q in zip(after[True][1], model.parameters()))  # it did learn
+
+
+def test_a_batch_without_signal_runs_no_update_and_says_why():
+    """Every group scored alike: no loss runs, so the step records ``optim/updates`` 0 and
+    ``optim/skip_reason`` and none of the loss's metrics (absent by design, not NaN); the weights stay put."""
+    import torch
+
+    cfg = load_config(packaged("maze_rl.yaml"), ["rollout.group_size=4"])
+    task = _maze(cfg)
+    model, tok = load_policy(str(packaged(SFT_BASE)))
+    training = TrainingClient(model, tok, seed=0)
+    datums, _ = rollout_datums(training.save_weights_and_get_sampling_client(), task, task.eval_problems()[:2], cfg,
+                               seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    for drop in (False, True):
+        cfg.rl.drop_uniform_groups = drop
+        for d, reward in zip(datums, [1, 1, 1, 1, 0, 0, 0, 0]):
+            d.reward = float(reward)
+        metrics = optimize_batch(training, datums, cfg, total_updates=1)
+        assert metrics == {"optim/updates": 0, "optim/skip_reason": "no_signal"}
+    assert training.step == 0 and all(torch.equal(p, q) for p, q in zip(before, model.parameters()))

