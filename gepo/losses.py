@@ -414,7 +414,8 @@ def _gepo_groups(batch: LossBatch, group_by: str) -> tuple[torch.Tensor, int]:
 
 
 def _sequence_kl(logp: torch.Tensor, logq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B,) KL_i = (1/|y_i|) Σ_t [exp(log q − log p) − (log q − log p) − 1]   (DESIGN §2, with gradient)."""
+    """(B,) KL_i = (1/|y_i|) Σ_t [exp(log q − log p) − (log q − log p) − 1]   (the GEPO paper's learner↔sampler
+    KL term, β = 0.005 in its heterogeneous runs; with gradient)."""
     delta = logq - logp
     return sequence_mean(torch.expm1(delta) - delta, mask)
 

@@ -26,27 +26,14 @@ import argparse
 import json
 import shutil
 import sys
-import time
-from importlib import resources
 from pathlib import Path
 
+from heterorl.config import packaged
 from heterorl.errors import HeteroRLError
 
 DEMO_CONFIG = "demo.yaml"
 RL_CONFIG = "maze_rl.yaml"
 SFT_CONFIG = "maze_sft.yaml"
-SFT_BASE = "maze-sft-base"
-
-
-def packaged(name: str) -> Path:
-    """Path of a file shipped inside the package (configs/ or assets/)."""
-    for folder in ("configs", "assets"):
-        candidate = Path(str(resources.files("heterorl"))) / folder / name
-        if candidate.exists():
-            return candidate
-    raise HeteroRLError(f"packaged file {name} is missing: reinstall heterorl")
-
-
 def _add_config_args(parser: argparse.ArgumentParser, default_config: str | None) -> None:
     parser.add_argument("--config", default=default_config,
                         help="YAML config file" + (f" (default: the packaged {default_config})" if default_config else ""))
@@ -85,15 +72,9 @@ def _progress(total: int, desc: str, enabled: bool):
     return bar, update
 
 
-def quiet_transformers() -> None:
-    """Our own progress bar is the one to watch: hide transformers' load/save bars."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
 def _setup(cfg, name: str, policy: str):
-    from heterorl.launch import setup_run
+    from heterorl.policies import quiet_transformers
+    from heterorl.runs import setup_run
 
     quiet_transformers()
     return setup_run(cfg, name, policy)
@@ -101,8 +82,8 @@ def _setup(cfg, name: str, policy: str):
 
 def cmd_sft(args) -> int:
     from heterorl.config import to_dict
+    from heterorl.loops.sft import run_sft
     from heterorl.policies import save_policy
-    from heterorl.sft import run_sft
 
     cfg = _resolve_config(args)
     if cfg is None:
@@ -128,9 +109,8 @@ def cmd_sft(args) -> int:
 
 
 def _rl(cfg, title: str) -> int:
-    from heterorl.policies import save_policy
-    from heterorl.report import format_table, plot_curves
-    from heterorl.sync_rl import run_sync_rl
+    from heterorl.loops.sync_rl import run_sync_rl
+    from heterorl.runs import finish_run, format_table
 
     base = cfg.rl.base or cfg.policy.model
     task, training, logger, run_dir = _setup(cfg, title, base)
@@ -140,15 +120,7 @@ def _rl(cfg, title: str) -> int:
     finally:
         bar.close()
         logger.close()
-    save_policy(training.model, training.tokenizer, run_dir / "policy")
-    plot = plot_curves({cfg.loss.name: [(h["step"], h["eval/success"]) for h in result.history]},
-                       run_dir / "success.png", title=f"{task.name}: held-out greedy success ({title})",
-                       xlabel="RL step")
-    summary = {"base_success": result.base_success, "final_success": result.final_success,
-               "best_success": result.best_success, "steps": result.steps, "minutes": result.minutes,
-               "loss": cfg.loss.name, "steps_without_update": result.steps_without_update,
-               "history": result.history}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot = finish_run(cfg, task, training, run_dir, result, {}, title=title, xlabel="RL step")
     print()
     print(format_table(
         ["policy", "held-out greedy success", "optimizer steps"],
@@ -161,7 +133,8 @@ def _rl(cfg, title: str) -> int:
     print(f"logs:   {run_dir / 'metrics.jsonl'}" + (f"  (wandb offline run under {run_dir / 'wandb'})"
                                                     if cfg.logging.wandb_mode != "disabled" else ""))
     print(f"plot:   {plot}")
-    print(f"policy: {run_dir / 'policy'}")
+    if cfg.logging.save_policy:
+        print(f"policy: {run_dir / 'policy'}")
     return 0
 
 
@@ -185,19 +158,19 @@ def cmd_demo(args) -> int:
 
 def cmd_bench(args) -> int:
     if args.what == "engine":
-        from heterorl.bench_engine import main as bench_engine
+        from heterorl.bench.engine import main as bench_engine
 
         return bench_engine(args.rest)
     if args.what == "losses":
-        from heterorl.bench_losses import main as bench_losses
+        from heterorl.bench.losses import main as bench_losses
 
         return bench_losses(args.rest)
     if args.what == "async":
-        from heterorl.bench_async import main as bench_async
+        from heterorl.bench.async_modes import main as bench_async
 
         return bench_async(args.rest)
     if args.what == "transport":
-        from heterorl.bench_transport import main as bench_transport
+        from heterorl.bench.transport import main as bench_transport
 
         return bench_transport(args.rest)
     raise HeteroRLError(f"unknown benchmark {args.what!r}")
@@ -225,12 +198,14 @@ def _curve(secret: str | None, server_key: str | None = None, allowed: str | Non
 def _log_to_console() -> None:
     import logging
 
+    from heterorl.policies import quiet_transformers
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     quiet_transformers()
 
 
 def cmd_learner(args) -> int:
-    from heterorl.launch import serve_learner
+    from heterorl.runtime.launch import serve_learner
 
     cfg = _resolve_config(args)
     if cfg is None:
@@ -250,7 +225,7 @@ def cmd_rollout(args) -> int:
     import os
     import socket
 
-    from heterorl.rollout import WorkerOptions, run_rollout_worker
+    from heterorl.runtime.worker import WorkerOptions, run_rollout_worker
 
     _log_to_console()
     options = WorkerOptions(
@@ -262,7 +237,7 @@ def cmd_rollout(args) -> int:
 
 def cmd_train(args) -> int:
     from heterorl.config import load_config, to_yaml
-    from heterorl.launch import train
+    from heterorl.runtime.launch import train
 
     overrides = list(args.overrides)
     if args.mode:
@@ -295,7 +270,7 @@ def cmd_train(args) -> int:
 
 
 def _print_runtime_summary(summary: dict, run_dir: Path) -> None:
-    from heterorl.report import format_table
+    from heterorl.runs import format_table
 
     print()
     print(format_table(
@@ -320,7 +295,7 @@ def _without_update(count: int) -> str:
 
 
 def _finish_sweep(sweep, failed: list[str]) -> int:
-    from heterorl.sweep_report import write_report
+    from heterorl.sweeps.report import write_report
 
     summary = write_report(sweep.out)
     print(f"report: {summary}")
@@ -332,9 +307,9 @@ def _finish_sweep(sweep, failed: list[str]) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from heterorl.sweep import Sweep
+    from heterorl.sweeps.runner import SweepRunner
 
-    sweep = Sweep(args.sweep, args.overrides, out=args.out)
+    sweep = SweepRunner(args.sweep, args.overrides, out=args.out)
     if args.dry_run:
         for cell in sweep.cells:
             print(cell.name, " ".join(f"{k}={v}" for k, v in cell.overrides.items() if not k.startswith("logging.")))
@@ -346,7 +321,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from heterorl.sweep_report import log_report_to_wandb, write_report
+    from heterorl.sweeps.report import log_report_to_wandb, write_report
 
     seeds = [int(x) for x in args.seeds.split(",") if x] if args.seeds else None
     summary = write_report(args.sweep_dir, args.out, seeds)
@@ -358,8 +333,8 @@ def cmd_report(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from heterorl.sweep import Sweep, SweepSpec
-    from heterorl.sweep_report import compare_table, load_sweep
+    from heterorl.sweeps.report import compare_table, load_sweep
+    from heterorl.sweeps.runner import SweepRunner, SweepSpec
 
     config = args.config
     if not Path(config).exists() and "/" not in config:
@@ -373,7 +348,7 @@ def cmd_compare(args) -> int:
     spec = SweepSpec(name=name, config=str(Path(config).resolve()), mode=args.mode, parallel=args.parallel,
                      losses=losses, delays=[args.delay], seeds=seeds,
                      overrides=dict(o.split("=", 1) for o in args.overrides))
-    sweep = Sweep(None, spec=spec, out=args.out or Path("runs") / "compare" / name)
+    sweep = SweepRunner(None, spec=spec, out=args.out or Path("runs") / "compare" / name)
     failed = sweep.run()
     print()
     print(compare_table(load_sweep(sweep.out)))

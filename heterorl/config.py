@@ -1,27 +1,228 @@
-"""Typed run configuration: dataclasses, loaded from YAML with dotted overrides.
+"""Typed run configuration: every section of a run's config and its validation, loaded from YAML with dotted
+overrides. A leaf: it imports no other part of heterorl but its errors, so every part can read it.
 
     cfg = load_config("my.yaml", ["loss.name=grpo", "rollout.temperature=0.7"])
 
-Built on OmegaConf structured configs, so an unknown key or a value of the
-wrong type is an error that names the full key.
+Built on OmegaConf structured configs, so an unknown key or a value of the wrong type is an error that names
+the full key. Every section validates itself the same way: ``section.validate(key)`` raises `ConfigError`
+naming ``key.field``, its value and the fix; `Config.validate` runs each section's and then the checks that
+span sections. Code that builds a section by hand (a `TransportConfig` for a test or a benchmark) calls its
+``validate()`` where it is used.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+import numpy as np
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import gepo
-from heterorl.buffer import BufferConfig
-from heterorl.delay import DelayConfig
-from heterorl.errors import ConfigError
-from heterorl.policies.tiny import TinyModelConfig
-from heterorl.transport import TransportConfig
+from heterorl.errors import ConfigError, DelayConfigError, HeteroRLError
+
+SFT_BASE = "maze-sft-base"  # the shipped SFT base of the 5x5 maze (heterorl/assets/)
+
+
+def packaged(name: str) -> Path:
+    """Path of a file shipped inside the package (configs/ or assets/)."""
+    for folder in ("configs", "assets"):
+        candidate = Path(str(resources.files("heterorl"))) / folder / name
+        if candidate.exists():
+            return candidate
+    raise HeteroRLError(f"packaged file {name} is missing: reinstall heterorl")
+
+
+def _fail(key: str, value: Any, requirement: str) -> None:
+    raise ConfigError(f"config key `{key}` = {value!r}: {requirement}")
+
+
+def _one_of(key: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        _fail(key, value, f"must be one of {', '.join(choices)}")
+
+
+def _positive(section: Any, key: str, *names: str) -> None:
+    for name in names:
+        if getattr(section, name) <= 0:
+            raise ConfigError(f"config key `{key}.{name}` = {getattr(section, name)}: must be > 0")
+
+
+def _optional_positive(section: Any, key: str, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"config key `{key}.{name}` = {value}: must be > 0 (or null for the default)")
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the tiny Qwen2-style model (defaults: ~1.6M parameters)."""
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int = 512
+    max_positions: int = 256
+    rope_theta: float = 10000.0
+    seed: int = 0
+
+
+BUFFER_POLICIES = ("window", "drop_stale", "count_only", "admission")
+
+
+@dataclass
+class BufferConfig:
+    """The learner's staleness-aware buffer (heterorl/runtime/buffer.py has the policies' rules)."""
+
+    policy: str = "window"  # window | drop_stale | count_only | admission
+    max_staleness_steps: int = 8
+    select: str = "newest"  # window only: newest | oldest groups first
+    max_groups: int = 256  # complete groups the learner holds; when full it stops pulling (back-pressure)
+    partial_group_timeout_s: float = 600.0  # a group still incomplete after this long is discarded (worker died)
+
+    def validate(self, key: str = "buffer") -> None:
+        _one_of(f"{key}.policy", self.policy, BUFFER_POLICIES)
+        _one_of(f"{key}.select", self.select, ("newest", "oldest"))
+        if self.max_staleness_steps < 0:
+            _fail(f"{key}.max_staleness_steps", self.max_staleness_steps, "must be >= 0")
+        if self.max_groups < 1:
+            _fail(f"{key}.max_groups", self.max_groups, "must be >= 1")
+
+
+@dataclass
+class TransportConfig:
+    """Knobs shared by both ends of the transport. Times in seconds."""
+
+    control_hwm: int = 1000  # messages queued per peer on the control channel
+    weights_hwm: int = 64  # chunk messages queued per peer on the weights channel
+    credits_per_worker: int = 256  # trajectories buffered + in flight per worker
+    trajectory_batch: int = 32  # trajectories a worker packs into one message at most
+    trajectory_linger_ms: float = 2.0  # a due trajectory waits at most this long for a batch to fill
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    hello_interval_s: float = 0.5
+    weights_chunk_bytes: int = 4 * 2**20
+    weights_pipeline: int = 8  # chunk requests in flight per fetch
+    fetch_timeout_s: float = 30.0  # restart a weights fetch after this long without a chunk
+    max_retained_versions: int = 64  # packed versions kept for workers whose release is still delayed
+    dedup_window: int = 1_000_000  # trajectory ids remembered for duplicate detection
+    max_workers: int = 1024  # registry size; a hello beyond it is refused (bounds memory under a hello flood)
+    linger_ms: int = 1000
+    allow_plaintext: bool = False  # plaintext on a non-loopback address
+
+    def validate(self, key: str = "transport") -> None:
+        _positive(self, key, "control_hwm", "weights_hwm", "credits_per_worker", "trajectory_batch",
+                  "weights_chunk_bytes", "weights_pipeline", "max_retained_versions", "dedup_window", "max_workers",
+                  "heartbeat_interval_s")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            _fail(f"{key}.heartbeat_timeout_s", self.heartbeat_timeout_s,
+                  f"must exceed `{key}.heartbeat_interval_s` ({self.heartbeat_interval_s})")
+
+
+DELAY_KINDS = ("none", "constant", "uniform", "exponential", "lognormal", "weibull", "trace")
+
+
+@dataclass
+class DelayConfig:
+    """One delay model, applied to each link separately (each link draws from its own seeded stream)."""
+
+    kind: str = "none"  # none | constant | uniform | exponential | lognormal | weibull | trace
+    constant_s: float = 0.0  # constant: every message waits this long
+    low_s: float = 0.0  # uniform: delay ~ U[low_s, high_s]
+    high_s: float = 0.0
+    mean_s: float = 0.0  # exponential: delay ~ Exp(mean mean_s)
+    # lognormal | weibull (the paper): P(L_s <= T <= U_s) = c, equal tails; delay = clamp(T - d0_s, L_s, U_s).
+    # Defaults are the paper's Qwen3-1.7B setting.
+    L_s: float = 60.0
+    U_s: float = 1920.0
+    c: float = 0.995
+    d0_s: float = 400.0
+    trace_path: Optional[str] = None  # trace: delays in seconds, one per line (# comments), replayed in order, cycling
+    seed: int = 0  # base seed; each link derives its own from (seed, link name), see link_seed
+    reorder: bool = False  # False: never deliver a message before one sent earlier on the same link
+    loss_prob: float = 0.0  # probability that a message is dropped
+    bandwidth_bytes_per_s: Optional[float] = None  # None: unlimited; else size/bandwidth per message, queued FIFO
+
+    def validate(self, key: str = "delay") -> None:
+        """Raise DelayConfigError naming the first bad field (as ``{key}.field``) and the fix; reads the trace file."""
+        _check_delay_fields(self, key)
+        if self.kind == "trace":
+            load_trace(self.trace_path, key)
+
+
+def _check_delay_fields(cfg: DelayConfig, key: str) -> None:
+    def fail(name: str, requirement: str) -> None:
+        raise DelayConfigError(f"config key `{key}.{name}` = {getattr(cfg, name)!r}: {requirement}")
+
+    def number(name: str) -> float:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            fail(name, "must be a finite number")
+        return value
+
+    if cfg.kind not in DELAY_KINDS:
+        fail("kind", f"must be one of {', '.join(DELAY_KINDS)}")
+    if cfg.kind == "constant" and number("constant_s") < 0:
+        fail("constant_s", "must be >= 0 seconds (a delay cannot be negative)")
+    if cfg.kind == "uniform":
+        if number("low_s") < 0:
+            fail("low_s", "must be >= 0 seconds (a delay cannot be negative)")
+        if number("high_s") < cfg.low_s:
+            fail("high_s", f"must be >= `{key}.low_s` ({cfg.low_s!r}): swap them")
+    if cfg.kind == "exponential" and number("mean_s") <= 0:
+        fail("mean_s", "must be > 0 seconds for kind=exponential (use kind=none for no delay)")
+    if cfg.kind in ("lognormal", "weibull"):
+        if number("L_s") <= 0:
+            fail("L_s", "must be > 0 seconds: it is the lower end of the latency's central interval [L_s, U_s]")
+        if number("U_s") <= cfg.L_s:
+            fail("U_s", f"must be > `{key}.L_s` ({cfg.L_s!r}): [L_s, U_s] is the central interval of the latency")
+        if not 0 < number("c") < 1:
+            fail("c", "must be in (0, 1): the probability that the latency lies in [L_s, U_s], e.g. 0.995")
+        if number("d0_s") < 0:
+            fail("d0_s", "must be >= 0 seconds: the offset subtracted from the latency before clamping")
+    if cfg.kind == "trace" and not (isinstance(cfg.trace_path, str) and cfg.trace_path):
+        fail("trace_path", "is required for kind=trace: a file of latencies in seconds, one per line")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int):
+        fail("seed", "must be an integer")
+    if not isinstance(cfg.reorder, bool):
+        fail("reorder", "must be true or false")
+    if not 0 <= number("loss_prob") <= 1:
+        fail("loss_prob", "must be a probability in [0, 1] (0 = no loss)")
+    if cfg.bandwidth_bytes_per_s is not None and not number("bandwidth_bytes_per_s") > 0:
+        fail("bandwidth_bytes_per_s", "must be > 0 bytes per second, or null for unlimited")
+
+
+def load_trace(path: str | Path | None, key: str = "delay") -> np.ndarray:
+    """Delays in seconds from a text file: one number per line; ``#`` starts a comment; blank lines are skipped."""
+    where = f"trace file {path} (config key `{key}.trace_path`)"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DelayConfigError(f"{where} does not exist: record one latency in seconds per line") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DelayConfigError(f"{where} cannot be read as UTF-8 text: {exc}") from None
+    values = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        field = line.split("#", 1)[0].strip()
+        if not field:
+            continue
+        try:
+            value = float(field)
+        except ValueError:
+            raise DelayConfigError(f"{where}, line {number}: {field!r} is not a number of seconds") from None
+        if not (math.isfinite(value) and value >= 0):
+            raise DelayConfigError(f"{where}, line {number}: {field!r} is not a finite latency >= 0 seconds")
+        values.append(value)
+    if not values:
+        raise DelayConfigError(f"{where} holds no latencies: write one number of seconds per line")
+    return np.asarray(values, dtype=np.float64)
 
 
 @dataclass
@@ -46,6 +247,11 @@ class RolloutConfig:
     top_k: int = 0
     max_tokens: int = 32
 
+    def validate(self, key: str = "rollout") -> None:
+        _positive(self, key, "group_size", "max_tokens")
+        if self.temperature < 0:
+            _fail(f"{key}.temperature", self.temperature, "must be >= 0")
+
 
 @dataclass
 class LossConfig:
@@ -53,6 +259,13 @@ class LossConfig:
     # auto = the loss's own default estimator (its config's `advantage`); a name overrides it
     advantage: str = "auto"  # auto | group_normalized | group_centered | bnpo
     options: Dict[str, Any] = field(default_factory=dict)  # fields of the loss's own config dataclass
+
+    def validate(self, key: str = "loss") -> None:
+        _one_of(f"{key}.advantage", self.advantage, ("auto", *gepo.ADVANTAGE_ESTIMATORS))
+        chosen = self.options.get("advantage")
+        if self.advantage != "auto" and chosen is not None and chosen != self.advantage:
+            raise ConfigError(f"config keys `{key}.advantage` = {self.advantage!r} and `{key}.options.advantage` = "
+                              f"{chosen!r} disagree: set only one")
 
 
 @dataclass
@@ -66,6 +279,10 @@ class OptimConfig:
     schedule: str = "constant"  # constant | cosine
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
 
+    def validate(self, key: str = "optim") -> None:
+        _one_of(f"{key}.schedule", self.schedule, ("constant", "cosine"))
+        _positive(self, key, "lr")
+
 
 @dataclass
 class SFTConfig:
@@ -76,6 +293,9 @@ class SFTConfig:
     eval_every: int = 100
     stop_success: Optional[float] = None  # stop as soon as greedy eval success reaches this
     output: str = "runs/sft-base"
+
+    def validate(self, key: str = "sft") -> None:
+        _positive(self, key, "steps", "batch_size", "eval_every", "lr")
 
 
 @dataclass
@@ -91,6 +311,9 @@ class RLConfig:
     eval_every: int = 10
     eval_max_tokens: Optional[int] = None  # None = rollout.max_tokens
 
+    def validate(self, key: str = "rl") -> None:
+        _positive(self, key, "steps", "prompts_per_step", "updates_per_batch", "eval_every")
+
 
 @dataclass
 class DelaysConfig:
@@ -100,6 +323,12 @@ class DelaysConfig:
     down: DelayConfig = field(default_factory=DelayConfig)  # weights, learner → worker
     time_scale: float = 1.0  # simulated seconds per real second: 100 lets 1,800 s of delay pass in 18 s
     seconds_per_step: Optional[float] = None  # stated mapping of seconds to learner steps, for reports
+
+    def validate(self, key: str = "delay") -> None:
+        _positive(self, key, "time_scale")
+        _optional_positive(self, key, "seconds_per_step")
+        self.up.validate(f"{key}.up")
+        self.down.validate(f"{key}.down")
 
 
 @dataclass
@@ -122,6 +351,13 @@ class RuntimeConfig:
     fleet_wait_s: float = 120.0
     learner_timeout_s: float = 300.0  # a worker exits if the learner stays silent this long
 
+    def validate(self, key: str = "runtime") -> None:
+        _one_of(f"{key}.mode", self.mode, ("async", "sync"))
+        _one_of(f"{key}.execution", self.execution, ("live", "simulated"))
+        _positive(self, key, "workers", "groups_per_call", "threads", "learner_ranks")
+        if any(f < 1 for f in self.throttle):
+            _fail(f"{key}.throttle", self.throttle, "factors must be >= 1 (2 = a device half as fast)")
+
 
 @dataclass
 class SimulateConfig:
@@ -132,6 +368,9 @@ class SimulateConfig:
     # makes exactly one batch per learner step (step_s · workers · groups_per_call / prompts_per_step)
     call_s: Optional[float] = None
 
+    def validate(self, key: str = "simulate") -> None:
+        _optional_positive(self, key, "step_s", "call_s")
+
 
 @dataclass
 class LoggingConfig:
@@ -141,6 +380,9 @@ class LoggingConfig:
     wandb_group: Optional[str] = None  # runs of one sweep share a group
     progress: bool = True
     save_policy: bool = True  # save the trained policy folder in the run dir at the end
+
+    def validate(self, key: str = "logging") -> None:
+        _one_of(f"{key}.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
 
 
 @dataclass
@@ -160,14 +402,19 @@ class Config:
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
 
-
-_CHOICES = {
-    "loss.advantage": ("auto", *gepo.ADVANTAGE_ESTIMATORS),
-    "optim.schedule": ("constant", "cosine"),
-    "logging.wandb_mode": ("offline", "online", "disabled"),
-    "runtime.mode": ("async", "sync"),
-    "runtime.execution": ("live", "simulated"),
-}
+    def validate(self) -> None:
+        """Every section's own checks, then those that span sections; raises ConfigError naming the key."""
+        for name in self.__dataclass_fields__:
+            section = getattr(self, name)
+            if hasattr(section, "validate"):
+                section.validate(name)
+        if self.runtime.mode == "sync" and self.rl.prompts_per_step % self.runtime.workers:
+            _fail("rl.prompts_per_step", self.rl.prompts_per_step,
+                  f"in sync mode it must be a multiple of `runtime.workers` = {self.runtime.workers} (each worker "
+                  "makes an equal share)")
+        if self.buffer.max_groups < self.rl.prompts_per_step:
+            _fail("buffer.max_groups", self.buffer.max_groups,
+                  f"must hold at least one batch (`rl.prompts_per_step` = {self.rl.prompts_per_step})")
 
 
 def _explain(exc: OmegaConfBaseException, source: str) -> ConfigError:
@@ -178,53 +425,6 @@ def _explain(exc: OmegaConfBaseException, source: str) -> ConfigError:
     else:
         hint = message
     return ConfigError(f"config key `{key}` ({source}): {hint}")
-
-
-def _check(cfg: Config) -> None:
-    for dotted, choices in _CHOICES.items():
-        section, name = dotted.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value not in choices:
-            raise ConfigError(f"config key `{dotted}` = {value!r}: must be one of {', '.join(choices)}")
-    positive = {
-        "rollout.group_size": cfg.rollout.group_size, "rollout.max_tokens": cfg.rollout.max_tokens,
-        "rl.steps": cfg.rl.steps, "rl.prompts_per_step": cfg.rl.prompts_per_step,
-        "rl.updates_per_batch": cfg.rl.updates_per_batch, "rl.eval_every": cfg.rl.eval_every,
-        "sft.steps": cfg.sft.steps, "sft.batch_size": cfg.sft.batch_size, "sft.eval_every": cfg.sft.eval_every,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"config key `{key}` = {value}: must be > 0")
-    chosen = cfg.loss.options.get("advantage")
-    if cfg.loss.advantage != "auto" and chosen is not None and chosen != cfg.loss.advantage:
-        raise ConfigError(f"config keys `loss.advantage` = {cfg.loss.advantage!r} and `loss.options.advantage` = "
-                          f"{chosen!r} disagree: set only one")
-    if cfg.rollout.temperature < 0:
-        raise ConfigError(f"config key `rollout.temperature` = {cfg.rollout.temperature}: must be >= 0")
-    if cfg.optim.lr <= 0 or cfg.sft.lr <= 0:
-        raise ConfigError("config keys `optim.lr` and `sft.lr` must be > 0")
-    runtime = {"runtime.workers": cfg.runtime.workers, "runtime.groups_per_call": cfg.runtime.groups_per_call,
-               "runtime.threads": cfg.runtime.threads, "runtime.learner_ranks": cfg.runtime.learner_ranks,
-               "delay.time_scale": cfg.delay.time_scale}
-    for key, value in runtime.items():
-        if value <= 0:
-            raise ConfigError(f"config key `{key}` = {value}: must be > 0")
-    if any(f < 1 for f in cfg.runtime.throttle):
-        raise ConfigError(f"config key `runtime.throttle` = {cfg.runtime.throttle}: factors must be >= 1 "
-                          "(2 = a device half as fast)")
-    if cfg.runtime.mode == "sync" and cfg.rl.prompts_per_step % cfg.runtime.workers:
-        raise ConfigError(f"config key `rl.prompts_per_step` = {cfg.rl.prompts_per_step}: in sync mode it must be "
-                          f"a multiple of `runtime.workers` = {cfg.runtime.workers} (each worker makes an equal share)")
-    cfg.buffer.validate("buffer")
-    if cfg.buffer.max_groups < cfg.rl.prompts_per_step:
-        raise ConfigError(f"config key `buffer.max_groups` = {cfg.buffer.max_groups}: must hold at least one batch "
-                          f"(`rl.prompts_per_step` = {cfg.rl.prompts_per_step})")
-    for key, value in (("simulate.step_s", cfg.simulate.step_s), ("simulate.call_s", cfg.simulate.call_s),
-                       ("delay.seconds_per_step", cfg.delay.seconds_per_step)):
-        if value is not None and not value > 0:
-            raise ConfigError(f"config key `{key}` = {value}: must be > 0 (or null for the default)")
-    cfg.delay.up.validate("delay.up")
-    cfg.delay.down.validate("delay.down")
 
 
 def loss_options(cfg: Config) -> dict:
@@ -258,7 +458,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), t
         cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _explain(exc, "command line") from None
-    _check(cfg)
+    cfg.validate()
     return cfg
 
 
@@ -270,4 +470,5 @@ def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
-__all__ = ["Config", "ConfigError", "load_config", "loss_options", "to_dict", "to_yaml"]
+__all__ = ["BufferConfig", "Config", "ConfigError", "DelayConfig", "TransportConfig", "TinyModelConfig", "load_config",
+           "load_trace", "loss_options", "packaged", "to_dict", "to_yaml"]

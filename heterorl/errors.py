@@ -27,7 +27,3 @@ class DelayConfigError(ConfigError):
 
 class ClockError(HeteroRLError, ValueError):
     """A clock was built or driven wrongly (a non-positive scale factor, a virtual clock moved backwards)."""
-
-
-class DelayQueueFullError(HeteroRLError):
-    """A DelayQueue already holds ``max_pending`` undelivered messages; the caller must apply back-pressure."""

@@ -1,13 +1,50 @@
+"""What every test shares: the environment of a test run, the CLI as a real process, and the factories of
+test objects (one of each: a trajectory, a small tiny policy)."""
+
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from heterorl.transport.protocol import Trajectory  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# a child process imports the checkout under test, whatever else is installed
+ENV = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
 MAZE_ALPHABET = ".#SG\n>UDLR"
+
+
+def run_cli(*args: str, timeout: float = 600, cwd: Path | str = REPO) -> subprocess.CompletedProcess:
+    """``heterorl ARGS`` as a real process; its output captured as text."""
+    return subprocess.run([sys.executable, "-m", "heterorl.cli", *args], capture_output=True, text=True, env=ENV,
+                          cwd=cwd, timeout=timeout)
+
+
+def trajectory(*, completion_len: int | None = None, version: int | None = None, **fields) -> Trajectory:
+    """A valid stamped trajectory; ``fields`` override any field. ``completion_len`` makes a completion of that
+    many tokens (log-probs -0.5 each); ``version`` stamps every completion token with that policy version."""
+    values = dict(
+        trajectory_id="w0-17-3", group_id="w0-17", prompt_id="maze-ab12", sampler_id="w0", group_size=8,
+        prompt_tokens=np.array([5, 6, 7, 8], dtype=np.int32), completion_tokens=np.array([9, 10, 1], dtype=np.int32),
+        behaviour_logprobs=np.array([-0.1, -2.5, -0.01], dtype=np.float32),
+        policy_versions=np.array([3, 3, 4], dtype=np.int32), reward=1.0, generation_start=10.0, generation_end=10.5,
+        sent_at=11.0,
+    )
+    if completion_len is not None:
+        values.update(completion_tokens=np.arange(2, 2 + completion_len, dtype=np.int32),
+                      behaviour_logprobs=np.full(completion_len, -0.5, dtype=np.float32),
+                      policy_versions=np.full(completion_len, 3, dtype=np.int32))
+    if version is not None:
+        values["policy_versions"] = np.full(len(values["completion_tokens"]), version, dtype=np.int32)
+    return Trajectory(**(values | fields))
 
 
 @pytest.fixture(scope="session")

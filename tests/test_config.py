@@ -62,7 +62,7 @@ def test_loss_advantage_auto_defers_to_the_loss_and_a_name_overrides_it():
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[1] / "heterorl" / "configs").glob("*.yaml")))
 def test_every_packaged_config_loads_and_names_what_it_starts_from(name):
-    from heterorl.cli import packaged
+    from heterorl.config import packaged
     from heterorl.policies import SHIPPED
 
     cfg = load_config(packaged(name))

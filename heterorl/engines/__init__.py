@@ -1,4 +1,5 @@
-"""Sampling engines: ``TorchEngine`` (CPU/GPU, any HF causal LM); ``VLLMEngine`` behind the ``[vllm]`` extra."""
+"""Sampling engines behind ``SamplingEngine``: ``TorchEngine`` (CPU/GPU, any HF causal LM), and the teacher-forced
+log-probs it shares with training (``logprobs``). A loop gets its engine from ``SamplingClient.for_model``."""
 
 from heterorl.engines.base import SampleOutput, SamplingEngine, SamplingParams
 from heterorl.engines.torch_engine import TorchEngine

@@ -22,8 +22,8 @@ from heterorl.engines.base import (
     SamplingParams,
     validate_prompts,
 )
+from heterorl.engines.logprobs import pad_right, selected_logprobs, token_logprobs
 from heterorl.errors import SamplingError
-from heterorl.logprobs import pad_right, selected_logprobs, token_logprobs
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from heterorl.config import TinyModelConfig
 from heterorl.policies.hf_folder import load_hf_folder, validate_hf_folder
-from heterorl.policies.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_policy, save_policy
-
+from heterorl.policies.tiny import build_char_tokenizer, build_tiny_policy, save_policy
 
 SHIPPED = ("maze-sft-base", "maze4-sft-base")  # policy folders inside the package (heterorl/assets/NAME)
 
@@ -36,7 +36,14 @@ def load_policy(model: str, *, alphabet: str | None = None, tiny: TinyModelConfi
     return load_hf_folder(Path(model).expanduser(), device=device)
 
 
+def quiet_transformers() -> None:
+    """Our own progress bar is the one to watch: hide transformers' load/save bars."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 __all__ = [
     "SHIPPED", "TinyModelConfig", "build_char_tokenizer", "shipped_policy", "build_tiny_policy", "load_hf_folder", "load_policy",
-    "save_policy", "validate_hf_folder",
+    "quiet_transformers", "save_policy", "validate_hf_folder",
 ]

@@ -12,32 +12,18 @@ saved folder round-trips through ``AutoTokenizer`` / ``AutoModelForCausalLM``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from heterorl.config import TinyModelConfig
 from heterorl.errors import PolicyLoadError
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
 _BYTE_TO_UNICODE = bytes_to_unicode()
-
-
-@dataclass
-class TinyModelConfig:
-    """Shape of the tiny Qwen2-style model (defaults: ~1.6M parameters)."""
-
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 4
-    intermediate_size: int = 512
-    max_positions: int = 256
-    rope_theta: float = 10000.0
-    seed: int = 0
 
 
 def build_char_tokenizer(alphabet: str) -> Qwen2Tokenizer:

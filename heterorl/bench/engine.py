@@ -1,0 +1,132 @@
+"""``heterorl bench engine``: sampling tokens/s of the torch engine vs transformers ``generate``.
+
+Both run the same model, prompts, batch, sampling settings and seed, in one
+process, alternating, best of ``--repeats``. EOS is ignored by both, so every
+sample is exactly ``--max-tokens`` long and both do the same amount of work.
+Measured twice: ``--batch`` distinct prompts, then the same number of rows as
+groups (``--batch / --group-size`` prompts × ``--group-size`` samples, as RL
+draws them; ``generate`` gets ``num_return_sequences``). Last, the training
+forward + backward of that grouped batch (GRPO on random rewards): each group
+packed behind one copy of its prompt vs one row per sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="heterorl bench engine", description=__doc__)
+    parser.add_argument("--policy", default="maze-sft-base", help="maze-sft-base (shipped), smollm2, or a folder")
+    parser.add_argument("--batch", type=int, default=256, help="sequences per generate call")
+    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt in the grouped measurement")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from heterorl.engines import SamplingParams, TorchEngine
+    from heterorl.policies import quiet_transformers
+    from heterorl.tasks import make_task
+    from heterorl.training.textcodec import encode_text
+
+    quiet_transformers()
+    from heterorl.policies import load_policy
+
+    model, tokenizer = load_policy(args.policy)  # "maze-sft-base" (shipped), "smollm2" or a folder
+    task = make_task("maze")
+    rng = random.Random(0)
+    prompts = [encode_text(tokenizer, task.sample_train(rng).prompt) for _ in range(args.batch)]
+    engine = TorchEngine(model, tokenizer)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0, ignore_eos=True)
+    input_ids = torch.tensor(prompts)  # maze prompts of one size share a length: no padding needed
+
+    def ours() -> int:
+        groups = engine.generate(prompts, params)
+        return sum(len(s.tokens) for g in groups for s in g)
+
+    @torch.inference_mode()
+    def hf() -> int:
+        torch.manual_seed(0)
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+                             temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=args.max_tokens,
+                             min_new_tokens=args.max_tokens, pad_token_id=tokenizer.pad_token_id)
+        return (out.shape[1] - input_ids.shape[1]) * out.shape[0]
+
+    grouped = prompts[: max(1, args.batch // args.group_size)]
+
+    def ours_grouped() -> int:
+        groups = engine.generate(grouped, params, num_samples=args.group_size)
+        return sum(len(s.tokens) for g in groups for s in g)
+
+    @torch.inference_mode()
+    def hf_grouped() -> int:
+        torch.manual_seed(0)
+        ids = torch.tensor(grouped)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                             temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=args.max_tokens,
+                             min_new_tokens=args.max_tokens, pad_token_id=tokenizer.pad_token_id,
+                             num_return_sequences=args.group_size)
+        return (out.shape[1] - ids.shape[1]) * out.shape[0]
+
+    print(f"policy={args.policy} max_tokens={args.max_tokens} threads={torch.get_num_threads()} "
+          f"repeats={args.repeats} (best of)")
+    for title, pair in ((f"{args.batch} distinct prompts", (ours, hf)),
+                        (f"{len(grouped)} prompts x {args.group_size} samples", (ours_grouped, hf_grouped))):
+        best = _best_rates({"heterorl TorchEngine": pair[0], "transformers generate": pair[1]}, args.repeats)
+        print(f"sampling, {title}:")
+        for name, rate in best.items():
+            print(f"  {name:24s} {rate:10.0f} tokens/s")
+        print(f"  ratio (ours / generate)  {best['heterorl TorchEngine'] / best['transformers generate']:10.2f}x")
+    _bench_training(model, tokenizer, engine, grouped, args)
+    return 0
+
+
+def _best_rates(fns: dict, repeats: int) -> dict[str, float]:
+    """Best tokens/s of each ``fn() -> tokens`` over ``repeats`` alternating rounds, after one warm-up each."""
+    rates: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            tokens = fn()
+            rates[name].append(tokens / (time.perf_counter() - start))
+    return {name: max(r) for name, r in rates.items()}
+
+
+def _bench_training(model, tokenizer, engine, prompts: list, args) -> None:
+    """forward_backward of one grouped rollout batch, packed behind shared prompts vs one row per datum."""
+    import copy
+
+    from heterorl.engines import SamplingParams
+    from heterorl.training.session import Datum, TrainingClient
+
+    rng = random.Random(1)
+    groups = engine.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                                     seed=1), num_samples=args.group_size)
+    datums = [Datum(tokens=p + s.tokens, prompt_len=len(p), reward=float(rng.random() < 0.5), group_id=g,
+                    behaviour_logprobs=s.logprobs) for g, (p, group) in enumerate(zip(prompts, groups)) for s in group]
+    tokens = sum(len(d.tokens) for d in datums)
+    clients = {"packed (shared prompts)": TrainingClient(copy.deepcopy(model), tokenizer, share_prompts=True),
+               "one row per datum": TrainingClient(copy.deepcopy(model), tokenizer, share_prompts=False)}
+
+    def step(client):
+        def run() -> int:
+            client.forward_backward(datums, "grpo").result()  # gradients accumulate: harmless here
+            return tokens
+        return run
+
+    best = _best_rates({name: step(c) for name, c in clients.items()}, args.repeats)
+    print(f"training forward+backward, {len(datums)} sequences ({tokens} tokens, "
+          f"mean completion {sum(d.completion_len for d in datums) / len(datums):.1f}):")
+    for name, rate in best.items():
+        print(f"  {name:24s} {rate:10.0f} sequence tokens/s")
+    print(f"  ratio (packed / per row) {best['packed (shared prompts)'] / best['one row per datum']:10.2f}x")

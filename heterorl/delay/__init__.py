@@ -1,0 +1,1 @@
+"""The network-delay injector: delay models and links, clocks, and delayed delivery."""

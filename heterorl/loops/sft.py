@@ -1,0 +1,66 @@
+"""Supervised warm start: cross-entropy on a task's demonstrations, stopped by measured success.
+
+``heterorl sft`` trains the tiny policy to a *deliberately partial* base (the
+maze recipe stops once held-out greedy success reaches ``sft.stop_success``),
+so that RL has room to show what it adds.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from heterorl.config import Config
+from heterorl.tasks.base import Task
+from heterorl.training.evaluation import evaluate
+from heterorl.training.lr_schedule import learning_rate
+from heterorl.training.session import AdamParams, Datum, TrainingClient
+from heterorl.training.textcodec import encode_text
+
+
+@dataclass
+class SFTResult:
+    success: float
+    steps: int
+    minutes: float
+    history: list[dict] = field(default_factory=list)
+
+
+def demonstration_datums(task: Task, tokenizer, rng: random.Random, batch_size: int) -> list[Datum]:
+    """``batch_size`` fresh training problems with their demonstrations (+ EOS) as datums."""
+    datums = []
+    for _ in range(batch_size):
+        problem = task.sample_train(rng)
+        prompt = encode_text(tokenizer, problem.prompt, "prompt")
+        completion = encode_text(tokenizer, task.demonstration(problem), "demonstration") + [tokenizer.eos_token_id]
+        datums.append(Datum(tokens=prompt + completion, prompt_len=len(prompt)))
+    return datums
+
+
+def run_sft(cfg: Config, training: TrainingClient, task: Task, logger=None, progress=None) -> SFTResult:
+    """Train until ``cfg.sft.steps`` or until eval success ≥ ``cfg.sft.stop_success``."""
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    eval_problems = task.eval_problems()
+    start, success, history = time.time(), 0.0, []
+    for step in range(1, cfg.sft.steps + 1):
+        datums = demonstration_datums(task, training.tokenizer, rng, cfg.sft.batch_size)
+        out = training.forward_backward(datums, "cross_entropy").result()
+        lr = learning_rate(step, cfg.sft.lr, cfg.sft.steps, cfg.sft.warmup_steps, "constant")
+        training.optim_step(AdamParams(learning_rate=lr, grad_clip_norm=cfg.optim.grad_clip_norm)).result()
+        metrics = {"sft/loss": out.loss, "optim/lr": lr}
+        if step % cfg.sft.eval_every == 0 or step == cfg.sft.steps:
+            sampler = training.save_weights_and_get_sampling_client()
+            success = evaluate(sampler, task, eval_problems, cfg.rollout.max_tokens).success
+            metrics["eval/success"] = success
+            history.append({"step": step, "eval/success": success, "time_s": time.time() - start})
+        if logger:
+            logger.log(step, metrics)
+        if progress:
+            progress(step, metrics)
+        if cfg.sft.stop_success is not None and "eval/success" in metrics and success >= cfg.sft.stop_success:
+            break
+    return SFTResult(success=success, steps=step, minutes=(time.time() - start) / 60, history=history)

@@ -1,0 +1,70 @@
+"""The synchronous GRPO-style loop, written over the session primitives (cookbook style).
+
+Each step: sample G completions for P prompts with the current weights, score
+them with the task's reward, run ``forward_backward`` + ``optim_step`` on
+``updates_per_batch`` minibatches of whole groups (the loss estimates the
+advantages from the rewards, with ``loss.advantage``), publish the new weights.
+On-policy up to the minibatch split.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from heterorl.config import Config
+from heterorl.engines.base import SamplingParams
+from heterorl.runs import RunResult, StepRecorder
+from heterorl.tasks.base import Task
+from heterorl.training.evaluation import evaluate
+from heterorl.training.session import Datum, TrainingClient
+from heterorl.training.step import group_rows, has_signal, optimize_batch
+from heterorl.training.textcodec import encode_text
+
+
+def rollout_datums(sampler, task: Task, problems, cfg: Config, seed: int) -> tuple[list[Datum], dict]:
+    """Sample a group per problem, score it, and turn it into datums with rewards and group ids."""
+    tokenizer = sampler.tokenizer
+    prompts = [encode_text(tokenizer, p.prompt, "prompt") for p in problems]
+    params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
+                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, seed=seed)
+    groups = sampler.sample(prompts, cfg.rollout.group_size, params).result()
+    rows = [(gid, prompt, s, task.reward(problem, s.text))
+            for gid, (problem, prompt, group) in enumerate(zip(problems, prompts, groups)) for s in group]
+    rewards = torch.tensor([r for *_, r in rows])
+    datums = [
+        Datum(tokens=prompt + s.tokens, prompt_len=len(prompt), reward=r, group_id=gid,
+              behaviour_logprobs=s.logprobs, policy_versions=[sampler.version] * len(s.tokens))
+        for gid, prompt, s, r in rows
+    ]
+    lengths = torch.tensor([len(s.tokens) for _, _, s, _ in rows], dtype=torch.float)
+    stats = {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/reward_std": float(rewards.std()),
+        "rollout/completion_len": float(lengths.mean()),
+        "rollout/truncated_frac": sum(s.stop_reason == "length" for _, _, s, _ in rows) / len(rows),
+        "rollout/mixed_groups_frac": sum(has_signal([g]) for g in group_rows(datums)) / len(problems),
+    }
+    return datums, stats
+
+
+def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, progress=None) -> RunResult:
+    """Train ``training``'s policy on ``task`` for ``cfg.rl.steps`` steps; evaluate every ``cfg.rl.eval_every``."""
+    rng = random.Random(cfg.seed)
+    eval_problems = task.eval_problems()
+    eval_tokens = cfg.rl.eval_max_tokens or cfg.rollout.max_tokens
+    start = time.time()
+    sampler = training.save_weights_and_get_sampling_client()
+    recorder = StepRecorder(cfg, lambda: evaluate(sampler, task, eval_problems, eval_tokens).success, logger, progress)
+    recorder.start()
+    total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
+    for step in range(1, cfg.rl.steps + 1):
+        problems = [task.sample_train(rng) for _ in range(cfg.rl.prompts_per_step)]
+        datums, metrics = rollout_datums(sampler, task, problems, cfg, seed=cfg.seed * 100_003 + step)
+        metrics.update(optimize_batch(training, datums, cfg, total_updates))
+        sampler = training.save_weights_and_get_sampling_client()  # (the recorder evaluates the newest)
+        metrics["policy/version"] = sampler.version
+        recorder.record(step, metrics, time.time() - start)
+    return recorder.result(steps=cfg.rl.steps, minutes=(time.time() - start) / 60)

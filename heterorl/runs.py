@@ -1,0 +1,197 @@
+"""Run directories and what a run leaves in them: the metrics sinks (JSONL + wandb), plain-text tables,
+plots, the set-up every training command shares (`setup_run`) and the files every finished run writes
+(`finish_run`).
+
+Metric names are grouped by '/', e.g. ``eval/success``, ``rollout/reward_mean``, ``loss/policy``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from heterorl.config import Config, to_dict, to_yaml
+
+
+class MetricsLogger:
+    """Writes one JSON object per ``log`` call to ``run_dir/metrics.jsonl`` and mirrors it to wandb."""
+
+    def __init__(self, run_dir: str | Path, *, config: dict | None = None, name: str = "run",
+                 wandb_project: str | None = None, wandb_mode: str = "offline", append: bool = False,
+                 wandb_group: str | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._file = self.path.open("a" if append else "w", encoding="utf-8")  # append: a resumed run
+        self._start = time.time()
+        self._wandb_run = None
+        if wandb_mode != "disabled":
+            self._wandb_run = self._init_wandb(config, name, wandb_project, wandb_mode, wandb_group)
+
+    def _init_wandb(self, config, name, project, mode, group):
+        import wandb
+
+        if project is None:
+            mode = "offline"  # no project given: never touch the network
+        os.environ.setdefault("WANDB_SILENT", "true")
+        return wandb.init(
+            project=project or "heterorl", name=name, mode=mode, dir=str(self.run_dir), config=config or {},
+            group=group,
+            reinit="finish_previous", settings=wandb.Settings(console="off", x_disable_stats=True),
+        )
+
+    @property
+    def wandb_dir(self) -> str | None:
+        return getattr(self._wandb_run, "dir", None) if self._wandb_run is not None else None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
+        record = {"step": step, "time_s": round(time.time() - self._start, 3), **clean}
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        self._file.flush()
+        if self._wandb_run is not None:
+            numeric = {k: v for k, v in clean.items() if isinstance(v, float) and math.isfinite(v)}
+            self._wandb_run.log(numeric, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` file."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A fixed-width text table."""
+    cells = [[str(h) for h in header]] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *map(line, cells[1:])])
+
+
+def _fmt(value: object) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def plot_curves(curves: dict[str, list[tuple[float, float]]], path: str | Path, *, title: str,
+                xlabel: str = "optimizer step", ylabel: str = "held-out greedy success") -> Path:
+    """Save a line plot of ``{label: [(x, y), ...]}`` as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    for label, points in curves.items():
+        xs, ys = zip(*points) if points else ((), ())
+        ax.plot(xs, ys, marker="o", markersize=3, label=label)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel, ylim=(0, 1))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def setup_run(cfg: Config, name: str, policy: str, append: bool = False, data_parallel: bool = False):
+    """Task, TrainingClient over ``policy``, metrics logger and run dir, as every training command needs."""
+    from heterorl.policies import load_policy
+    from heterorl.tasks import make_task
+    from heterorl.training.session import TrainingClient
+
+    task = make_task(cfg.task.name, dict(cfg.task.options), cfg.task.reward_fn)
+    model, tokenizer = load_policy(policy, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=cfg.policy.device)
+    run_dir = Path(cfg.logging.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    logger = MetricsLogger(run_dir, config=to_dict(cfg), name=name, wandb_project=cfg.logging.wandb_project,
+                           wandb_mode=cfg.logging.wandb_mode, append=append, wandb_group=cfg.logging.wandb_group)
+    training = TrainingClient(model, tokenizer, device=cfg.policy.device, seed=cfg.seed, data_parallel=data_parallel)
+    return task, training, logger, run_dir
+
+
+def finish_run(cfg: Config, task, training, run_dir: Path, result: RunResult, extra: dict, *, title: str,
+               xlabel: str) -> Path:
+    """What every finished RL run leaves in its run dir: the policy (unless logging.save_policy is off), the
+    success plot (returned) and summary.json (the result's fields, the loss and ``extra``)."""
+    from heterorl.policies import save_policy
+
+    if cfg.logging.save_policy:
+        save_policy(training.model, training.tokenizer, run_dir / "policy")
+    plot = plot_curves({cfg.loss.name: [(h["step"], h["eval/success"]) for h in result.history]},
+                       run_dir / "success.png", title=f"{task.name}: held-out greedy success ({title})", xlabel=xlabel)
+    summary = {**result.__dict__, "loss": cfg.loss.name, **extra}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return plot
+
+
+@dataclass(kw_only=True)
+class RunResult:
+    """What an RL loop returns; `finish_run` writes it into summary.json."""
+
+    base_success: float
+    final_success: float
+    best_success: float
+    steps: int
+    minutes: float
+    steps_without_update: int = 0  # steps that ran no update (optim/updates 0; optim/skip_reason says why)
+    history: list[dict] = field(default_factory=list)  # {"step", "eval/success", "time_s"}: step 0 is the base
+
+
+class StepRecorder:
+    """The end of a step, the same in every RL loop: evaluate every ``rl.eval_every`` steps and at the last,
+    log the step's metrics, advance the progress bar, keep the eval history and count the steps that ran no
+    update; at the end, the `RunResult`.
+
+    ``evaluate()`` returns the held-out success of the current weights. ``history`` and
+    ``steps_without_update`` carry a resumed run's record on."""
+
+    def __init__(self, cfg: Config, evaluate: Callable[[], float], logger=None, progress=None, *,
+                 history: list[dict] | None = None, steps_without_update: int = 0) -> None:
+        self.eval_every, self.steps = cfg.rl.eval_every, cfg.rl.steps
+        self.evaluate, self.logger, self.progress = evaluate, logger, progress
+        self.history = history if history is not None else []
+        self.steps_without_update = steps_without_update
+
+    def start(self) -> None:
+        """Evaluate and log the starting weights as step 0 (unless a resumed record has them)."""
+        if not self.history:
+            self.history.append({"step": 0, "eval/success": self.evaluate(), "time_s": 0.0})
+            if self.logger:
+                self.logger.log(0, {"eval/success": self.history[0]["eval/success"]})
+
+    def record(self, step: int, metrics: dict, time_s: float) -> None:
+        """End step ``step``: ``metrics`` gains ``eval/success`` when it is an eval step; ``time_s`` is the run's
+        time at its end (wall or virtual), kept with each eval."""
+        self.steps_without_update += metrics.get("optim/updates", 1) == 0
+        if step % self.eval_every == 0 or step == self.steps:
+            metrics["eval/success"] = self.evaluate()
+            self.history.append({"step": step, "eval/success": metrics["eval/success"], "time_s": time_s})
+        if self.logger:
+            self.logger.log(step, metrics)
+        if self.progress:
+            self.progress(step, metrics)
+
+    def result(self, cls: type[RunResult] = RunResult, *, steps: int, minutes: float, **fields) -> RunResult:
+        successes = [h["eval/success"] for h in self.history]
+        return cls(base_success=successes[0], final_success=successes[-1], best_success=max(successes), steps=steps,
+                   minutes=minutes, steps_without_update=self.steps_without_update, history=self.history, **fields)
+
+
+def idle_fraction(idle_s: float, busy_s: float) -> float:
+    """The share of time spent idle: idle / (busy + idle), 0 before anything ran."""
+    return idle_s / (busy_s + idle_s) if busy_s + idle_s > 0 else 0.0

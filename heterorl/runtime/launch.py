@@ -1,0 +1,210 @@
+"""Running the system: a learner process, rollout-worker processes, and `heterorl train` that starts them all.
+
+`heterorl train` starts one learner and ``runtime.workers`` workers as separate
+processes on this machine, over real sockets on loopback, each with its log in
+``RUN_DIR/logs/``. It follows the learner's metrics for its progress bar. A
+process that dies with an error stops the run: its log tail is printed and the
+others are stopped; the exit status is non-zero. Ctrl-C stops everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from heterorl.config import Config, to_yaml
+from heterorl.errors import HeteroRLError
+from heterorl.runs import setup_run
+
+ENDPOINTS = "endpoints.json"
+
+
+def _init_ranks(cfg: Config) -> int:
+    """Under torchrun (WORLD_SIZE > 1): join the process group (gloo on CPU, NCCL on GPU); returns the rank."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0
+    if cfg.policy.device.startswith("cuda"):
+        cfg.policy.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cfg.policy.device.startswith("cuda") else "gloo")
+    return dist.get_rank()
+
+
+def _follow_rank(cfg: Config, resume: bool) -> None:
+    """A learner rank > 0: same model and optimizer, trains on its share of each batch, owns no socket."""
+    from heterorl.policies import load_policy
+    from heterorl.runtime.learner import CHECKPOINT, Learner
+    from heterorl.tasks import make_task
+    from heterorl.training.session import TrainingClient
+
+    task = make_task(cfg.task.name, dict(cfg.task.options), cfg.task.reward_fn)
+    model, tokenizer = load_policy(cfg.rl.base or cfg.policy.model, alphabet=task.alphabet(), tiny=cfg.policy.tiny,
+                                   device=cfg.policy.device)
+    training = TrainingClient(model, tokenizer, device=cfg.policy.device, seed=cfg.seed, data_parallel=True)
+    if resume:
+        training.load_state(Path(cfg.logging.run_dir) / "checkpoints" / CHECKPOINT).result()
+    Learner(cfg, training, task, None, cfg.logging.run_dir).follow()
+
+
+def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, allow_plaintext: bool = False,
+                  progress=None):
+    """The learner process: bind, train ``rl.steps`` steps, say bye to the workers, write the summary."""
+    import torch
+
+    from heterorl.config import TransportConfig
+    from heterorl.delay.clock import delay_clock
+    from heterorl.delay.links import DelayLink
+    from heterorl.runtime.learner import Learner, finish_learner_run, learner_settings
+    from heterorl.transport import LearnerServer
+
+    torch.set_num_threads(cfg.runtime.threads)
+    if _init_ranks(cfg) > 0:
+        _follow_rank(cfg, resume)
+        return None
+    run_dir = Path(cfg.logging.run_dir)
+    weights_address = None
+    if resume and (run_dir / ENDPOINTS).is_file() and bind.endswith(":0"):
+        previous = json.loads((run_dir / ENDPOINTS).read_text())  # the workers are still dialling these
+        bind, weights_address = previous["control"], previous["weights"]
+    task, training, logger, run_dir = setup_run(cfg, "learner", cfg.rl.base or cfg.policy.model, append=resume,
+                                                data_parallel=True)
+    transport = TransportConfig(**{**cfg.transport.__dict__, "allow_plaintext": allow_plaintext
+                                   or cfg.transport.allow_plaintext})
+    weights_delay = None
+    if cfg.delay.down.kind != "none":
+        weights_delay = lambda worker_id: DelayLink(cfg.delay.down, name=f"{worker_id}/weights").schedule  # noqa: E731
+    server = LearnerServer(bind, transport, curve=curve, weights_address=weights_address, weights_delay=weights_delay,
+                           settings=learner_settings(cfg), clock=delay_clock(cfg).now)
+    (run_dir / ENDPOINTS).write_text(json.dumps({"control": server.control_endpoint,
+                                                 "weights": server.weights_endpoint}))
+    print(f"learner listening on {server.control_endpoint} (weights on {server.weights_endpoint})", flush=True)
+    learner = Learner(cfg, training, task, server, run_dir, logger, progress)
+    try:
+        if resume:
+            learner.load_checkpoint()
+        result = learner.run()
+    finally:
+        server.close("run finished")
+        logger.close()
+    finish_learner_run(cfg, task, training, run_dir, result,
+                       {"execution": "live", "transport_rejected": server.stats["rejected"]})
+    return result
+
+
+class _Child:
+    def __init__(self, name: str, argv: list[str], log_path: Path, ranks: int = 1) -> None:
+        self.name, self.log_path = name, log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+        self.proc = subprocess.Popen([sys.executable, *launcher, "-m", "heterorl.cli", *argv], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def tail(self, lines: int = 30) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _wait_for_endpoint(child: _Child, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in child.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("learner listening on "):
+                return line.split()[3]
+        if child.proc.poll() is not None:
+            raise HeteroRLError(f"the learner exited with status {child.proc.returncode} before listening:\n"
+                                f"{child.tail()}")
+        time.sleep(0.1)
+    raise HeteroRLError(f"the learner did not start listening within {timeout_s:.0f} s; log: {child.log_path}")
+
+
+def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
+    """Start the learner and the workers, follow the run, stop everything at the end (or on any crash).
+    With ``runtime.execution=simulated`` the whole run happens in this process on a virtual clock."""
+    run_dir = Path(cfg.logging.run_dir)
+    if cfg.runtime.execution == "simulated":
+        if resume:
+            raise HeteroRLError("--resume needs the live execution; a simulated run is rerun (it is deterministic)")
+        from heterorl.runtime.simulate import simulate_run
+
+        simulate_run(cfg, progress)
+        return 0
+    if resume and not (run_dir / "checkpoints").is_dir():
+        raise HeteroRLError(f"nothing to resume in {run_dir}: no checkpoints folder")
+    if not resume and (run_dir / "checkpoints").is_dir():
+        raise HeteroRLError(f"{run_dir} already holds a run; pass --resume {run_dir} to continue it, "
+                            "or choose another logging.run_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "train_config.yaml"
+    config_path.write_text(to_yaml(cfg))
+    logs = run_dir / "logs"
+    children: list[_Child] = []
+    metrics_path = run_dir / "metrics.jsonl"
+    seen = metrics_path.stat().st_size if resume and metrics_path.exists() else 0
+    try:
+        learner = _Child("learner", ["learner", "--config", str(config_path), "--bind", cfg.runtime.address,
+                                     *(["--resume"] if resume else [])], logs / "learner.log",
+                         ranks=cfg.runtime.learner_ranks)
+        children.append(learner)
+        endpoint = _wait_for_endpoint(learner, 300)
+        for i in range(cfg.runtime.workers):
+            throttle = cfg.runtime.throttle[i % len(cfg.runtime.throttle)] if cfg.runtime.throttle else 1.0
+            children.append(_Child(f"worker-{i}", ["rollout", "--connect", endpoint, "--worker-id", f"worker-{i}",
+                                                   "--throttle", str(throttle)], logs / f"worker-{i}.log"))
+        while True:
+            seen = _follow(metrics_path, seen, progress)
+            status = learner.proc.poll()
+            if status is not None:
+                _follow(metrics_path, seen, progress)
+                if status != 0:
+                    raise HeteroRLError(f"the learner failed (exit {status}); log {learner.log_path}:\n{learner.tail()}")
+                break
+            for child in children[1:]:
+                code = child.proc.poll()
+                if code not in (None, 0):
+                    raise HeteroRLError(f"{child.name} failed (exit {code}); log {child.log_path}:\n{child.tail()}")
+            time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        for child in children[1:]:
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))  # they leave on the learner's bye
+            except subprocess.TimeoutExpired:
+                pass
+        return 0
+    finally:
+        for child in reversed(children):
+            child.stop()
+
+
+def _follow(path: Path, offset: int, progress) -> int:
+    """Feed new metrics records to ``progress``; returns the new file offset."""
+    if progress is None or not path.exists():
+        return offset
+    with path.open("rb") as f:
+        f.seek(offset)
+        while True:
+            line = f.readline()
+            if not line.endswith(b"\n"):
+                return offset
+            offset += len(line)
+            record = json.loads(line)
+            progress(int(record.get("step", 0)), record)

@@ -1,0 +1,377 @@
+"""The learner: stamped trajectories in, whole-group batches through a gepo loss, new weights out.
+
+    heterorl learner --bind tcp://*:5555 [--config F] [k=v ...]
+
+Each step: pull what the workers pushed into the staleness-aware buffer
+(heterorl.runtime.buffer), take ``rl.prompts_per_step`` whole groups when the buffer
+policy allows, run ``forward_backward`` + ``optim_step`` through the session
+primitives (the loss from gepo, by name), publish the new version. Staleness
+is measured on the learner's clock only — versions (current − oldest token
+version of a group) and seconds (now − when that version was published) — so
+a worker's skewed clock cannot corrupt it.
+
+Checkpoints (``runtime.checkpoint_every``) hold the weights, the optimizer,
+the version, the RNG, the step, the ids of every trajectory trained (none is
+trained twice after a resume) and the eval history.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch.distributed as dist
+
+from heterorl.config import Config, to_yaml
+from heterorl.errors import HeteroRLError
+from heterorl.runs import RunResult, StepRecorder, finish_run, idle_fraction
+from heterorl.runtime.buffer import Group, GroupBuffer
+from heterorl.tasks.base import Task
+from heterorl.training.evaluation import evaluate
+from heterorl.training.session import Datum, SamplingClient, TrainingClient
+from heterorl.training.step import optimize_batch
+from heterorl.transport import LearnerServer
+
+log = logging.getLogger("heterorl.runtime.learner")
+
+CHECKPOINT = "checkpoint.pt"
+LEARNER_STATE = "learner_state.json"
+
+
+@dataclass(kw_only=True)
+class LearnerResult(RunResult):
+    """A runtime run's result (live or simulated): the RL result and what the fleet did."""
+
+    staleness_mean: float  # versions, over every trained group
+    staleness_max: int
+    tokens_per_s: float  # completion tokens trained per second of wall (or virtual) time
+    learner_idle_frac: float
+    worker_idle_frac: float
+
+
+@dataclass
+class LearnerState:
+    """What a resume needs besides the TrainingClient state."""
+
+    step: int = 0
+    trained_ids: list[str] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)
+    publish_wall_s: dict[str, float] = field(default_factory=dict)  # version → time.time() it was published
+    staleness_sum: float = 0.0
+    staleness_max: int = 0
+    groups_trained: int = 0
+    tokens_trained: int = 0
+    steps_without_update: int = 0
+    idle_s: float = 0.0
+    elapsed_s: float = 0.0
+
+
+class Ranks:
+    """The learner's torch.distributed group: rank 0 owns the sockets, the buffer, evaluation, logs and
+    checkpoints, and hands each batch to every rank; each rank trains on its share of the groups and DDP
+    averages the gradients, so all ranks hold the same weights (rank 0 publishes them)."""
+
+    def __init__(self) -> None:
+        initialised = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if initialised else 0
+        self.world = dist.get_world_size() if initialised else 1
+
+    def share(self, payload=None):
+        """Rank 0's ``payload`` on every rank (a no-op with one rank)."""
+        if self.world == 1:
+            return payload
+        box = [payload]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def group_datums(groups: list[Group]) -> list[Datum]:
+    """The datums of whole groups; group ids become batch-local indices."""
+    datums = []
+    for index, group in enumerate(groups):
+        for t in group.trajectories:
+            prompt = t.prompt_tokens.tolist()
+            datums.append(Datum(
+                tokens=prompt + t.completion_tokens.tolist(), prompt_len=len(prompt), reward=t.reward,
+                group_id=index, behaviour_logprobs=t.behaviour_logprobs.tolist(),
+                policy_versions=t.policy_versions.tolist(),
+            ))
+    return datums
+
+
+def _histogram(values: list[int]) -> list[int]:
+    return np.bincount(np.asarray(values, dtype=np.int64)).tolist() if values else []
+
+
+def held_out_success(cfg: Config, sampler: SamplingClient, task: Task) -> float:
+    """Greedy success of ``sampler``'s weights on the task's held-out problems."""
+    tokens = cfg.rl.eval_max_tokens or cfg.rollout.max_tokens
+    return evaluate(sampler, task, task.eval_problems(), tokens).success
+
+
+def step_metrics(groups: list[Group], staleness: list[int], staleness_s: list[float], *, version: int,
+                 buffer: GroupBuffer, idle_s: float, elapsed_s: float, workers_busy_s: float,
+                 workers_idle_s: float, tokens_trained: int) -> dict:
+    """The metrics of one learner step that the live learner and the simulated one share: the batch's reward,
+    length and staleness (in versions and seconds), the new version, the buffer's state and counters, idle
+    fractions and trained-token throughput (per second of the run's clock)."""
+    rewards = [t.reward for g in groups for t in g.trajectories]
+    tokens = sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
+    return {
+        "rollout/reward_mean": float(np.mean(rewards)),
+        "rollout/reward_std": float(np.std(rewards)),
+        "rollout/completion_len": tokens / len(rewards),
+        "staleness/versions_mean": float(np.mean(staleness)),
+        "staleness/versions_max": int(max(staleness)),
+        "staleness/versions_hist": _histogram(staleness),
+        "staleness/seconds_mean": float(np.mean(staleness_s)),
+        "staleness/seconds_max": float(max(staleness_s)),
+        "policy/version": version,
+        "buffer/groups": len(buffer),
+        **{f"buffer/{k}": v for k, v in buffer.counters.items()},
+        "learner/idle_frac": idle_s / max(elapsed_s, 1e-9),
+        "workers/idle_frac": idle_fraction(workers_idle_s, workers_busy_s),
+        "throughput/tokens_per_s": tokens_trained / max(elapsed_s, 1e-9),
+    }
+
+
+class Learner:
+    def __init__(self, cfg: Config, training: TrainingClient, task: Task, server: LearnerServer | None,
+                 run_dir: str | Path, logger=None, progress=None) -> None:
+        self.cfg, self.training, self.task, self.server = cfg, training, task, server
+        self.ranks = Ranks()
+        per_update = cfg.rl.prompts_per_step // cfg.rl.updates_per_batch
+        if per_update < self.ranks.world:
+            raise HeteroRLError(f"{self.ranks.world} learner ranks need at least as many groups per update; "
+                                f"raise rl.prompts_per_step (now {cfg.rl.prompts_per_step}) or lower "
+                                f"rl.updates_per_batch (now {cfg.rl.updates_per_batch})")
+        self.run_dir = Path(run_dir)
+        self.logger, self.progress = logger, progress
+        self.buffer = GroupBuffer(cfg.buffer)
+        self.state = LearnerState()
+        self._trained: set[str] = set()
+        self._eval_sampler = training.live_sampling_client()
+        self.recorder: StepRecorder | None = None  # made by `run`, over the (possibly resumed) state
+        self.dropped_trained = 0
+        self._buffer_lock = threading.Condition()
+        self._stop_ingest = threading.Event()
+        self._ingest_error: BaseException | None = None
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        folder = self.run_dir / "checkpoints"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.training.save_state(folder / CHECKPOINT).result()
+        self.state.trained_ids = sorted(self._trained)
+        if self.recorder is not None:
+            self.state.steps_without_update = self.recorder.steps_without_update
+        fd, tmp = tempfile.mkstemp(prefix=".learner_state.", dir=folder)
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(self.state), f)
+        os.replace(tmp, folder / LEARNER_STATE)
+
+    def load_checkpoint(self) -> None:
+        folder = self.run_dir / "checkpoints"
+        if not (folder / CHECKPOINT).is_file() or not (folder / LEARNER_STATE).is_file():
+            raise HeteroRLError(f"no checkpoint to resume in {folder}; was the run started with this run dir?")
+        self.training.load_state(folder / CHECKPOINT).result()
+        self.state = LearnerState(**json.loads((folder / LEARNER_STATE).read_text()))
+        self._trained = set(self.state.trained_ids)
+        log.info("resumed at step %d, version %d", self.state.step, self.training.version)
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _evaluate(self) -> float:
+        return held_out_success(self.cfg, self._eval_sampler, self.task)
+
+    def _publish(self) -> int:
+        version, state = self.training.save_weights_for_sampler().result()
+        self.server.publish(version, state)
+        self.state.publish_wall_s[str(version)] = time.time()
+        return version
+
+    def _admit(self) -> None:
+        cap = self.buffer.admission_limit(self.state.step, self.cfg.rl.prompts_per_step)
+        self.server.set_admission(cap, ahead=self.cfg.runtime.groups_per_call)
+
+    def _await_fleet(self) -> None:
+        """Wait up to ``runtime.fleet_wait_s`` until ``runtime.workers`` live workers hold weights (they said
+        hello, loaded their model and applied a version); start with those present when the wait runs out."""
+        cfg = self.cfg.runtime
+        deadline = time.monotonic() + cfg.fleet_wait_s
+
+        def ready() -> int:
+            return sum(w.alive and w.version_held >= 0 for w in self.server.workers())
+
+        while ready() < cfg.workers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if cfg.fleet_wait_s > 0 and ready() < cfg.workers:
+            log.warning("%d of %d workers ready after runtime.fleet_wait_s = %.0f s; training starts with them",
+                        ready(), cfg.workers, cfg.fleet_wait_s)
+
+    def _ingest(self) -> None:
+        """Background thread: move arrived trajectories from the transport into the buffer while the learner
+        trains, so workers get their credits back at once. A full buffer (``buffer.max_groups``) stops the
+        pulling: the data then waits in the transport, whose credits hold the workers back (back-pressure)."""
+        try:
+            self._ingest_loop()
+        except BaseException as exc:  # surfaced by _next_batch: a learner must not wait on a dead thread
+            self._ingest_error = exc
+            with self._buffer_lock:
+                self._buffer_lock.notify_all()
+
+    def _ingest_loop(self) -> None:
+        cfg = self.cfg
+        while not self._stop_ingest.is_set():
+            with self._buffer_lock:
+                room = cfg.buffer.max_groups - len(self.buffer)
+            if room <= 0:
+                self._stop_ingest.wait(0.01)
+                continue
+            arrived = self.server.get(room * cfg.rollout.group_size, timeout_s=0.05)
+            now = time.monotonic()
+            with self._buffer_lock:
+                for traj in arrived:
+                    if traj.trajectory_id in self._trained:
+                        self.dropped_trained += 1  # already trained before a restart: never twice
+                        continue
+                    self.buffer.add(traj, now)
+                self.buffer.expire_partial(now)
+                self._buffer_lock.notify_all()
+
+    def _next_batch(self, version: int) -> list[Group]:
+        """Block until the buffer policy hands out a batch."""
+        cfg = self.cfg
+        silent_since, waiting_since, reported = None, time.monotonic(), 0
+        with self._buffer_lock:
+            while True:
+                groups = self.buffer.take(cfg.rl.prompts_per_step, version)
+                if groups is not None:
+                    return groups
+                if self._ingest_error is not None:
+                    raise HeteroRLError(f"the learner's ingest thread failed: {self._ingest_error!r}")
+                self._buffer_lock.wait(0.05)
+                now = time.monotonic()
+                if now - waiting_since > 30 * (reported + 1):
+                    reported += 1
+                    alive = sum(w.alive for w in self.server.workers())
+                    log.info("waiting %.0f s for a batch of %d groups at version %d: %d complete, %d incomplete "
+                             "groups buffered, %d live workers, %s", now - waiting_since, cfg.rl.prompts_per_step,
+                             version, len(self.buffer), self.buffer.incomplete, alive,
+                             self.server.admission_state())
+                if any(w.alive for w in self.server.workers()):
+                    silent_since = None
+                elif silent_since is None:
+                    silent_since = now
+                elif now - silent_since > cfg.runtime.worker_timeout_s:
+                    raise HeteroRLError(
+                        f"no live rollout worker for {cfg.runtime.worker_timeout_s:.0f} s and no data; "
+                        f"start workers with `heterorl rollout --connect {self.server.control_endpoint}`")
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def run(self) -> LearnerResult:
+        cfg, state = self.cfg, self.state
+        start = time.monotonic() - state.elapsed_s
+        self.recorder = StepRecorder(cfg, self._evaluate, self.logger, self.progress, history=state.history,
+                                     steps_without_update=state.steps_without_update)
+        self.recorder.start()
+        version = self._publish()
+        self._admit()
+        self._await_fleet()
+        ingest = threading.Thread(target=self._ingest, name="heterorl-learner-ingest", daemon=True)
+        ingest.start()
+        try:
+            while state.step < cfg.rl.steps:
+                version = self._step(start, version)
+        finally:
+            self._stop_ingest.set()
+            ingest.join(5)
+        self.ranks.share("stop")
+        workers = self.server.workers()
+        return self.recorder.result(
+            LearnerResult, steps=state.step, minutes=state.elapsed_s / 60,
+            staleness_mean=state.staleness_sum / max(state.groups_trained, 1), staleness_max=state.staleness_max,
+            tokens_per_s=state.tokens_trained / max(state.elapsed_s, 1e-9),
+            learner_idle_frac=state.idle_s / max(state.elapsed_s, 1e-9),
+            worker_idle_frac=idle_fraction(sum(w.idle_s for w in workers), sum(w.busy_s for w in workers)))
+
+    def _step(self, start: float, version: int) -> int:
+        """One learner step: wait for a batch, train on it, publish, record; returns the new version."""
+        cfg, state = self.cfg, self.state
+        wait_start = time.monotonic()
+        groups = self._next_batch(version)
+        waited = time.monotonic() - wait_start
+        state.idle_s += waited
+        step_start = time.monotonic()
+        now_wall = time.time()
+        staleness = [version - g.oldest_version for g in groups]
+        staleness_s = [now_wall - state.publish_wall_s.get(str(g.oldest_version), now_wall) for g in groups]
+        datums, _ = self.ranks.share((group_datums(groups), self.training.version))
+        total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
+        metrics = optimize_batch(self.training, datums, cfg, total_updates, (self.ranks.rank, self.ranks.world))
+        with self._buffer_lock:
+            for g in groups:
+                self._trained.update(t.trajectory_id for t in g.trajectories)
+        state.step += 1
+        version = self._publish()
+        self._admit()
+        state.tokens_trained += sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
+        state.groups_trained += len(groups)
+        state.staleness_sum += sum(staleness)
+        state.staleness_max = max(state.staleness_max, max(staleness))
+        state.elapsed_s = time.monotonic() - start
+        metrics.update(self._step_metrics(groups, staleness, staleness_s, version))
+        metrics.update({"learner/wait_s": waited, "learner/train_s": time.monotonic() - step_start})
+        self.recorder.record(state.step, metrics, state.elapsed_s)
+        every = cfg.runtime.checkpoint_every
+        if (every and state.step % every == 0) or state.step == cfg.rl.steps:
+            self.save_checkpoint()
+        return version
+
+    def _step_metrics(self, groups: list[Group], staleness: list[int], staleness_s: list[float],
+                      version: int) -> dict:
+        """`step_metrics` on the learner's clock, and what only a live fleet has: its workers and transport."""
+        state, workers = self.state, self.server.workers()
+        busy, trajectories = sum(w.busy_s for w in workers), sum(w.trajectories for w in workers)
+        with self._buffer_lock:
+            shared = step_metrics(groups, staleness, staleness_s, version=version, buffer=self.buffer,
+                                  idle_s=state.idle_s, elapsed_s=state.elapsed_s, workers_busy_s=busy,
+                                  workers_idle_s=sum(w.idle_s for w in workers), tokens_trained=state.tokens_trained)
+        return {
+            **shared,
+            "buffer/trajectories_waiting": self.server.buffered(),
+            "workers/alive": sum(w.alive for w in workers),
+            # what a simulated run needs to mimic this fleet: simulate.call_s = this × runtime.groups_per_call
+            "workers/busy_s_per_group": busy * self.cfg.rollout.group_size / max(trajectories, 1),
+            "transport/rejected": self.server.stats["rejected"],
+        }
+
+    def follow(self) -> None:
+        """Ranks > 0: train on each batch rank 0 hands out until it says stop."""
+        total_updates = self.cfg.rl.steps * self.cfg.rl.updates_per_batch
+        while True:
+            message = self.ranks.share()
+            if message == "stop":
+                return
+            datums, self.training.version = message  # rank 0 publishes; the versions must agree for the loss
+            optimize_batch(self.training, datums, self.cfg, total_updates, (self.ranks.rank, self.ranks.world))
+
+
+def finish_learner_run(cfg: Config, task: Task, training: TrainingClient, run_dir: Path, result: LearnerResult,
+                       extra: dict) -> None:
+    """`finish_run` for a runtime run (live or simulated): its summary also names the mode and the fleet."""
+    finish_run(cfg, task, training, run_dir, result,
+               {"mode": cfg.runtime.mode, "workers": cfg.runtime.workers, **extra},
+               title=f"{cfg.runtime.mode}, {cfg.loss.name}", xlabel="learner step")
+
+
+def learner_settings(cfg: Config) -> dict:
+    """What workers receive in ``ready``: the whole run config, so a fleet cannot drift apart."""
+    return {"config": to_yaml(cfg)}
+

@@ -1,0 +1,280 @@
+"""Simulated execution: the learner and its rollout workers in one process, on a virtual clock.
+
+    heterorl train --config run.yaml runtime.execution=simulated
+
+The same run as the live system (`heterorl train`), with the same semantics:
+
+- the same buffer policy (`GroupBuffer`: window, drop_stale, count_only, admission) and staleness accounting;
+- the same delay links, named ``worker-i/trajectories`` (up) and ``worker-i/weights`` (down) and seeded as in
+  the live system, so a seed draws the same delays;
+- the same prompt shards, sampling seeds and trajectory stamps (`heterorl.runtime.worker`), the same optimizer step
+  (`heterorl.training.step.optimize_batch`) and metrics;
+- sync mode waits for each new version, async mode never waits, as the live workers do.
+
+Only time is simulated. A learner step takes ``simulate.step_s`` virtual seconds; a worker samples a group in
+``simulate.call_s / runtime.groups_per_call`` seconds times its throttle; messages take what their delay link
+draws. Events run in (virtual time, order) order, so a run is deterministic for a seed and as fast as the model
+computes: no sockets, no sleeping. Credits work as live: a worker with ``transport.credits_per_worker``
+trajectories not yet taken in by the learner waits (a full buffer leaves arrivals waiting, so a slow learner
+holds the fleet back). What it leaves out: transport costs, crashes, and the contention of real processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from heterorl.config import Config
+from heterorl.delay.links import DelayLink
+from heterorl.delay.queue import DelayQueue
+from heterorl.errors import HeteroRLError
+from heterorl.runs import StepRecorder, idle_fraction, setup_run
+from heterorl.runtime.buffer import GroupBuffer
+from heterorl.runtime.learner import LearnerResult, finish_learner_run, group_datums, held_out_success, step_metrics
+from heterorl.runtime.worker import sampling_params, shard_rng, stamp_groups
+from heterorl.tasks import Task
+from heterorl.training.session import SamplingClient, TrainingClient
+from heterorl.training.step import optimize_batch
+from heterorl.training.textcodec import encode_text
+
+log = logging.getLogger("heterorl.runtime.simulate")
+
+
+def durations(cfg: Config) -> tuple[float, float]:
+    """(virtual seconds per learner step, virtual seconds per sampled group at throttle 1)."""
+    step_s = cfg.simulate.step_s or cfg.delay.seconds_per_step or 1.0
+    call_s = cfg.simulate.call_s or step_s * cfg.runtime.workers * cfg.runtime.groups_per_call / cfg.rl.prompts_per_step
+    return step_s, call_s / cfg.runtime.groups_per_call
+
+
+@dataclass
+class _Worker:
+    worker_id: str
+    throttle: float
+    rng: object  # the worker's prompt shard (random.Random)
+    up: DelayLink | None
+    down: DelayLink | None
+    next_s: float = 0.0  # when it starts its next engine call; inf while it waits (weights or admission)
+    waiting_since: float | None = None
+    version: int = -1  # the version it holds
+    used_version: int = -1  # the version of its last call (sync mode waits for a newer one)
+    inbox: DelayQueue = field(default_factory=DelayQueue)  # versions of the weights on their way
+    groups_sent: int = 0
+    in_transit: int = 0  # trajectories sent and not yet taken in by the learner (the live system's credits)
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+
+    def wait(self, now: float) -> None:
+        self.next_s, self.waiting_since = math.inf, now
+
+    def wake(self, at: float) -> None:
+        if self.waiting_since is not None and at < self.next_s:
+            self.idle_s += max(0.0, at - self.waiting_since)
+            self.next_s, self.waiting_since = at, None
+
+
+class Simulation:
+    """One run of learner + ``runtime.workers`` workers on a virtual clock; `run` returns a `LearnerResult`."""
+
+    def __init__(self, cfg: Config, training: TrainingClient, task: Task, logger=None, progress=None) -> None:
+        if cfg.runtime.learner_ranks > 1:
+            raise HeteroRLError("runtime.learner_ranks > 1 needs the live execution (runtime.execution=live)")
+        self.cfg, self.training, self.task = cfg, training, task
+        self.logger, self.progress = logger, progress
+        self.step_s, self.group_s = durations(cfg)
+        self.buffer = GroupBuffer(cfg.buffer)
+        throttles = cfg.runtime.throttle or [1.0]
+        self.workers = []
+        for i in range(cfg.runtime.workers):
+            worker_id = f"worker-{i}"
+            self.workers.append(_Worker(
+                worker_id=worker_id, throttle=throttles[i % len(throttles)], rng=shard_rng(cfg.seed, worker_id),
+                up=DelayLink(cfg.delay.up, f"{worker_id}/trajectories") if cfg.delay.up.kind != "none" else None,
+                down=DelayLink(cfg.delay.down, f"{worker_id}/weights") if cfg.delay.down.kind != "none" else None))
+        self._by_id = {w.worker_id: w for w in self.workers}
+        self._arrivals = DelayQueue()  # trajectories on their way to the learner
+        self._weights: dict[int, dict] = {}  # version -> state dict, while some worker may still sample with it
+        self._published_s: dict[int, float] = {}
+        self._started = 0  # groups the fleet started (admission control)
+        self._steps_done = 0  # learner steps finished and published
+        self._lost = 0  # trajectories their link dropped
+        self._now = 0.0  # the virtual clock
+        self._idle_s = 0.0  # virtual seconds the learner waited for a batch
+        self._tokens_trained = 0
+        # one sampler for the whole fleet, over its own copy of the weights: each call loads its worker's version
+        self._sampler = SamplingClient.for_model(training.frozen_copy(), training.tokenizer, device=cfg.policy.device)
+        self._eval = training.live_sampling_client()
+
+    # -- the learner side -------------------------------------------------------------------------
+    def _publish(self, now: float) -> int:
+        version, state = self.training.save_weights_for_sampler().result()
+        self._weights[version] = state
+        self._published_s[version] = now
+        size = int(sum(t.numel() * t.element_size() for t in state.values()))
+        for w in self.workers:
+            arrival = w.down.schedule(now, size) if w.down else now
+            if arrival is None:
+                continue  # lost: a newer version will stand in
+            w.inbox.put(arrival, version)
+            if self.cfg.runtime.mode == "sync" or w.version < 0:
+                w.wake(arrival)
+            if self.buffer.config.policy == "admission":
+                w.wake(now)  # the learner stepped: more groups may start
+        self._forget_versions()
+        return version
+
+    def _forget_versions(self) -> None:
+        needed = {w.version for w in self.workers} | {v for w in self.workers for v in w.inbox}
+        for v in [v for v in self._weights if v not in needed and v != max(self._weights)]:
+            del self._weights[v]
+
+    def _ingest(self, now: float) -> None:
+        room = self.cfg.buffer.max_groups - len(self.buffer)
+        due = self._arrivals.pop_due(now) if room > 0 else []
+        for i, (_, _, traj) in enumerate(due):
+            if room <= 0:  # a full buffer leaves the rest waiting, in their order
+                self._arrivals.restore(due[i:])
+                break
+            self._by_id[traj.sampler_id].in_transit -= 1
+            if self.buffer.add(traj, now) is not None:
+                room -= 1
+        self.buffer.expire_partial(now)
+        for w in self.workers:
+            if w.in_transit < self.cfg.transport.credits_per_worker:
+                w.wake(now)  # credit back (a no-op unless it waits; it rechecks what it waits for)
+
+    def _evaluate(self) -> float:
+        return held_out_success(self.cfg, self._eval, self.task)
+
+    # -- the worker side --------------------------------------------------------------------------
+    def _run_workers(self, until: float, before: bool = False) -> None:
+        """Run every worker call that starts at or before ``until`` (``before``: strictly before), in time order."""
+        while True:
+            w = min(self.workers, key=lambda w: (w.next_s, w.worker_id))
+            if w.next_s > until or (before and w.next_s == until):
+                return
+            self._worker_call(w, w.next_s)
+
+    def _worker_call(self, w: _Worker, now: float) -> None:
+        cfg = self.cfg
+        for _, _, version in w.inbox.pop_due(now):
+            w.version = max(w.version, version)  # a late older version changes nothing
+        sync = cfg.runtime.mode == "sync"
+        if w.version < 0 or (sync and w.version <= w.used_version):
+            w.wait(now)
+            if w.inbox:
+                w.wake(w.inbox.next_due_time())
+            return
+        if w.in_transit >= cfg.transport.credits_per_worker:
+            w.wait(now)  # out of credit: woken when the learner takes data in
+            return
+        n = cfg.rl.prompts_per_step // cfg.runtime.workers if sync else cfg.runtime.groups_per_call
+        cap = self.buffer.admission_limit(self._steps_done, cfg.rl.prompts_per_step)
+        if cap is not None:
+            n = min(n, cap - self._started)
+            if n <= 0:
+                w.wait(now)  # woken when the learner steps
+                return
+        self._started += n
+        problems = [self.task.sample_train(w.rng) for _ in range(n)]
+        prompts = [encode_text(self._sampler.tokenizer, p.prompt, "prompt") for p in problems]
+        if self._sampler.version != w.version:
+            self._sampler.load_weights(w.version, self._weights[w.version])
+        groups = self._sampler.sample(prompts, cfg.rollout.group_size,
+                                      sampling_params(cfg, w.worker_id, w.groups_sent)).result()
+        end = now + n * self.group_s * w.throttle
+        stamped = stamp_groups(self.task, w.worker_id, w.groups_sent, w.version, problems, prompts, groups, now, end)
+        w.groups_sent += n
+        w.busy_s += end - now
+        w.used_version = w.version
+        for traj in (t for group in stamped for t in group):
+            traj.sent_at = end
+            arrival = w.up.schedule(end, traj.nbytes) if w.up else end
+            if arrival is None:
+                self._lost += 1
+                continue
+            traj.received_at = arrival
+            w.in_transit += 1
+            self._arrivals.put(arrival, traj)
+        w.next_s = end
+        self._forget_versions()
+
+    def _next_event(self) -> float:
+        """When something next happens: a worker starts a call or a trajectory arrives (inf: nothing will)."""
+        arrival = self._arrivals.next_due_time() if self._arrivals else math.inf
+        return min(arrival, *(w.next_s for w in self.workers))
+
+    # -- the run ----------------------------------------------------------------------------------
+    def run(self) -> LearnerResult:
+        cfg = self.cfg
+        wall_start = time.monotonic()
+        recorder = StepRecorder(cfg, self._evaluate, self.logger, self.progress)
+        recorder.start()
+        self._now, self._idle_s = 0.0, 0.0
+        version = self._publish(self._now)
+        staleness_all: list[int] = []
+        for step in range(1, cfg.rl.steps + 1):
+            groups = self._next_batch(step, version)
+            staleness = [version - g.oldest_version for g in groups]
+            staleness_s = [self._now - self._published_s[g.oldest_version] for g in groups]
+            staleness_all += staleness
+            metrics = optimize_batch(self.training, group_datums(groups), cfg, cfg.rl.steps * cfg.rl.updates_per_batch)
+            self._tokens_trained += sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
+            self._run_workers(self._now + self.step_s, before=True)  # calls started while the learner trains
+            self._now += self.step_s
+            self._steps_done = step
+            version = self._publish(self._now)
+            metrics.update(self._step_metrics(groups, staleness, staleness_s, version))
+            recorder.record(step, metrics, self._now)
+        busy, idle = sum(w.busy_s for w in self.workers), sum(w.idle_s for w in self.workers)
+        return recorder.result(
+            LearnerResult, steps=cfg.rl.steps, minutes=(time.monotonic() - wall_start) / 60,
+            staleness_mean=float(np.mean(staleness_all)), staleness_max=int(max(staleness_all)),
+            tokens_per_s=self._tokens_trained / self._now, learner_idle_frac=self._idle_s / self._now,
+            worker_idle_frac=idle_fraction(idle, busy))
+
+    def _next_batch(self, step: int, version: int) -> list:
+        """Run the fleet on the virtual clock until the buffer policy hands out a batch; the learner's wait counts
+        as idle time."""
+        while True:
+            self._run_workers(self._now)
+            self._ingest(self._now)
+            groups = self.buffer.take(self.cfg.rl.prompts_per_step, version)
+            if groups is not None:
+                return groups
+            later = self._next_event()
+            if not math.isfinite(later):
+                raise HeteroRLError(f"the simulation stalled at step {step}: no data on its way and every "
+                                    f"worker waiting ({len(self.buffer)} groups buffered); check buffer and delays")
+            self._idle_s += max(0.0, later - self._now)  # (an arrival held back by a full buffer is not "later")
+            self._now = max(self._now, later)
+
+    def _step_metrics(self, groups: list, staleness: list[int], staleness_s: list[float], version: int) -> dict:
+        busy, idle = sum(w.busy_s for w in self.workers), sum(w.idle_s for w in self.workers)
+        shared = step_metrics(groups, staleness, staleness_s, version=version, buffer=self.buffer,
+                              idle_s=self._idle_s, elapsed_s=self._now, workers_busy_s=busy, workers_idle_s=idle,
+                              tokens_trained=self._tokens_trained)
+        return {**shared, "sim/time_s": self._now, "sim/lost_trajectories": self._lost}
+
+
+def simulate_run(cfg: Config, progress=None) -> LearnerResult:
+    """``heterorl train`` with ``runtime.execution=simulated``: set up, run, and write what a live run writes."""
+    import torch
+
+    torch.set_num_threads(cfg.runtime.threads)
+    task, training, logger, run_dir = setup_run(cfg, "simulated", cfg.rl.base or cfg.policy.model)
+    try:
+        result = Simulation(cfg, training, task, logger, progress).run()
+    finally:
+        logger.close()
+    finish_learner_run(cfg, task, training, Path(run_dir), result,
+                       {"execution": "simulated", "step_s": durations(cfg)[0]})
+    return result
+
+
+__all__ = ["Simulation", "durations", "simulate_run"]

@@ -1,0 +1,225 @@
+"""The rollout worker: sample groups with the weights it holds, score them, stamp them, push them to the learner.
+
+    heterorl rollout --connect tcp://LEARNER:5555 --worker-id berlin-0 [--server-key learner.key ...]
+
+The worker needs only the package, the learner's address (and, off loopback,
+the learner's public key and its own key pair). Everything else — task,
+rollout settings, delays, mode — comes from the learner's config in its
+``ready`` answer, so a fleet cannot drift apart.
+
+Prompts: each worker draws from its *own shard* of the task, a random stream
+seeded by (run seed, worker id). Why not prompts handed out by the learner?
+Because a handed-out prompt costs a round trip across the (possibly
+minutes-long) link before every generation, and a worker whose link is slow
+would starve; with its own shard a worker always has work, stays
+reproducible, and two workers never draw the same stream.
+
+Weights are applied between generations (one policy version per group). A
+worker never waits forever for new weights: in async mode it keeps
+generating with what it has; in sync mode (the on-policy baseline) it waits
+for the next version after each share of a batch, with a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from heterorl.config import Config, TransportConfig, load_config
+from heterorl.delay.clock import delay_clock
+from heterorl.delay.links import DelayLink
+from heterorl.engines.base import SamplingParams
+from heterorl.errors import HeteroRLError
+from heterorl.policies import load_policy
+from heterorl.tasks import make_task
+from heterorl.training.session import SamplingClient
+from heterorl.training.textcodec import encode_text
+from heterorl.transport import CurveConfig, TransportTimeout, WorkerClient
+from heterorl.transport.protocol import Trajectory
+
+log = logging.getLogger("heterorl.runtime.worker")
+
+
+@dataclass
+class WorkerOptions:
+    address: str
+    worker_id: str
+    curve: CurveConfig | None = None
+    throttle: float = 1.0  # > 1 emulates a slower device: sleep (throttle − 1) × generation time per call
+    policy: str | None = None  # override the learner config's starting policy (a local folder on this machine)
+    connect_timeout_s: float = 120.0
+    allow_plaintext: bool = False
+
+
+def shard_rng(seed: int, worker_id: str) -> random.Random:
+    """The worker's own prompt stream: seeded by (run seed, worker id), stable across runs and machines."""
+    return random.Random(f"heterorl-shard/{seed}/{worker_id}")
+
+
+def sampling_params(cfg: Config, worker_id: str, groups_sent: int) -> SamplingParams:
+    """The rollout's sampling settings, seeded by (run seed, worker, groups sent so far): reproducible."""
+    return SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
+                          top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                          seed=zlib.crc32(f"{cfg.seed}/{worker_id}/{groups_sent}".encode()))
+
+
+def stamp_groups(task, worker_id: str, first_index: int, version: int, problems, prompts, groups,
+                 start_wall: float, end_wall: float) -> list[list[Trajectory]]:
+    """Score each sampled group and stamp its trajectories (ids, policy version per token, behaviour log-probs,
+    timestamps). Group ids are ``{worker_id}-{n}``, n counting from ``first_index``; empty completions are left
+    out (a group is as large as what remains)."""
+    stamped = []
+    for n, (problem, prompt, group) in enumerate(zip(problems, prompts, groups), start=first_index):
+        group_id = f"{worker_id}-{n}"
+        group = [sample for sample in group if sample.tokens]
+        stamped.append([Trajectory(
+            trajectory_id=f"{group_id}-{j}", group_id=group_id, prompt_id=problem.problem_id[:128],
+            sampler_id=worker_id, group_size=len(group),
+            prompt_tokens=np.asarray(prompt, dtype=np.int32),
+            completion_tokens=np.asarray(sample.tokens, dtype=np.int32),
+            behaviour_logprobs=np.minimum(np.asarray(sample.logprobs, dtype=np.float32), 0.0),
+            policy_versions=np.full(len(sample.tokens), version, dtype=np.int32),
+            reward=float(task.reward(problem, sample.text)),
+            generation_start=start_wall, generation_end=end_wall, stop_reason=sample.stop_reason,
+        ) for j, sample in enumerate(group)])
+    return stamped
+
+
+class RolloutWorker:
+    """One worker's loop. ``run`` returns when the learner says the run is over or stays silent too long."""
+
+    def __init__(self, options: WorkerOptions) -> None:
+        if options.throttle < 1:
+            raise HeteroRLError(f"--throttle {options.throttle}: must be >= 1 (2 = a device half as fast)")
+        self.options = options
+        transport = TransportConfig(allow_plaintext=options.allow_plaintext)
+        self.client = WorkerClient(options.address, options.worker_id, transport, curve=options.curve)
+        self.version = -1
+        self.learner_timeout_s = 300.0  # from the learner's config once it answers
+        self.groups_sent = 0
+        self.busy_s = 0.0
+        self.idle_s = 0.0
+
+    # -- set-up from the learner's config ---------------------------------------------------------
+    def _configure(self) -> Config:
+        ready = self.client.wait_ready(self.options.connect_timeout_s)
+        if "config" not in ready.settings:
+            raise HeteroRLError("the learner sent no run config in its ready message; is it a heterorl learner?")
+        cfg = load_config(text=ready.settings["config"])
+        self.client.config = cfg.transport
+        self.learner_timeout_s = cfg.runtime.learner_timeout_s
+        torch.set_num_threads(cfg.runtime.threads)
+        clock = delay_clock(cfg)
+        if cfg.delay.up.kind != "none":
+            link = DelayLink(cfg.delay.up, name=f"{self.options.worker_id}/trajectories")
+            self.client.set_trajectory_delay(link.schedule, clock.now)
+        return cfg
+
+    def _apply(self, got) -> None:
+        version, state = got
+        self.sampler.load_weights(version, state)
+        self.version = version
+        self.client.set_version_held(version)
+
+    def _wait(self, fn, *args):
+        start = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.idle_s += time.monotonic() - start
+            self.client.idle_s = self.idle_s
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def run(self) -> int:
+        cfg = self._configure()
+        worker_id = self.options.worker_id
+        task = make_task(cfg.task.name, dict(cfg.task.options), cfg.task.reward_fn)
+        base = self.options.policy or cfg.rl.base or cfg.policy.model
+        model, tokenizer = load_policy(base, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=cfg.policy.device)
+        model.eval()
+        self.sampler = SamplingClient.for_model(model, tokenizer, device=cfg.policy.device)
+        got = self._wait(self.client.wait_weights, -1, cfg.runtime.learner_timeout_s)
+        if got is None:
+            raise HeteroRLError(f"no weights from the learner within {cfg.runtime.learner_timeout_s} s")
+        self._apply(got)
+        log.info("worker %s: version %d, task %s, mode %s", worker_id, self.version, task.name, cfg.runtime.mode)
+        rng = shard_rng(cfg.seed, worker_id)
+        sync = cfg.runtime.mode == "sync"
+        share = cfg.rl.prompts_per_step // cfg.runtime.workers
+        last_heard = time.monotonic()
+        used_version = -1
+        while not self.client.finished.is_set():
+            got = self.client.latest_weights()
+            if got is not None:
+                self._apply(got)
+            if not self.client.learner_alive:
+                if time.monotonic() - last_heard > cfg.runtime.learner_timeout_s:
+                    log.error("worker %s: learner silent for %.0f s; exiting", worker_id, cfg.runtime.learner_timeout_s)
+                    return 1
+                self._wait(time.sleep, 0.1)
+                continue
+            last_heard = time.monotonic()
+            if sync and self.version <= used_version:
+                got = self._wait(self.client.wait_weights, used_version, 1.0)
+                if got is not None:
+                    self._apply(got)
+                continue
+            wanted = share if sync else cfg.runtime.groups_per_call
+            n = self._wait(self.client.acquire_starts, wanted, 1.0)
+            if n == 0:
+                continue
+            used_version = self.version
+            self._generate_and_send(cfg, task, [task.sample_train(rng) for _ in range(n)])
+        log.info("worker %s: the learner ended the run after %d groups", worker_id, self.groups_sent)
+        return 0
+
+    def _generate_and_send(self, cfg: Config, task, problems) -> None:
+        worker_id = self.options.worker_id
+        prompts = [encode_text(self.sampler.tokenizer, p.prompt, "prompt") for p in problems]
+        start_wall, start = time.time(), time.monotonic()
+        groups = self.sampler.sample(prompts, cfg.rollout.group_size, sampling_params(cfg, worker_id,
+                                                                                       self.groups_sent)).result()
+        elapsed = time.monotonic() - start
+        if self.options.throttle > 1:
+            time.sleep((self.options.throttle - 1) * elapsed)  # a slower device: counted as busy time
+        self.busy_s += time.monotonic() - start
+        self.client.busy_s = self.busy_s
+        stamped = stamp_groups(task, worker_id, self.groups_sent, self.version, problems, prompts, groups,
+                               start_wall, time.time())
+        self.groups_sent += len(stamped)
+        for group in stamped:
+            self._send(list(group))
+
+    def _send(self, group: list[Trajectory]) -> None:
+        """Queue a group's trajectories in one call, waiting out back-pressure; HeteroRLError once the learner has
+        been silent for ``learner_timeout_s``."""
+        silent_since = None
+        while group and not self.client.finished.is_set():
+            try:
+                self._wait(self.client.send_many, group, 1.0)
+                return
+            except TransportTimeout as exc:  # back-pressure (the learner is behind) or the learner is gone
+                group = group[exc.done:]
+                if self.client.learner_alive:
+                    silent_since = None
+                    continue
+                silent_since = silent_since or time.monotonic()
+                if time.monotonic() - silent_since > self.learner_timeout_s:
+                    raise HeteroRLError(f"the learner has been silent for {self.learner_timeout_s:.0f} s") from None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def run_rollout_worker(options: WorkerOptions) -> int:
+    worker = RolloutWorker(options)
+    try:
+        return worker.run()
+    finally:
+        worker.close()

@@ -1,0 +1,437 @@
+"""Delay-sweep reports: per-(loss, delay) tables over seeds, plots against step and delay, optional wandb table.
+
+A sweep directory holds ``sweep.json`` (the grid: losses x delays x seeds) and ``cells/<cell>/`` with each
+run's ``summary.json`` and ``metrics.jsonl``. Only cells whose summary says ``"status": "done"`` are counted;
+every other grid point is reported as missing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from statistics import fmean, pstdev
+from typing import Sequence
+
+from heterorl.errors import HeteroRLError
+from heterorl.runs import format_table, read_metrics
+
+_CELL_KEYS = ("task", "loss", "delay", "seed", "base_success", "best_success", "final_success")
+_PNG_DPI = 110
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """One run of the grid. ``status`` is the summary's status, or why there is none; metrics are read for
+    finished cells only, since an unfinished one may still be writing them."""
+
+    name: str
+    status: str
+    summary: dict
+    metrics: list[dict]
+
+    @property
+    def done(self) -> bool:
+        return self.status == "done"
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.summary["loss"], self.summary["delay"], self.summary["seed"]
+
+
+@dataclass(frozen=True)
+class SweepResults:
+    """The spec of ``sweep.json`` and the cells found under ``cells/``."""
+
+    path: Path
+    name: str
+    mode: str
+    losses: list[str]
+    delays: list[str]
+    seeds: list[int]
+    online_delay: str
+    seconds_per_step: float | None
+    cells: list[CellResult]
+
+    @property
+    def tasks(self) -> list[str]:
+        return sorted({c.summary["task"] for c in self.cells if c.done})
+
+    def finished(self, task: str, loss: str, delay: str) -> list[CellResult]:
+        """The finished cells of one (task, loss, delay), one per seed."""
+        return [c for c in self.cells if c.done and c.summary["task"] == task and c.key[:2] == (loss, delay)]
+
+    def missing(self) -> list[tuple[str, str]]:
+        """``(cell name, status)`` of every grid point without a finished cell, in grid order."""
+        done = {c.key for c in self.cells if c.done}
+        status = {c.name: c.status for c in self.cells}
+        return [(name, status.get(name, "not started"))
+                for loss in self.losses for delay in self.delays for seed in self.seeds
+                if (loss, delay, seed) not in done for name in [cell_name(loss, delay, seed)]]
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    """Statistics of one (task, loss, delay) over its finished seeds; ``None`` where nothing was measured."""
+
+    task: str
+    loss: str
+    delay: str
+    n_seeds: int
+    base_mean: float | None
+    best_mean: float | None
+    best_std: float | None
+    last_mean: float | None
+    last_std: float | None
+    degradation_pct: float | None  # 100 * (online last_mean - last_mean) / online last_mean, same loss
+    gap_mean: float | None  # mean over seeds of best - last
+    staleness_mean: float | None
+    is_weight_var: float | None  # mean over steps of is/weight_var, then over seeds
+    kl_k3: float | None  # mean over steps of kl/k3, then over seeds
+
+
+def cell_name(loss: str, delay: str, seed: int) -> str:
+    """The directory name of a grid point under ``cells/``, e.g. ``gepo__d16__s0``."""
+    return f"{loss}__d{delay}__s{seed}"
+
+
+def load_sweep(sweep_dir: str | Path, seeds: Sequence[int] | None = None) -> SweepResults:
+    """Read ``sweep_dir/sweep.json`` and every ``sweep_dir/cells/*/``; raises ``HeteroRLError`` naming the file
+    if the spec is missing or malformed, or a finished cell's summary lacks a required key. ``seeds``: keep only
+    these seeds (e.g. the seeds every cell of a sweep still running has finished)."""
+    path = Path(sweep_dir)
+    spec = _read_spec(path / "sweep.json")
+    cells_dir = path / "cells"
+    cells = [_read_cell(d) for d in sorted(cells_dir.iterdir()) if d.is_dir()] if cells_dir.is_dir() else []
+    if seeds is not None:
+        unknown = sorted(set(seeds) - set(spec["seeds"]))
+        if unknown:
+            raise HeteroRLError(f"seeds {unknown} are not in the sweep {path / 'sweep.json'} (it has {spec['seeds']})")
+        spec["seeds"] = [s for s in spec["seeds"] if s in seeds]
+        cells = [c for c in cells if c.summary.get("seed", _seed_of(c.name)) in seeds]
+    return SweepResults(path=path, cells=cells, **spec)
+
+
+def _seed_of(name: str) -> int | None:
+    """The seed in a cell directory name (``…__s<seed>``), for cells without a summary yet."""
+    tail = name.rpartition("__s")[2]
+    return int(tail) if tail.isdigit() else None
+
+
+def _read_spec(spec_path: Path) -> dict:
+    try:
+        raw = json.loads(spec_path.read_text(encoding="utf-8"))
+        return dict(name=str(raw["name"]), mode=str(raw["mode"]), losses=[str(x) for x in raw["losses"]],
+                    delays=[str(x) for x in raw["delays"]], seeds=[int(x) for x in raw["seeds"]],
+                    online_delay=str(raw["online_delay"]), seconds_per_step=raw.get("seconds_per_step"))
+    except FileNotFoundError:
+        raise HeteroRLError(f"{spec_path}: no sweep spec; pass the directory a delay sweep wrote") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise HeteroRLError(f"{spec_path}: malformed sweep spec ({type(e).__name__}: {e}); expected keys "
+                            "name, mode, losses, delays, seeds, online_delay") from None
+
+
+def _read_cell(cell_dir: Path) -> CellResult:
+    summary_path = cell_dir / "summary.json"
+    try:
+        raw = json.loads(summary_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return CellResult(cell_dir.name, "no summary.json", {}, [])
+    except (OSError, ValueError):
+        return CellResult(cell_dir.name, "unreadable summary.json", {}, [])
+    status = str(raw.get("status", "no status"))
+    if status != "done":
+        return CellResult(cell_dir.name, status, raw, [])
+    absent = [k for k in _CELL_KEYS if k not in raw]
+    if absent:
+        raise HeteroRLError(f"{summary_path}: finished cell lacks {absent}")
+    summary = {**raw, "delay": str(raw["delay"]), "seed": int(raw["seed"])}
+    return CellResult(cell_dir.name, status, summary, _read_cell_metrics(cell_dir / "metrics.jsonl"))
+
+
+def _read_cell_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    try:
+        return read_metrics(path)
+    except ValueError as e:
+        raise HeteroRLError(f"{path}: malformed metrics line ({e})") from None
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    finite = _finite(values)
+    return fmean(finite) if finite else None
+
+
+def _std(values: Sequence[float | None]) -> float | None:
+    finite = _finite(values)
+    return pstdev(finite) if finite else None
+
+
+def _finite(values: Sequence[object]) -> list[float]:
+    return [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+
+
+def _metric_mean(cell: CellResult, key: str) -> float | None:
+    return _mean([record.get(key) for record in cell.metrics])
+
+
+def summary_rows(sweep: SweepResults) -> dict[str, list[SummaryRow]]:
+    """``{task: rows}``, one row per (loss, delay) in spec order (losses outer), including rows with no
+    finished seed. Means and population stds (ddof=0) are over finished seeds; NaN values are skipped."""
+    return {task: [_summarise(sweep, task, loss, delay) for loss in sweep.losses for delay in sweep.delays]
+            for task in sweep.tasks}
+
+
+def _summarise(sweep: SweepResults, task: str, loss: str, delay: str) -> SummaryRow:
+    cells = sweep.finished(task, loss, delay)
+    best = [c.summary["best_success"] for c in cells]
+    last = [c.summary["final_success"] for c in cells]
+    online_last = _mean([c.summary["final_success"] for c in sweep.finished(task, loss, sweep.online_delay)])
+    last_mean = _mean(last)
+    return SummaryRow(
+        task=task, loss=loss, delay=delay, n_seeds=len(cells),
+        base_mean=_mean([c.summary["base_success"] for c in cells]),
+        best_mean=_mean(best), best_std=_std(best), last_mean=last_mean, last_std=_std(last),
+        degradation_pct=(None if not online_last or last_mean is None
+                         else 100.0 * (online_last - last_mean) / online_last),
+        gap_mean=_mean([b - f for b, f in zip(best, last)]),
+        staleness_mean=_mean([c.summary.get("staleness_mean") for c in cells]),
+        is_weight_var=_mean([_metric_mean(c, "is/weight_var") for c in cells]),
+        kl_k3=_mean([_metric_mean(c, "kl/k3") for c in cells]),
+    )
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _pm(mean: float | None, std: float | None) -> str:
+    return "n/a" if mean is None else f"{mean:.3f} ± {std:.3f}"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.1f}%"
+
+
+_SUMMARY_HEADER = ["loss", "delay", "n", "best", "last", "degradation", "best-last", "staleness",
+                   "IS weight var", "KL k3"]
+
+
+def _summary_cells(row: SummaryRow) -> list[str]:
+    return [row.loss, row.delay, str(row.n_seeds), _pm(row.best_mean, row.best_std),
+            _pm(row.last_mean, row.last_std), _pct(row.degradation_pct), _num(row.gap_mean, ".3f"),
+            _num(row.staleness_mean, ".2f"),
+            _num(row.is_weight_var, ".3g"), _num(row.kl_k3, ".3g")]
+
+
+def _footer(sweep: SweepResults) -> list[str]:
+    return [
+        "best, last: held-out eval success (best during the run, at its end), mean ± population std (ddof=0) "
+        "over finished seeds; one seed gives std 0.",
+        f"degradation: (last_online - last) / last_online in percent, against the same loss at the online delay "
+        f"{sweep.online_delay!r}; positive means worse than online; n/a when that cell is missing or its last "
+        "success is 0.",
+        "best-last: mean over seeds of best minus last success. staleness: mean policy versions behind "
+        "(summary staleness_mean). IS weight var, KL k3: mean over the run's steps that ran an update of "
+        "is/weight_var and kl/k3 (a step without one, optim/updates 0, has no loss metrics), then over seeds.",
+    ]
+
+
+def compare_table(sweep: SweepResults) -> str:
+    """A compact side-by-side table per (task, delay): losses as rows with base, best, last, staleness mean,
+    IS weight variance and KL k3 (means over seeds; ± is the population std)."""
+    header = ["loss", "n", "base", "best", "last", "staleness", "IS weight var", "KL k3"]
+    blocks = [
+        f"{task}, delay {delay}:\n" + format_table(header, [
+            [r.loss, r.n_seeds, _num(r.base_mean, ".3f"), _pm(r.best_mean, r.best_std), _pm(r.last_mean, r.last_std),
+             _num(r.staleness_mean, ".2f"), _num(r.is_weight_var, ".3g"), _num(r.kl_k3, ".3g")]
+            for r in rows if r.delay == delay])
+        for task, rows in summary_rows(sweep).items() for delay in sweep.delays
+    ]
+    return "\n\n".join(blocks) if blocks else f"no finished cells in {sweep.path / 'cells'}"
+
+
+def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None,
+                 seeds: Sequence[int] | None = None) -> Path:
+    """Write ``summary.md``, ``table.txt`` and the PNG plots of a sweep into ``out_dir`` (default
+    ``sweep_dir/report``); returns the path of ``summary.md``. Per task: ``success_vs_step_<task>_<delay>.png``
+    for each delay with a finished cell, and, when the sweep has more than one delay,
+    ``final_vs_delay_<task>.png`` and ``drift_vs_delay_<task>.png``."""
+    sweep = load_sweep(sweep_dir, seeds)
+    out = Path(out_dir) if out_dir is not None else sweep.path / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summary_rows(sweep)
+    plots = [p for task, task_rows in rows.items() for p in _plot_task(sweep, task, task_rows, out)]
+    (out / "table.txt").write_text(_text_report(sweep, rows), encoding="utf-8")
+    summary = out / "summary.md"
+    summary.write_text(_markdown_report(sweep, rows, plots), encoding="utf-8")
+    export_metrics(sweep, out / "metrics.jsonl")
+    return summary
+
+
+# the per-step metrics worth keeping with a report (the cells' own metrics.jsonl hold everything)
+EXPORTED = ("eval/success", "rollout/reward_mean", "rollout/completion_len", "loss/policy", "is/weight_mean",
+            "is/weight_var", "is/weight_var_qweighted", "is/weight_max", "is/ess", "is/clip_frac", "is/mask_frac",
+            "kl/k1", "kl/k3", "staleness/versions_mean", "staleness/versions_max", "staleness/seconds_mean",
+            "optim/grad_norm", "learner/idle_frac", "buffer/dropped_stale", "sim/time_s")
+
+
+def export_metrics(sweep: SweepResults, path: Path) -> Path:
+    """One compact JSON line per (finished cell, logged step): the cell's loss, delay, seed and task, and the
+    `EXPORTED` metrics it logged at that step, floats rounded to 5 significant digits."""
+    with path.open("w", encoding="utf-8") as f:
+        for cell in (c for c in sweep.cells if c.done):
+            head = {"cell": cell.name, "task": cell.summary["task"], "loss": cell.summary["loss"],
+                    "delay": cell.summary["delay"], "seed": cell.summary["seed"]}
+            for record in cell.metrics:
+                values = {k: _compact(record[k]) for k in EXPORTED if k in record}
+                f.write(json.dumps({**head, "step": record["step"], **values}, allow_nan=True) + "\n")
+    return path
+
+
+def _compact(value):
+    return float(f"{value:.5g}") if isinstance(value, float) else value
+
+
+def _spec_line(sweep: SweepResults) -> str:
+    seconds = "" if sweep.seconds_per_step is None else f"; seconds per step {sweep.seconds_per_step}"
+    return (f"losses {', '.join(sweep.losses)}; delays {', '.join(sweep.delays)}; seeds "
+            f"{', '.join(map(str, sweep.seeds))}; online delay {sweep.online_delay}{seconds}")
+
+
+def _text_report(sweep: SweepResults, rows: dict[str, list[SummaryRow]]) -> str:
+    tables = [f"task {task}:\n" + format_table(_SUMMARY_HEADER, [_summary_cells(r) for r in task_rows])
+              for task, task_rows in rows.items()]
+    missing = [f"  {name}: {status}" for name, status in sweep.missing()]
+    return "\n".join([f"sweep {sweep.name} ({sweep.mode}): {_spec_line(sweep)}", "",
+                      "\n\n".join(tables) or "no finished cells", "", *_footer(sweep), "",
+                      f"missing or unfinished cells: {len(missing)}", *missing]) + "\n"
+
+
+def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    line = lambda cells: "| " + " | ".join(cells) + " |"
+    return "\n".join([line(header), line(["---"] * len(header)), *map(line, rows)])
+
+
+def _markdown_report(sweep: SweepResults, rows: dict[str, list[SummaryRow]], plots: list[Path]) -> str:
+    parts = [f"# Delay sweep `{sweep.name}` ({sweep.mode})", "", _spec_line(sweep), ""]
+    for task, task_rows in rows.items():
+        parts += [f"## Task `{task}`", "", _markdown_table(_SUMMARY_HEADER, map(_summary_cells, task_rows)), ""]
+    if not rows:
+        parts += ["No finished cells yet.", ""]
+    parts += [*(f"- {line}" for line in _footer(sweep)), "", "## Missing or unfinished cells", ""]
+    parts += [f"- `{name}`: {status}" for name, status in sweep.missing()] or ["None."]
+    parts += ["", "## Plots", "", *(f"- [{p.stem}]({p.name})" for p in plots)]
+    return "\n".join(parts) + "\n"
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", label)
+
+
+def _plot_task(sweep: SweepResults, task: str, rows: list[SummaryRow], out: Path) -> list[Path]:
+    paths = [_plot_success_vs_step(sweep, task, delay, out / f"success_vs_step_{_slug(task)}_{_slug(delay)}.png")
+             for delay in sweep.delays if any(r.n_seeds for r in rows if r.delay == delay)]
+    if len(sweep.delays) > 1:
+        paths.append(_plot_final_vs_delay(sweep, task, rows, out / f"final_vs_delay_{_slug(task)}.png"))
+        paths.append(_plot_drift_vs_delay(sweep, task, rows, out / f"drift_vs_delay_{_slug(task)}.png"))
+    return paths
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=_PNG_DPI)
+    _pyplot().close(fig)
+    return path
+
+
+def _eval_points(cells: list[CellResult]) -> dict[int, list[float]]:
+    """``{step: [eval success of each seed that evaluated at that step]}``."""
+    points: dict[int, list[float]] = {}
+    for cell in cells:
+        for record in cell.metrics:
+            if _finite([record.get("eval/success")]):
+                points.setdefault(int(record["step"]), []).append(float(record["eval/success"]))
+    return points
+
+
+def _plot_success_vs_step(sweep: SweepResults, task: str, delay: str, path: Path) -> Path:
+    fig, ax = _pyplot().subplots(figsize=(6, 4))
+    for loss in sweep.losses:
+        cells = sweep.finished(task, loss, delay)
+        points = sorted(_eval_points(cells).items())
+        if not points:
+            continue
+        steps = [step for step, _ in points]
+        (line,) = ax.plot(steps, [fmean(v) for _, v in points], marker="o", markersize=3,
+                          label=f"{loss} (n={len(cells)})")
+        ax.fill_between(steps, [min(v) for _, v in points], [max(v) for _, v in points],
+                        color=line.get_color(), alpha=0.2)
+    ax.set(title=f"{task}, delay {delay}: eval success (mean, min-max over seeds)", xlabel="learner step",
+           ylabel="held-out greedy success", ylim=(0, 1))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def _lines_vs_delay(ax, sweep: SweepResults, rows: list[SummaryRow], value: str, error: str | None = None) -> None:
+    for loss in sweep.losses:
+        points = [(sweep.delays.index(r.delay), getattr(r, value), getattr(r, error) if error else 0.0)
+                  for r in rows if r.loss == loss and getattr(r, value) is not None]
+        if points:
+            xs, ys, errs = zip(*points)
+            ax.errorbar(xs, ys, yerr=errs if error else None, marker="o", markersize=4, capsize=3, label=loss)
+    ax.set_xticks(range(len(sweep.delays)), sweep.delays)
+    ax.set_xlabel("delay")
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
+def _plot_final_vs_delay(sweep: SweepResults, task: str, rows: list[SummaryRow], path: Path) -> Path:
+    fig, ax = _pyplot().subplots(figsize=(6, 4))
+    _lines_vs_delay(ax, sweep, rows, "last_mean", "last_std")
+    ax.set(title=f"{task}: last eval success vs delay (± std over seeds)", ylabel="held-out greedy success",
+           ylim=(0, 1))
+    return _save(fig, path)
+
+
+def _plot_drift_vs_delay(sweep: SweepResults, task: str, rows: list[SummaryRow], path: Path) -> Path:
+    fig, (ax_var, ax_kl) = _pyplot().subplots(1, 2, figsize=(11, 4))
+    _lines_vs_delay(ax_var, sweep, rows, "is_weight_var")
+    ax_var.set(title=f"{task}: importance-weight variance", ylabel="mean is/weight_var (symlog)")
+    _lines_vs_delay(ax_kl, sweep, rows, "kl_k3")
+    ax_kl.set(title=f"{task}: KL estimate (k3)", ylabel="mean kl/k3 (symlog)")
+    for ax in (ax_var, ax_kl):  # the losses' drift spans orders of magnitude; 0 (on-policy) stays visible
+        ax.set_yscale("symlog", linthresh=1e-3)
+        ax.set_ylim(bottom=0)
+    return _save(fig, path)
+
+
+def log_report_to_wandb(sweep_dir: str | Path, project: str, mode: str = "offline") -> None:
+    """Log the sweep's summary rows as the wandb Table ``sweep/summary`` in a run with group = sweep name and
+    job_type ``report``. Call only when a wandb project is given; ``mode="offline"`` writes the run under
+    ``sweep_dir/wandb`` without touching the network."""
+    import wandb
+
+    sweep = load_sweep(sweep_dir)
+    columns = [f.name for f in fields(SummaryRow)]
+    data = [list(asdict(r).values()) for rows in summary_rows(sweep).values() for r in rows]
+    run = wandb.init(project=project, name=f"{sweep.name}-report", group=sweep.name, job_type="report", mode=mode,
+                     dir=str(sweep.path), reinit="finish_previous",
+                     settings=wandb.Settings(console="off", x_disable_stats=True))
+    try:
+        run.log({"sweep/summary": wandb.Table(columns=columns, data=data)})
+    finally:
+        run.finish()

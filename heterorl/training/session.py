@@ -1,0 +1,402 @@
+"""Training-session primitives, modelled on hosted training-session APIs (Tinker).
+
+The user owns data, reward and loop; these clients own the model:
+
+    training = TrainingClient(model, tokenizer)
+    sampler = training.save_weights_and_get_sampling_client()
+    result = sampler.sample(prompt_tokens, num_samples=8, sampling_params=SamplingParams()).result()
+    training.forward_backward(datums, loss_fn="grpo").result()
+    training.optim_step(AdamParams(learning_rate=1e-4)).result()
+
+Every call returns a future; calls on one client run one at a time, in
+submission order, on the client's worker thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+import gepo
+from heterorl.engines.base import SampleOutput, SamplingEngine, SamplingParams
+from heterorl.engines.logprobs import packed_completion_logprobs, pad_right, prompt_groups, should_pack, token_logprobs
+from heterorl.engines.torch_engine import TorchEngine
+from heterorl.errors import HeteroRLError
+
+
+@dataclass
+class Datum:
+    """One training sequence: ``tokens`` = prompt + completion; the loss covers ``tokens[prompt_len:]``.
+
+    Per-completion-token lists (``behaviour_logprobs``, ``policy_versions``,
+    ``weights``) have ``len(tokens) - prompt_len`` entries; ``weights`` scales
+    each token's mask (default 1). RL losses estimate advantages from ``reward``
+    by ``group_id`` (their config's ``advantage``), or take ``advantage`` as it
+    is with ``loss_config={"advantage": "given"}``; give either to all datums of a call or to none.
+    """
+
+    tokens: list[int]
+    prompt_len: int
+    advantage: float | None = None
+    reward: float | None = None
+    group_id: int = 0
+    behaviour_logprobs: list[float] | None = None
+    policy_versions: list[int] | None = None
+    weights: list[float] | None = None
+
+    @property
+    def completion_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    def validate(self, index: int) -> None:
+        if not 1 <= self.prompt_len < len(self.tokens):
+            raise HeteroRLError(
+                f"datum {index}: prompt_len={self.prompt_len} must be in [1, len(tokens)={len(self.tokens)}) "
+                "so that at least one completion token is trained on"
+            )
+        for name in ("behaviour_logprobs", "policy_versions", "weights"):
+            values = getattr(self, name)
+            if values is not None and len(values) != self.completion_len:
+                raise HeteroRLError(
+                    f"datum {index}: {name} has {len(values)} entries but the completion has "
+                    f"{self.completion_len} tokens"
+                )
+
+
+@dataclass
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float | None = 1.0  # None disables clipping
+
+
+@dataclass
+class ForwardBackwardOutput:
+    loss: float
+    metrics: dict[str, float]
+    logprobs: list[list[float]] = field(repr=False)  # learner log-probs of each datum's completion tokens
+
+
+@dataclass
+class OptimStepOutput:
+    grad_norm: float
+    step: int
+
+
+LossFnArg = str | Callable[[gepo.LossBatch, Any], "tuple[torch.Tensor, dict[str, float]]"]
+
+
+class _SerialExecutor:
+    """Runs submitted calls one at a time, in submission order, returning futures."""
+
+    def __init__(self, name: str):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class SamplingClient:
+    """Samples from a frozen snapshot of the policy at version ``version``."""
+
+    def __init__(self, engine: SamplingEngine, tokenizer, version: int = 0):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.version = version
+        self._executor = _SerialExecutor("sampling-client")
+
+    @classmethod
+    def for_model(cls, model, tokenizer, *, device: str = "cpu", version: int = -1) -> "SamplingClient":
+        """A sampler over ``model`` itself (no copy) with the default engine: the one place a loop's choice of
+        engine is made. ``version`` -1: it holds no policy version yet (see `load_weights`)."""
+        return cls(TorchEngine(model, tokenizer, device=device), tokenizer, version)
+
+    def load_weights(self, version: int, state: dict) -> None:
+        """Replace the weights with policy version ``version`` (a state dict, as
+        `TrainingClient.save_weights_for_sampler` makes), between samples: a sample in progress finishes with
+        the weights it started with."""
+        def load() -> None:
+            self.engine.load_state_dict(state)
+            self.version = version
+
+        self._executor.submit(load).result()
+
+    def sample(
+        self, prompt_tokens: Sequence[int] | Sequence[Sequence[int]], num_samples: int = 1,
+        sampling_params: SamplingParams | None = None,
+    ) -> Future:
+        """Future of ``list[SampleOutput]`` (one prompt) or ``list[list[SampleOutput]]`` (a list of prompts)."""
+        params = sampling_params or SamplingParams()
+        single = len(prompt_tokens) > 0 and isinstance(prompt_tokens[0], int)
+        prompts = [prompt_tokens] if single else prompt_tokens
+
+        def run() -> list:
+            groups = self.engine.generate(prompts, params, num_samples)
+            for group in groups:
+                for sample in group:
+                    sample.text = self.tokenizer.decode(sample.tokens, skip_special_tokens=True)
+            return groups[0] if single else groups
+
+        return self._executor.submit(run)
+
+    def compute_logprobs(self, tokens: Sequence[int]) -> Future:
+        """Future of the teacher-forced log-probs of ``tokens[1:]``."""
+        return self._executor.submit(lambda: self.engine.compute_logprobs([tokens])[0])
+
+
+class TrainingClient:
+    """Owns the trainable model, its optimizer and the policy version counter.
+
+    ``seed`` (optional) seeds torch's global RNG, so runs that pass one are reproducible.
+    """
+
+    def __init__(self, model, tokenizer, *, device: str = "cpu", seed: int | None = None,
+                 data_parallel: bool = False, share_prompts: bool = True):
+        """``data_parallel``: when torch.distributed is initialised with several ranks, wrap the model in
+        DistributedDataParallel (gloo on CPU, NCCL on GPU) so ``forward_backward`` averages gradients over the
+        ranks; every rank must then call the same primitives in the same order.
+
+        ``share_prompts``: run a prompt that several datums repeat once per forward (a group's completions
+        packed into one row behind it, each seeing only the prompt and itself): same log-probs and gradients,
+        a fraction of the tokens. Off, every datum is its own row."""
+        self.model = model.to(device)
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.share_prompts = share_prompts
+        self.version = 0
+        self.step = 0
+        self.optimizer: torch.optim.AdamW | None = None
+        self._executor = _SerialExecutor("training-client")
+        if seed is not None:
+            torch.manual_seed(seed)
+        self._forward_model = self.model
+        if data_parallel and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index or 0] if self.device.type == "cuda" else None
+            self._forward_model = DistributedDataParallel(self.model, device_ids=ids)  # syncs rank 0's weights
+
+    # -- loss computation -------------------------------------------------
+    def _loss_batch(self, datums: Sequence[Datum], with_grad: bool, temperature: float = 1.0) -> gepo.LossBatch:
+        if not datums:
+            raise HeteroRLError("forward/forward_backward got no datums")
+        if not (isinstance(temperature, (int, float)) and temperature > 0):
+            raise HeteroRLError(f"temperature={temperature!r}: give the sampling temperature (> 0) the "
+                                "completions were drawn at")
+        for i, datum in enumerate(datums):
+            datum.validate(i)
+        completion_logprobs = self._completion_logprobs(datums, with_grad, temperature)
+        width = completion_logprobs.shape[1]
+        mask = torch.zeros((len(datums), width), device=self.device)
+        behaviour = torch.zeros_like(mask) if datums[0].behaviour_logprobs is not None else None
+        versions = torch.zeros_like(mask, dtype=torch.long) if datums[0].policy_versions is not None else None
+        for i, d in enumerate(datums):
+            n = d.completion_len
+            mask[i, :n] = torch.tensor(d.weights) if d.weights is not None else 1.0
+            if behaviour is not None:
+                if d.behaviour_logprobs is None:
+                    raise HeteroRLError(f"datum {i} has no behaviour_logprobs but datum 0 does: give all or none")
+                behaviour[i, :n] = torch.tensor(d.behaviour_logprobs)
+            if versions is not None:
+                if d.policy_versions is None:
+                    raise HeteroRLError(f"datum {i} has no policy_versions but datum 0 does: give all or none")
+                versions[i, :n] = torch.tensor(d.policy_versions)
+
+        def per_datum(name: str, dtype) -> torch.Tensor | None:
+            values = [getattr(d, name) for d in datums]
+            if all(v is None for v in values):
+                return None
+            if any(v is None for v in values):
+                raise HeteroRLError(f"datum {values.index(None)} has no {name} but others do: give all or none")
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return gepo.LossBatch(
+            logprobs=completion_logprobs,
+            mask=mask,
+            behaviour_logprobs=behaviour,
+            advantages=per_datum("advantage", torch.float32),
+            rewards=per_datum("reward", torch.float32),
+            group_ids=per_datum("group_id", torch.long),
+            policy_versions=versions,
+            current_version=self.version,
+        )
+
+    def _completion_logprobs(self, datums: Sequence[Datum], with_grad: bool, temperature: float) -> torch.Tensor:
+        """(B, longest completion) log-probs of each datum's completion tokens; past a completion's end, garbage.
+
+        Datums that repeat a prompt (a group's completions) are packed one row per prompt when the model
+        allows it and it pays (``heterorl.engines.logprobs.should_pack``); ``share_prompts=False`` turns that off."""
+        forward_model = self._forward_model if with_grad else self.model
+        tokens, prompt_lens = [d.tokens for d in datums], [d.prompt_len for d in datums]
+        with torch.set_grad_enabled(with_grad):
+            if self.share_prompts:
+                groups = prompt_groups(tokens, prompt_lens)
+                if should_pack(self.model, tokens, prompt_lens, groups):
+                    return packed_completion_logprobs(self.model, tokens, prompt_lens, groups, self.pad_token_id,
+                                                      temperature, forward_model, self.device)
+            input_ids, attention_mask = pad_right(tokens, self.pad_token_id, self.device)
+            logprobs = token_logprobs(forward_model, input_ids, attention_mask, temperature)  # predicts tokens[1:]
+        width = max(d.completion_len for d in datums)
+        # completion token j of datum i sits at input column prompt_len + j, predicted by logprobs column prompt_len + j − 1
+        cols = torch.stack(
+            [torch.arange(width) + d.prompt_len - 1 for d in datums]
+        ).clamp(max=logprobs.shape[1] - 1).to(self.device)
+        return logprobs.gather(1, cols)
+
+    @staticmethod
+    def _resolve_loss(loss_fn: LossFnArg, loss_config):
+        if callable(loss_fn):
+            return loss_fn, loss_config
+        try:
+            spec = gepo.get_loss(loss_fn)
+            config = loss_config if loss_config is not None and not isinstance(loss_config, dict) else \
+                gepo.make_loss_config(loss_fn, loss_config)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise HeteroRLError(str(exc).strip("'\"")) from None
+        return spec.fn, config
+
+    def _run_loss(self, datums, loss_fn, loss_config, backward: bool, temperature: float) -> ForwardBackwardOutput:
+        fn, config = self._resolve_loss(loss_fn, loss_config)
+        self.model.train(backward)
+        batch = self._loss_batch(datums, with_grad=backward, temperature=temperature)
+        loss, metrics = fn(batch, config)
+        if not torch.isfinite(loss):
+            raise HeteroRLError(f"loss is {float(loss)} (not finite); metrics: {metrics}")
+        if backward:
+            loss.backward()
+        logprobs = [batch.logprobs[i, : d.completion_len].detach().cpu().tolist() for i, d in enumerate(datums)]
+        return ForwardBackwardOutput(loss=float(loss.detach()), metrics=metrics, logprobs=logprobs)
+
+    # -- primitives ---------------------------------------------------------
+    def forward(self, datums: Sequence[Datum], loss_fn: LossFnArg = "cross_entropy", loss_config=None, *,
+                temperature: float = 1.0) -> Future:
+        """Future of ``ForwardBackwardOutput`` without touching gradients (see ``forward_backward``)."""
+        return self._executor.submit(self._run_loss, list(datums), loss_fn, loss_config, False, temperature)
+
+    def forward_backward(self, datums: Sequence[Datum], loss_fn: LossFnArg = "cross_entropy", loss_config=None, *,
+                         temperature: float = 1.0) -> Future:
+        """Future of ``ForwardBackwardOutput``; gradients accumulate until ``optim_step``.
+
+        ``temperature``: the one the completions were sampled at. The learner's log-probs are then those of
+        the same tempered distribution as the behaviour log-probs, so on-policy importance weights are 1."""
+        return self._executor.submit(self._run_loss, list(datums), loss_fn, loss_config, True, temperature)
+
+    def _optim_step(self, params: AdamParams) -> OptimStepOutput:
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=params.learning_rate, betas=(params.beta1, params.beta2),
+                eps=params.eps, weight_decay=params.weight_decay,
+            )
+        for group in self.optimizer.param_groups:
+            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+                         weight_decay=params.weight_decay)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            raise HeteroRLError("optim_step called with no gradients: call forward_backward first")
+        max_norm = params.grad_clip_norm if params.grad_clip_norm is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return OptimStepOutput(grad_norm=grad_norm, step=self.step)
+
+    def optim_step(self, params: AdamParams | None = None) -> Future:
+        """Future of ``OptimStepOutput``: one AdamW step on the accumulated gradients, then zero them."""
+        return self._executor.submit(self._optim_step, params or AdamParams())
+
+    def frozen_copy(self) -> torch.nn.Module:
+        """A copy of the model in eval mode with no gradients: a sampler's own weights."""
+        frozen = copy.deepcopy(self.model).eval()
+        for p in frozen.parameters():
+            p.requires_grad_(False)
+        return frozen
+
+    def _snapshot(self) -> SamplingClient:
+        self.version += 1
+        return SamplingClient.for_model(self.frozen_copy(), self.tokenizer, device=self.device, version=self.version)
+
+    def live_sampling_client(self) -> SamplingClient:
+        """A sampler over the training model itself, not a copy: it always samples the current weights (its
+        ``version`` stays the one at creation). For evaluation between steps: it must not sample while an
+        update runs. No version bump, no copy."""
+        return SamplingClient.for_model(self.model, self.tokenizer, device=str(self.device), version=self.version)
+
+    def _export(self) -> tuple[int, dict]:
+        self.version += 1
+        return self.version, {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def save_weights_for_sampler(self) -> Future:
+        """Future of (version, state dict): bump the version and copy the weights for remote samplers."""
+        return self._executor.submit(self._export)
+
+    def save_weights_and_get_sampling_client(self) -> SamplingClient:
+        """Bump the policy version and return a sampler over a frozen copy of the current weights."""
+        return self._executor.submit(self._snapshot).result()
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "version": self.version,
+            "step": self.step,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+
+    def _save_state(self, path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        os.close(fd)
+        try:
+            torch.save(self.state_dict(), tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    def save_state(self, path) -> Future:
+        """Future of the path: weights, optimizer, version, step and RNG, written atomically."""
+        return self._executor.submit(self._save_state, path)
+
+    def _load_state(self, path) -> int:
+        path = Path(path)
+        if not path.is_file():
+            raise HeteroRLError(f"no training state at {path}")
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        if state["optimizer"] is not None:
+            self.optimizer = torch.optim.AdamW(self.model.parameters())
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.version, self.step = state["version"], state["step"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        return self.version
+
+    def load_state(self, path) -> Future:
+        """Future of the restored version."""
+        return self._executor.submit(self._load_state, path)
+
+    def close(self) -> None:
+        self._executor.shutdown()
+
+
+__all__ = [
+    "AdamParams", "Datum", "ForwardBackwardOutput", "OptimStepOutput", "SampleOutput",
+    "SamplingClient", "SamplingParams", "TrainingClient",
+]

@@ -1,0 +1,78 @@
+"""One optimisation step on a batch of whole groups: minibatches of whole groups, skipping those without
+signal, each through ``forward_backward`` + ``optim_step``. Shared by every RL loop (the synchronous loop,
+the learner, the simulated execution)."""
+
+from __future__ import annotations
+
+from heterorl.config import Config, loss_options
+from heterorl.training.lr_schedule import learning_rate
+from heterorl.training.session import AdamParams, Datum, TrainingClient
+
+
+def group_rows(datums: list[Datum]) -> list[list[Datum]]:
+    """The datums of each group, in order of first appearance."""
+    groups: dict[int, list[Datum]] = {}
+    for d in datums:
+        groups.setdefault(d.group_id, []).append(d)
+    return list(groups.values())
+
+
+def has_signal(groups: list[list[Datum]]) -> bool:
+    """Whether some group's rewards differ: if none do, every group-relative advantage is 0."""
+    return any(len({d.reward for d in group}) > 1 for group in groups)
+
+
+def minibatches(datums: list[Datum], count: int) -> list[list[Datum]]:
+    """Split into ``count`` minibatches of whole groups (groups are contiguous in ``datums``)."""
+    ordered = group_rows(datums)
+    size = max(1, -(-len(ordered) // count))
+    return [[d for g in ordered[i:i + size] for d in g] for i in range(0, len(ordered), size)]
+
+
+# ``optim/skip_reason`` of a step that ran no update (``optim/updates`` 0)
+NO_SIGNAL = "no_signal"  # every group's completions scored alike: every group-relative advantage is 0
+TOO_FEW_GROUPS = "too_few_groups"  # fewer groups with signal in each minibatch than learner ranks
+
+
+def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, total_updates: int,
+                   shard: tuple[int, int] = (0, 1)) -> dict:
+    """``forward_backward`` + ``optim_step`` on ``cfg.rl.updates_per_batch`` minibatches of whole groups.
+
+    A minibatch in which every group scored alike carries no learning signal and is skipped; with
+    ``cfg.rl.drop_uniform_groups`` such groups are dropped from every minibatch first. Returns the
+    metrics of the last update (the loss's diagnostics, ``optim/lr``, ``optim/grad_norm``) and
+    ``optim/updates`` (how many updates ran). A step that ran no update has no loss, so it reports none of
+    the loss's metrics (``loss/*``, ``is/*``, ``kl/*``) nor ``optim/lr``/``optim/grad_norm``: by design they
+    are absent, not NaN, and ``optim/skip_reason`` says why (`NO_SIGNAL` or `TOO_FEW_GROUPS`).
+
+    ``shard = (rank, world)``: under data parallelism every rank is given the whole batch, makes the same
+    minibatch and skip decisions, and runs ``forward_backward`` on its share of each minibatch's groups
+    (groups rank, rank + world, ...); the gradient all-reduce in ``optim_step`` averages the shares.
+    """
+    rank, world = shard
+    metrics: dict = {"optim/updates": 0}
+    reason = NO_SIGNAL
+    if cfg.rl.drop_uniform_groups:
+        datums = [d for group in group_rows(datums) if has_signal([group]) for d in group]
+    for batch in minibatches(datums, cfg.rl.updates_per_batch):
+        groups = group_rows(batch)
+        if not has_signal(groups):
+            continue  # (every rank decides alike, so no rank waits in an all-reduce the others skip)
+        if len(groups) < world:
+            reason = TOO_FEW_GROUPS
+            continue
+        if world > 1:
+            batch = [d for g in groups[rank::world] for d in g]
+        out = training.forward_backward(batch, cfg.loss.name, loss_options(cfg),
+                                        temperature=cfg.rollout.temperature or 1.0).result()
+        lr = learning_rate(training.step + 1, cfg.optim.lr, total_updates, cfg.optim.warmup_steps,
+                           cfg.optim.schedule, cfg.optim.min_lr_ratio)
+        optim = training.optim_step(AdamParams(
+            learning_rate=lr, beta1=cfg.optim.beta1, beta2=cfg.optim.beta2,
+            weight_decay=cfg.optim.weight_decay, grad_clip_norm=cfg.optim.grad_clip_norm)).result()
+        metrics.update(out.metrics)
+        metrics.update({"optim/lr": lr, "optim/grad_norm": optim.grad_norm})
+        metrics["optim/updates"] += 1
+    if not metrics["optim/updates"]:
+        metrics["optim/skip_reason"] = reason
+    return metrics

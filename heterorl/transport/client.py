@@ -1,0 +1,560 @@
+"""A rollout worker's end of the transport: `WorkerClient` says hello until the learner answers, sends heartbeats,
+sends trajectories as credit allows and fetches weights; its I/O thread owns both of the worker's sockets.
+
+Trajectories wait in an outbox (a `DelayQueue`) until their trajectories link delivers them (at once without a
+delay link), then go out in messages of up to ``trajectory_batch``, written into reused buffers
+(`_SendBuffers`). Weights are pulled chunk by chunk (`_Fetch`) into reused buffers (`_ReceiveBuffers`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket as pysocket
+import sys
+import threading
+import time
+from collections import Counter, deque
+from typing import Callable, Sequence
+
+import numpy as np
+import zmq
+
+from heterorl.config import TransportConfig
+from heterorl.delay.queue import DelayQueue
+from heterorl.transport.protocol import (
+    DEFAULT_LIMITS,
+    Ack,
+    Bye,
+    Heartbeat,
+    Hello,
+    Limits,
+    Message,
+    ProtocolError,
+    Ready,
+    Trajectory,
+    TrajectoryBatch,
+    WeightsChunk,
+    WeightsHeader,
+    WeightsNotice,
+    WeightsRequest,
+    decode,
+    encode,
+)
+from heterorl.transport.sockets import (
+    CurveConfig,
+    DelaySchedule,
+    TransportTimeout,
+    _Endpoint,
+    _receive,
+    _require_security,
+    _send,
+    _socket,
+    _Wakeup,
+)
+from heterorl.transport.weights import unpack_state_dict
+
+log = logging.getLogger("heterorl.transport")
+
+
+class _SendBuffers:
+    """Reusable buffers for outgoing trajectory batches. A fresh multi-megabyte array per message costs more
+    in page faults than the copy into it (the allocator gives freed memory back to the system and faults it
+    in again on the next message), so the worker keeps ``keep`` buffers and reuses each once ZeroMQ reports
+    it is done with the frames viewing it."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self.allocated = 0  # new buffers made (the rest of the messages reused one)
+        self._free: list[np.ndarray] = []
+        self._busy: list[tuple[np.ndarray, zmq.MessageTracker]] = []
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least ``nbytes``: a released one if it fits, else a new one."""
+        self._free += [buffer for buffer, tracker in self._busy if tracker.done]
+        self._busy = [(buffer, tracker) for buffer, tracker in self._busy if not tracker.done]
+        for i in range(len(self._free) - 1, -1, -1):  # the most recently released first: the warmest in cache
+            if len(self._free[i]) >= nbytes:
+                return self._free.pop(i)
+        if self._free and len(self._free) + len(self._busy) >= self.keep:
+            self._free.pop(0)  # too small for today's batches: let it go
+        self.allocated += 1
+        return np.empty(max(1 << 16, 1 << (nbytes - 1).bit_length()), np.uint8)  # headroom for bigger batches
+
+    def sent(self, buffer: np.ndarray, tracker: zmq.MessageTracker) -> None:
+        if len(self._free) + len(self._busy) < self.keep:
+            self._busy.append((buffer, tracker))
+
+    def unused(self, buffer: np.ndarray) -> None:
+        """``buffer`` was taken but nothing was sent from it."""
+        if len(self._free) + len(self._busy) < self.keep:
+            self._free.append(buffer)
+
+
+class WorkerClient(_Endpoint):
+    """A rollout worker's end: handshake, heartbeats, credit-gated trajectory sends, weight fetches."""
+
+    def __init__(self, address: str, worker_id: str, config: TransportConfig | None = None,
+                 curve: CurveConfig | None = None, limits: Limits = DEFAULT_LIMITS,
+                 trajectory_delay: DelaySchedule | None = None, clock: Callable[[], float] = time.monotonic,
+                 version_held: int = -1) -> None:
+        self.config = config or TransportConfig()
+        self.config.validate()
+        _require_security(address, curve, self.config, (
+            f"refusing plaintext to {address}: pass the learner's public key (--server-key) and "
+            "this worker's secret key (--curve-secret), or allow_plaintext=True on a trusted network"))
+        self.address = address
+        self.worker_id = worker_id
+        self.limits = limits
+        self._curve = curve
+        self._delay = trajectory_delay
+        self._clock = clock
+        self._lock = threading.Condition()
+        self._outbox: DelayQueue[Trajectory] = DelayQueue()  # a reordering delay link may reorder
+        self._in_hand = 0  # trajectories taken from the outbox by the I/O thread and not yet handed to the socket
+        self._sent_session = 0
+        self._credit_limit = 0
+        self._starts_session = 0
+        self._start_limit = -1
+        self.busy_s = 0.0  # reported in heartbeats; the rollout loop adds to them
+        self.idle_s = 0.0
+        self.finished = threading.Event()  # the learner said bye: the run is over
+        self._ready: Ready | None = None
+        self._version_held = version_held
+        self._latest: tuple[int, dict] | None = None
+        self._fetched_version = version_held
+        self.learner_alive = False
+        self.stats: Counter = Counter()
+        self.rejections: deque[str] = deque(maxlen=100)
+        self._stop = threading.Event()
+        self._wakeup = _Wakeup()
+        # the I/O thread's own (no other thread touches them): enough send buffers for every message the credit
+        # window lets be in flight, its sockets, its weights fetch, the last time it heard the learner
+        self._send_buffers = _SendBuffers(keep=-(-self.config.credits_per_worker // self.config.trajectory_batch) + 2)
+        self._ctx: zmq.Context | None = None
+        self._poller = zmq.Poller()
+        self._weights: zmq.Socket | None = None
+        self._fetch = _Fetch()
+        self._now = self._last_heard = time.monotonic()  # _now: when the I/O loop last woke up
+        self._last_hello = self._last_beat = 0.0
+        self._handlers: dict[str, Callable] = {Ready.kind: self._on_ready, Ack.kind: self._on_ack,
+                                               WeightsNotice.kind: self._on_notice, Bye.kind: self._on_bye}
+        self._thread = threading.Thread(target=self._run, name=f"heterorl-worker-io-{worker_id}", daemon=True)
+        self._thread.start()
+
+    # -- public API ---------------------------------------------------------------------------------
+    def wait_ready(self, timeout_s: float) -> Ready:
+        """Block until the learner answers the hello; TransportTimeout after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._ready is None or not self.learner_alive:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportTimeout(f"no answer from the learner at {self.address} within {timeout_s} s; "
+                                           "check the address, the port, the firewall and the CURVE keys")
+                self._lock.wait(min(left, 0.1))
+            return self._ready
+
+    def send(self, trajectory: Trajectory, timeout_s: float) -> bool:
+        """Queue ``trajectory`` once a credit is free (back-pressure); TransportTimeout after ``timeout_s``.
+
+        Returns False when the trajectory delay link dropped it (simulated loss), True otherwise.
+        """
+        return self.send_many([trajectory], timeout_s) == 1
+
+    def send_many(self, trajectories: Sequence[Trajectory], timeout_s: float) -> int:
+        """Queue ``trajectories`` in order (a group, say), each once a credit is free; one lock round for all
+        that credit allows at once, where ``send`` takes one per trajectory. TransportTimeout when ``timeout_s``
+        passes with some not queued: its ``done`` counts those dealt with before it (resend the rest). Returns
+        how many were queued: the rest were dropped by the trajectory delay link (simulated loss).
+        """
+        deadline = time.monotonic() + timeout_s
+        queued, i, batch = 0, 0, self.config.trajectory_batch
+        while i < len(trajectories):
+            with self._lock:
+                while not (self.learner_alive and self._sent_session < self._credit_limit):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._stop.is_set():
+                        raise TransportTimeout(f"no credit from the learner within {timeout_s} s "
+                                               f"(sent {self._sent_session} of {self._credit_limit} granted)", i)
+                    self._lock.wait(min(left, 0.1))
+                before = len(self._outbox)
+                take = min(len(trajectories) - i, self._credit_limit - self._sent_session)
+                now = self._clock()
+                for trajectory in trajectories[i:i + take]:
+                    due = now if self._delay is None else self._delay(now, trajectory.nbytes)
+                    if due is None:
+                        self.stats["delay/dropped"] += 1
+                        continue
+                    self._sent_session += 1
+                    self._outbox.put(due, trajectory)
+                    queued += 1
+                pending = len(self._outbox)
+            i += take
+            if before == 0 < pending or pending // batch > before // batch:
+                self._wakeup.wake()  # a full batch goes at once; a first one starts the linger clock
+        return queued
+
+    def acquire_starts(self, wanted: int, timeout_s: float) -> int:
+        """How many of ``wanted`` groups may be started now (admission control); blocks up to ``timeout_s`` for
+        at least one, returning 0 on timeout. Without admission control: ``wanted``."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                if self._start_limit < 0 and self.learner_alive:
+                    return wanted
+                free = self._start_limit - self._starts_session
+                if free > 0 and self.learner_alive:
+                    granted = min(wanted, free)
+                    self._starts_session += granted
+                    return granted
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return 0
+                self._lock.wait(min(left, 0.1))
+
+    @property
+    def start_limit(self) -> int:
+        """The admission limit in force: how many groups this session may start in all (-1: no admission
+        control). It rides on the learner's acks, so it follows `LearnerServer.set_admission` a beat later."""
+        with self._lock:
+            return self._start_limit
+
+    def set_trajectory_delay(self, schedule: DelaySchedule | None, clock: Callable[[], float] | None = None) -> None:
+        """Install the delay link for trajectories (known once the learner's config arrives with ``ready``)."""
+        with self._lock:
+            self._delay = schedule
+            if clock is not None:
+                self._clock = clock
+
+    def latest_weights(self) -> tuple[int, dict] | None:
+        """The newest fetched (version, state dict) not yet taken, or None."""
+        with self._lock:
+            latest, self._latest = self._latest, None
+            return latest
+
+    def wait_weights(self, newer_than: int, timeout_s: float) -> tuple[int, dict] | None:
+        """Block up to ``timeout_s`` for weights newer than ``newer_than``; None on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._latest is None or self._latest[0] <= newer_than:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._lock.wait(min(left, 0.1))
+            latest, self._latest = self._latest, None
+            return latest
+
+    def set_version_held(self, version: int) -> None:
+        with self._lock:
+            self._version_held = version
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued trajectory has been handed to the socket."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._outbox or self._in_hand:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(min(left, 0.1))
+        return True
+
+    def close(self, reason: str = "done") -> None:
+        self._bye_reason = reason
+        self._stop.set()
+        self._wakeup.wake()
+        self._thread.join(timeout=10)
+
+    # -- I/O thread -----------------------------------------------------------------------------
+    def _connect(self, address: str, hwm: int) -> zmq.Socket:
+        """A DEALER connected to one of the learner's ROUTERs (its CURVE client when keys are given), polled by
+        the I/O loop. Control + trajectories: HWM control_hwm; hello resent every hello_interval_s until a ready
+        answers, the learner taken for gone after heartbeat_timeout_s of silence. Weights: HWM weights_hwm; a
+        fetch restarts after fetch_timeout_s without a chunk."""
+        sock = _socket(self._ctx, zmq.DEALER, hwm, self.config, self.limits)
+        if self._curve is not None:
+            public, secret = self._curve.keypair()
+            sock.curve_secretkey, sock.curve_publickey = secret, public
+            sock.curve_serverkey = self._curve.server_public_key()
+        sock.connect(address)
+        self._poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def _run(self) -> None:
+        self._ctx = zmq.Context()
+        control = self._connect(self.address, self.config.control_hwm)
+        self._poller.register(self._wakeup.read_fd, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    due_at = self._outbox.next_due_time()
+                    due_in = due_at - self._clock() if due_at is not None else 1.0
+                # sleep until a message, a wake-up (a full batch), the next due trajectory plus the linger, or 50 ms
+                wait_ms = 1000 * max(0.0, due_in) / self._time_scale() + self.config.trajectory_linger_ms
+                events = dict(self._poller.poll(timeout=min(50, int(wait_ms))))
+                if self._wakeup.read_fd in events:
+                    self._wakeup.drain()
+                self._now = now = time.monotonic()
+                if control in events:
+                    _receive(control, self._on_control)
+                weights = self._weights
+                if weights is not None and weights in events:
+                    _receive(weights, self._on_weights)
+                if weights is not None:
+                    self._fetch.check_timeout(weights, self, now)
+                self._keep_alive(control, now)
+                self._drain_outbox(control)
+        finally:
+            if self.learner_alive:
+                _send(control, encode(Bye(self.worker_id, getattr(self, "_bye_reason", "closed"))), self.stats, "bye")
+            control.close(self.config.linger_ms)
+            if self._weights is not None:
+                self._weights.close(0)
+            self._ctx.term()
+            self._wakeup.close()
+
+    def _keep_alive(self, control: zmq.Socket, now: float) -> None:
+        """Hello while the learner is not known to be there; heartbeats while it is."""
+        if self.learner_alive and now - self._last_heard > self.config.heartbeat_timeout_s:
+            log.warning("learner silent for %.1f s; saying hello again", now - self._last_heard)
+            with self._lock:
+                self.learner_alive = False
+        if not self.learner_alive and now - self._last_hello >= self.config.hello_interval_s:
+            self._last_hello = now
+            hello = Hello(self.worker_id, pysocket.gethostname(), os.getpid(), self._version_held, time.time())
+            _send(control, encode(hello), self.stats, "hello")
+        if self.learner_alive and now - self._last_beat >= self.config.heartbeat_interval_s:
+            self._last_beat = now
+            beat = Heartbeat(self.worker_id, self._version_held, time.time(), self.busy_s, self.idle_s)
+            _send(control, encode(beat), self.stats, "heartbeat")
+
+    def _decode(self, frames, channel: str) -> Message | None:
+        try:
+            return decode(frames, self.limits)
+        except ProtocolError as exc:
+            self.stats[f"rejected/{exc.reason}"] += 1
+            log.warning("bad message from the learner on the %s channel: %s", channel, exc)
+            return None
+
+    def _on_control(self, sock: zmq.Socket, frames: list) -> None:
+        """One message on the control channel, handed to the handler of its kind (others are ignored)."""
+        self._last_heard = self._now
+        message = self._decode(frames, "control")
+        handler = self._handlers.get(message.kind) if message is not None else None
+        if handler is not None:
+            handler(message)
+
+    def _on_weights(self, sock: zmq.Socket, frames: list) -> None:
+        message = self._decode(frames, "weights")
+        if message is not None:
+            self._fetch.on_message(sock, self, message, self._now)
+
+    def _on_ready(self, ready: Ready) -> None:
+        if self._weights is None:
+            host = self.address.rsplit(":", 1)[0]
+            self._weights = self._connect(f"{host}:{ready.settings['weights_port']}", self.config.weights_hwm)
+        with self._lock:
+            first = self._ready is None
+            self._ready = ready
+            self.learner_alive = True
+            self._sent_session = len(self._outbox)  # a new session: credit counts restart from what is queued
+            self._credit_limit = ready.credits
+            self._starts_session, self._start_limit = 0, int(ready.settings.get("start_limit", -1))
+            self._lock.notify_all()
+        log.info("worker %s %s learner at %s", self.worker_id, "joined" if first else "rejoined", self.address)
+        if ready.newest_version > self._fetched_version:
+            self._fetch.start(self._weights, self, self._now)
+
+    def _on_ack(self, ack: Ack) -> None:
+        with self._lock:
+            self.stats["acked"] += len(ack.accepted)
+            self.stats["refused"] += len(ack.rejected)
+            self.rejections.extend(ack.rejected)
+            self._credit_limit = max(self._credit_limit, ack.credits)
+            self._start_limit = ack.start_limit if ack.start_limit < 0 else max(self._start_limit, ack.start_limit)
+            self._lock.notify_all()
+        for reason in ack.rejected[:3]:
+            log.warning("learner refused a trajectory: %s", reason)
+
+    def _on_notice(self, notice: WeightsNotice) -> None:
+        if notice.version > self._fetched_version and self._weights is not None:
+            self._fetch.start(self._weights, self, self._now)
+
+    def _on_bye(self, bye: Bye) -> None:
+        log.info("learner said bye to %s: %s", self.worker_id, bye.reason)
+        self.rejections.append(bye.reason)
+        self.finished.set()
+        with self._lock:
+            self._lock.notify_all()
+
+    def _drain_outbox(self, control: zmq.Socket) -> None:
+        """Send the due trajectories in messages of up to ``trajectory_batch``; a partial batch waits until its
+        oldest member has been due for ``trajectory_linger_ms`` (a few ms of latency for far fewer messages).
+        Messages are encoded and sent outside the lock, so ``send`` is not held up meanwhile."""
+        now = self._clock()
+        size = self.config.trajectory_batch
+        linger = self.config.trajectory_linger_ms / 1000 * self._time_scale()
+        with self._lock:
+            if not self._outbox:
+                return
+            due = self._outbox.count_due(now)
+            if due < size and (not due or now - self._outbox.next_due_time() < linger):
+                return
+            held = self._outbox.pop_due(now)
+            batches = [held[start:start + size] for start in range(0, len(held), size)]
+            self._in_hand = len(held)
+        try:
+            for i, batch in enumerate(batches):
+                if not self._send_batch(control, [entry[2] for entry in batch]):
+                    with self._lock:  # HWM reached: keep them queued, try on the next loop
+                        self._outbox.restore([entry for unsent in batches[i:] for entry in unsent])
+                    break
+        finally:
+            with self._lock:
+                self._in_hand = 0
+                self._lock.notify_all()
+
+    def _send_batch(self, control: zmq.Socket, trajectories: list[Trajectory]) -> bool:
+        """One ``trajectories`` message, its arrays sent without a copy from a reused buffer; False when the
+        socket would block."""
+        sent_at = time.time()
+        for traj in trajectories:
+            traj.sent_at = sent_at
+        message = TrajectoryBatch(trajectories)
+        buffer = self._send_buffers.take(message.payload_nbytes())
+        header, *data = encode(message, out=buffer)
+        frames = [zmq.Frame(frame, copy=False, track=True) for frame in data]
+        try:
+            control.send_multipart([header, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._send_buffers.unused(buffer)
+            self.stats["send_blocked"] += 1
+            return False
+        self._send_buffers.sent(buffer, zmq.MessageTracker(*frames))
+        self.stats["sent"] += len(trajectories)
+        return True
+
+    def _time_scale(self) -> float:
+        """Delay-clock seconds per real second (a ScaledClock runs faster than real time)."""
+        owner = getattr(self._clock, "__self__", None)
+        return float(getattr(owner, "factor", 1.0))
+
+    def _deliver_weights(self, version: int, state: dict) -> None:
+        with self._lock:
+            self._latest = (version, state)
+            self._fetched_version = version
+            self._lock.notify_all()
+
+
+class _ReceiveBuffers:
+    """The buffers of delivered weight versions, each reused for a later version of the same size once nothing
+    views it any more. A fresh buffer costs a page fault per 4 KiB on its first write (about 25 ms per 100 MiB,
+    as much as the copy into it); once the worker has loaded a version into its model and dropped the delivered
+    tensors, that version's buffer takes the next one instead. Whether anything still views a buffer is read
+    from its reference count: every tensor of a delivered state dict, and every view made of one, keeps it
+    alive, so a buffer someone still uses is never overwritten. At most ``keep`` buffers are held for reuse: two
+    by default, the peak a worker reaches anyway while it receives a version and still holds the previous one."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self.allocated = 0  # fresh buffers made (the other versions were received into a reused one)
+        self._kept: list[np.ndarray] = []
+
+    def take(self, nbytes: int) -> np.ndarray:
+        for i in range(len(self._kept)):
+            # two references when only this list holds it: the list's and getrefcount's argument
+            if len(self._kept[i]) == nbytes and sys.getrefcount(self._kept[i]) == 2:
+                return self._kept.pop(i)
+        self.allocated += 1
+        return np.empty(nbytes, np.uint8)
+
+    def reuse_later(self, buffer: np.ndarray) -> None:
+        """``buffer`` was delivered (or its transfer abandoned): reuse it once nothing views it."""
+        self._kept = [*self._kept, buffer][-self.keep:]
+
+
+class _Fetch:
+    """State of one pull-based weights transfer on a worker (header, then pipelined chunks)."""
+
+    def __init__(self) -> None:
+        self.buffers = _ReceiveBuffers()
+        self.active = False
+        self.header: WeightsHeader | None = None
+        self.buffer: np.ndarray | None = None
+        self.received: set[int] = set()
+        self.next_chunk = 0
+        self.last_progress = 0.0
+        self.retry = False
+
+    def start(self, sock: zmq.Socket, client: WorkerClient, now: float) -> None:
+        if self.active and self.header is None:
+            return  # a header request is already out
+        if self.buffer is not None:  # an unfinished transfer: its buffer can take a later version
+            self.buffers.reuse_later(self.buffer)
+        self.active, self.header, self.buffer, self.received, self.next_chunk = True, None, None, set(), 0
+        self.last_progress = now
+        request = WeightsRequest(client.worker_id, have_version=client._fetched_version)
+        _send(sock, encode(request), client.stats, "weights_request")
+
+    def _request(self, sock, client: WorkerClient, index: int) -> None:
+        request = WeightsRequest(client.worker_id, have_version=client._fetched_version,
+                                 version=self.header.version, chunk=index)
+        _send(sock, encode(request), client.stats, "weights_request")
+
+    def on_message(self, sock, client: WorkerClient, message: Message, now: float) -> None:
+        if isinstance(message, WeightsHeader):
+            if message.version <= client._fetched_version:
+                self.active = False  # nothing newer released to us yet
+                return
+            if self.buffer is not None:  # a transfer of an older version was under way: its buffer is free
+                self.buffers.reuse_later(self.buffer)
+                self.buffer = None  # (so that it can be taken right back)
+            self.header, self.buffer, self.received = message, self.buffers.take(message.total_bytes), set()
+            client.stats["weights/fresh_buffers"] = self.buffers.allocated
+            self.last_progress = now
+            self.next_chunk = min(client.config.weights_pipeline, message.num_chunks)
+            for index in range(self.next_chunk):
+                self._request(sock, client, index)
+            if message.num_chunks == 0:
+                self._finish(client)
+        elif isinstance(message, WeightsChunk) and self.header is not None:
+            if message.version != self.header.version or message.index in self.received:
+                return
+            start = message.index * self.header.chunk_bytes
+            expected = min(self.header.chunk_bytes, self.header.total_bytes - start)
+            if len(message.data) != expected:
+                client.stats["rejected/chunk_length"] += 1
+                return
+            self.buffer[start:start + expected] = np.frombuffer(message.data, np.uint8)
+            self.received.add(message.index)
+            self.last_progress = now
+            if self.next_chunk < self.header.num_chunks:
+                self._request(sock, client, self.next_chunk)
+                self.next_chunk += 1
+            if len(self.received) == self.header.num_chunks:
+                self._finish(client)
+
+    def _finish(self, client: WorkerClient) -> None:
+        header, buffer = self.header, self.buffer
+        self.active, self.header, self.buffer = False, None, None
+        try:
+            state = unpack_state_dict(header, buffer)
+        except ProtocolError as exc:
+            client.stats["weights/checksum_failures"] += 1
+            log.warning("weights version %d failed verification (%s); fetching again", header.version, exc)
+            self.buffers.reuse_later(buffer)
+            self.retry = True
+            return
+        client.stats["weights/versions_received"] += 1
+        client._deliver_weights(header.version, state)
+        self.buffers.reuse_later(buffer)
+
+    def check_timeout(self, sock, client: WorkerClient, now: float) -> None:
+        if self.retry:
+            self.retry = False
+            self.start(sock, client, now)
+        elif self.active and now - self.last_progress > client.config.fetch_timeout_s:
+            client.stats["weights/fetch_restarts"] += 1
+            self.active = False
+            self.start(sock, client, now)

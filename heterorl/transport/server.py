@@ -1,0 +1,588 @@
+"""The learner's end of the transport: `LearnerServer` takes in trajectories under credit, keeps the worker
+registry (`WorkerInfo`) and publishes weights; its I/O thread owns both of the learner's sockets.
+
+Flow control is by credit: the learner grants each worker a cumulative ``credit_limit`` (trajectories it may have
+sent this session), which grows only as the learner's consumer takes that worker's trajectories out of the
+buffer. Buffered + in-flight trajectories per worker therefore never exceed ``credits_per_worker``: a slow learner
+slows its workers instead of dropping data or growing memory. Credit limits are cumulative, so a lost ack costs
+nothing: the next one carries a newer limit.
+
+Weights are pulled: a ``weights_notice`` on the control channel (held back per worker by its weights link, in a
+`DelayQueue`) says a version is out; the worker asks for the header of the newest version released to it, then
+for its chunks. A worker that joins late or misses notices always gets the newest whole version, never a diff.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from heterorl.config import TransportConfig
+from heterorl.delay.queue import DelayQueue
+from heterorl.errors import ConfigError, HeteroRLError
+from heterorl.transport.protocol import (
+    DEFAULT_LIMITS,
+    Ack,
+    Bye,
+    Heartbeat,
+    Hello,
+    Limits,
+    ProtocolError,
+    Ready,
+    Trajectory,
+    TrajectoryBatch,
+    WeightsChunk,
+    WeightsNotice,
+    WeightsRequest,
+    decode,
+    encode,
+)
+from heterorl.transport.sockets import (
+    CurveConfig,
+    DelaySchedule,
+    TransportError,
+    _Endpoint,
+    _port_of,
+    _receive,
+    _require_security,
+    _send,
+    _socket,
+    _Wakeup,
+)
+from heterorl.transport.weights import PackedWeights, pack_state_dict
+
+log = logging.getLogger("heterorl.transport")
+
+
+class _RateLimitedLog:
+    """Log the first few rejections of each reason, then every 1,000th (a flood must not flood the log)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+
+    def __call__(self, reason: str, message: str) -> None:
+        self.counts[reason] += 1
+        n = self.counts[reason]
+        if n <= 5 or n % 1000 == 0:
+            log.warning("rejected message (%s, #%d): %s", reason, n, message)
+
+
+@dataclass
+class WorkerInfo:
+    """The learner's view of one worker."""
+
+    worker_id: str
+    host: str
+    pid: int
+    routing_id: bytes
+    public_key: str | None
+    joined_at: float
+    last_seen: float
+    version_held: int = -1
+    trajectories: int = 0  # accepted from this worker (all sessions)
+    duplicates: int = 0
+    buffered: int = 0  # accepted, not yet taken by the consumer
+    received_session: int = 0  # trajectory messages received since its last hello
+    released_version: int = -1  # newest weights version released to it (after the weights delay)
+    alive: bool = True
+    pending_notices: DelayQueue[int] = field(default_factory=DelayQueue)  # versions, due when their notice arrives
+    acks: list = field(default_factory=list)
+    rejects: list = field(default_factory=list)
+    last_credit_sent: int = -1
+    busy_s: float = 0.0  # the worker's cumulative seconds generating (from its heartbeats)
+    idle_s: float = 0.0  # ... and waiting for credit, permits or weights
+    groups_session: int = 0  # groups whose first trajectory arrived this session
+    last_group_id: str = ""
+    starts_granted_session: int = 0  # admission permits granted this session (cumulative)
+    last_start_limit_sent: int = -2
+
+    def credit_limit(self, window: int) -> int:
+        return self.received_session + max(0, window - self.buffered)
+
+
+class LearnerServer(_Endpoint):
+    """The learner's end: accepts trajectories, tracks workers, publishes weights. Thread-safe public API."""
+
+    def __init__(self, address: str, config: TransportConfig | None = None, curve: CurveConfig | None = None,
+                 limits: Limits = DEFAULT_LIMITS, weights_address: str | None = None,
+                 weights_delay: Callable[[str], DelaySchedule | None] | None = None,
+                 settings: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or TransportConfig()
+        self.config.validate()
+        _require_security(address, curve, self.config, (
+            f"refusing plaintext on {address}: give CURVE keys (`heterorl keys`, then --curve-secret/--allow-keys) "
+            "or set allow_plaintext=True if this network is trusted"))
+        self.limits = limits
+        self._curve = curve
+        self._settings = dict(settings or {})
+        self._clock = clock
+        self._weights_delay = weights_delay
+        self._delay_links: dict[str, DelaySchedule | None] = {}
+        self._address = address
+        self._weights_address = weights_address
+        self._lock = threading.Condition()
+        self._buffer: deque[Trajectory] = deque()
+        self._workers: dict[str, WorkerInfo] = {}
+        self._by_routing: dict[bytes, str] = {}
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._versions: OrderedDict[int, PackedWeights] = OrderedDict()
+        self._retired: deque[PackedWeights] = deque(maxlen=2)  # dropped versions whose buffers publish reuses
+        self._publish_times: dict[int, float] = {}
+        self._newest = -1
+        self._admission_cap: int | None = None  # total groups the fleet may start (None: no admission control)
+        self._starts_granted_total = 0
+        self._starts_ahead = 1
+        self.stats: Counter = Counter()
+        self._reject_log = _RateLimitedLog()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.control_endpoint = ""
+        self.weights_endpoint = ""
+        self._wakeup = _Wakeup()
+        self._thread = threading.Thread(target=self._run, name="heterorl-learner-io", daemon=True)
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+
+    # -- public API (any thread) ------------------------------------------------------------------
+    def get(self, max_items: int, timeout_s: float) -> list[Trajectory]:
+        """Up to ``max_items`` trajectories in arrival order; waits up to ``timeout_s`` for the first one."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while not self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return []
+                self._lock.wait(left)
+            taken = [self._buffer.popleft() for _ in range(min(max_items, len(self._buffer)))]
+            for sampler_id, count in Counter(traj.sampler_id for traj in taken).items():
+                worker = self._workers.get(sampler_id)
+                if worker is not None:
+                    worker.buffered -= count
+        if taken:
+            self._wakeup.wake()  # the freed credits go out now, not at the next poll timeout
+        return taken
+
+    def buffered(self) -> int:
+        with self._lock:
+            return len(self._buffer)
+
+    def publish(self, version: int, state: dict) -> None:
+        """Make ``state`` available as ``version`` (strictly increasing); workers are notified after their delay.
+        The tensors are copied once, into the buffer of a retired version when one is free."""
+        with self._lock:
+            if version <= self._newest:
+                raise TransportError(f"weights version {version} is not newer than {self._newest}")
+            spare = next((p for p in self._retired if not p.in_flight()), None)
+            if spare is not None:
+                self._retired.remove(spare)
+        packed = pack_state_dict(state, version, self.config.weights_chunk_bytes,
+                                 out=spare.buffer if spare is not None else None)
+        with self._lock:
+            if version <= self._newest:
+                raise TransportError(f"weights version {version} is not newer than {self._newest}")
+            self._versions[version] = packed
+            self._newest = version
+            now = self._clock()
+            self._publish_times[version] = now
+            for worker in self._workers.values():
+                self._schedule_notice(worker, version, now, packed.header.total_bytes)
+            self._trim_versions()
+
+    def set_admission(self, cap: int | None, ahead: int = 1) -> None:
+        """Admission control: the fleet may start at most ``cap`` groups in total (None: no limit); each worker
+        holds at most ``ahead`` unused permits, so one fast worker cannot take every permit."""
+        with self._lock:
+            self._admission_cap, self._starts_ahead = cap, max(1, ahead)
+
+    def admission_state(self) -> str:
+        """One line on the admission permits (for a learner that waits long for data)."""
+        with self._lock:
+            if self._admission_cap is None:
+                return "no admission control"
+            held = ", ".join(f"{w.worker_id}{'' if w.alive else ' (dead)'} {w.groups_session}/"
+                             f"{w.starts_granted_session}" for w in self._workers.values())
+            return f"permits {self._starts_granted_total}/{self._admission_cap} granted; started/granted: {held}"
+
+    def workers(self) -> list[WorkerInfo]:
+        """A snapshot of the worker registry."""
+        with self._lock:
+            return [WorkerInfo(**{k: getattr(w, k) for k in WorkerInfo.__dataclass_fields__
+                                  if k not in ("pending_notices", "acks", "rejects")})
+                    for w in self._workers.values()]
+
+    def close(self, reason: str = "learner closed") -> None:
+        """Say bye to every live worker (they stop their loops) and stop the I/O thread."""
+        self._bye_reason = reason
+        self._stop.set()
+        self._wakeup.wake()
+        with self._lock:
+            self._lock.notify_all()
+        self._thread.join(timeout=10)
+
+    # -- I/O thread -----------------------------------------------------------------------------
+    def _bind(self, ctx: zmq.Context, address: str, hwm: int) -> tuple[zmq.Socket, str]:
+        """A ROUTER bound to ``address`` (port 0: any free one), ROUTER_MANDATORY so that a send to a vanished
+        worker is an error we count, not a silent drop; CURVE server when keys are given."""
+        sock = _socket(ctx, zmq.ROUTER, hwm, self.config, self.limits)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if self._curve is not None:
+            public, secret = self._curve.keypair()
+            sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+        if address.endswith(":0"):
+            port = sock.bind_to_random_port(address.rsplit(":", 1)[0])
+            address = f"{address.rsplit(':', 1)[0]}:{port}"
+        else:
+            sock.bind(address)
+        return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT) or address
+
+    def _open(self, ctx: zmq.Context) -> tuple[ThreadAuthenticator | None, zmq.Socket, zmq.Socket]:
+        """Start CURVE authentication (when keys are given) and bind both channels; on failure, undo and raise."""
+        auth, sockets = None, []
+        try:
+            if self._curve is not None:
+                allowed = self._curve.allowed_keys_dir
+                if not allowed or not Path(allowed).is_dir():
+                    raise ConfigError(f"allowed_keys_dir {allowed!r} is not a folder of worker public keys "
+                                      "(*.key files made by `heterorl keys`)")
+                auth = ThreadAuthenticator(ctx, log=logging.getLogger("heterorl.auth"))
+                auth.start()
+                auth.configure_curve(domain="*", location=str(allowed))
+            # control + trajectories: ROUTER ↔ a DEALER per worker; hello/ready, heartbeats, trajectories up, acks
+            # (credit) down. HWM control_hwm messages each way; a worker silent for heartbeat_timeout_s is dead.
+            control, self.control_endpoint = self._bind(ctx, self._address, self.config.control_hwm)
+            sockets.append(control)
+            # weights: ROUTER (PORT+1 unless given) ↔ a DEALER per worker; header and chunk requests up, one reply
+            # each down. HWM weights_hwm messages; the worker restarts a fetch after fetch_timeout_s without a chunk.
+            weights_address = self._weights_address or (
+                f"{self._address.rsplit(':', 1)[0]}:{0 if self._address.endswith(':0') else _port_of(self._address) + 1}")
+            weights, self.weights_endpoint = self._bind(ctx, weights_address, self.config.weights_hwm)
+            return auth, control, weights
+        except BaseException:
+            for s in sockets:
+                s.close(0)
+            if auth is not None:
+                auth.stop()
+            raise
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        try:
+            auth, control, weights = self._open(ctx)
+        except BaseException as exc:  # surfaced to the constructor
+            self._error = exc if isinstance(exc, HeteroRLError) else TransportError(
+                f"cannot bind {self._address}: {exc}")
+            ctx.term()
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._serve(control, weights)
+        finally:
+            bye = encode(Bye("learner", getattr(self, "_bye_reason", "learner closed")))
+            for worker in list(self._workers.values()):
+                if worker.alive:
+                    _send(control, [worker.routing_id, *bye], self.stats, "bye")
+            control.close(self.config.linger_ms)
+            weights.close(self.config.linger_ms)
+            if auth is not None:
+                auth.stop()
+            ctx.term()
+            self._wakeup.close()
+
+    def _serve(self, control: zmq.Socket, weights: zmq.Socket) -> None:
+        """Until closed: take in what arrives (waking at least every 50 ms), then send acks, credit and notices."""
+        poller = zmq.Poller()
+        poller.register(control, zmq.POLLIN)
+        poller.register(weights, zmq.POLLIN)
+        poller.register(self._wakeup.read_fd, zmq.POLLIN)
+        last_beat = 0.0
+        while not self._stop.is_set():
+            events = dict(poller.poll(timeout=50))
+            if self._wakeup.read_fd in events:
+                self._wakeup.drain()
+            if control in events:
+                _receive(control, self._on_control)
+            if weights in events:
+                _receive(weights, self._on_weights)
+            now = time.monotonic()
+            beat = now - last_beat >= self.config.heartbeat_interval_s
+            if beat:
+                last_beat = now
+            self._housekeeping(control, now, beat)
+
+    def _reject(self, reason: str, message: str, worker: WorkerInfo | None = None, trajectory_id: str = "") -> None:
+        self.stats["rejected"] += 1
+        self.stats[f"rejected/{reason}"] += 1
+        self._reject_log(reason, message)
+        if worker is not None and trajectory_id:
+            worker.rejects.append(f"{trajectory_id}: {message}"[:256])
+
+    def _on_control(self, sock: zmq.Socket, frames: list) -> None:
+        routing_id = frames[0].bytes
+        self.stats["received"] += 1
+        try:
+            message = decode(frames[1:], self.limits)
+        except ProtocolError as exc:
+            worker_id = self._by_routing.get(routing_id)
+            self._reject(exc.reason, f"from {worker_id or 'unknown peer'}: {exc}")
+            return
+        user_id = frames[1].get("User-Id") if self._curve is not None else None
+        with self._lock:
+            if isinstance(message, Hello):
+                self._on_hello(sock, routing_id, message, user_id)
+                return
+            worker_id = self._by_routing.get(routing_id)
+            worker = self._workers.get(worker_id) if worker_id else None
+            if worker is None:
+                self._reject("unknown_peer", f"{message.kind} from a peer that has not said hello")
+                return
+            worker.last_seen = time.monotonic()
+            if not worker.alive:
+                worker.alive = True
+                log.info("worker %s is back", worker.worker_id)
+            if isinstance(message, TrajectoryBatch):
+                self._on_batch(worker, message.trajectories, time.time())
+                self._lock.notify_all()
+            elif isinstance(message, Trajectory):
+                self._on_trajectory(worker, message, time.time())
+                self._lock.notify_all()
+            elif isinstance(message, Heartbeat):
+                if message.sender_id != worker.worker_id:
+                    self._reject("forged_id", f"heartbeat names {message.sender_id!r} on {worker.worker_id}'s link")
+                    return
+                worker.version_held = message.version_held
+                worker.busy_s, worker.idle_s = message.busy_s, message.idle_s
+            elif isinstance(message, Bye):
+                worker.alive = False
+                self._reclaim_starts(worker)
+                log.info("worker %s left: %s", worker.worker_id, message.reason)
+            else:
+                self._reject("unexpected_kind", f"{message.kind} is not sent by workers", worker)
+
+    def _on_hello(self, sock, routing_id: bytes, hello: Hello, user_id: str | None) -> None:
+        worker = self._workers.get(hello.worker_id)
+        now = time.monotonic()
+        if worker is not None and user_id is not None and worker.public_key not in (None, user_id):
+            self._reject("forged_id", f"worker id {hello.worker_id!r} belongs to another key")
+            _send(sock, [routing_id, *encode(Bye("learner", "worker id taken by another key"))], self.stats, "bye")
+            return
+        if worker is None and len(self._workers) >= self.config.max_workers:
+            self._reject("too_many_workers", f"hello from {hello.worker_id!r}: registry full ({self.config.max_workers})")
+            return
+        if worker is None:
+            worker = WorkerInfo(worker_id=hello.worker_id, host=hello.host, pid=hello.pid, routing_id=routing_id,
+                                public_key=user_id, joined_at=now, last_seen=now)
+            self._workers[hello.worker_id] = worker
+            log.info("worker %s joined from %s (pid %d)", hello.worker_id, hello.host, hello.pid)
+        else:
+            if worker.routing_id != routing_id:
+                self._by_routing.pop(worker.routing_id, None)
+                log.info("worker %s rejoined from %s (pid %d)", hello.worker_id, hello.host, hello.pid)
+            self._reclaim_starts(worker)  # a new session: permits the old one never used go back to the fleet
+            worker.routing_id, worker.host, worker.pid = routing_id, hello.host, hello.pid
+        self._by_routing[routing_id] = hello.worker_id
+        worker.last_seen, worker.alive, worker.version_held = now, True, hello.version_held
+        worker.received_session = 0
+        worker.groups_session = worker.starts_granted_session = 0
+        worker.last_start_limit_sent = -2
+        worker.pending_notices.clear()
+        worker.released_version = self._newest  # a (re)joining worker gets the newest whole version
+        worker.last_credit_sent = worker.credit_limit(self.config.credits_per_worker)
+        ready = Ready(worker_id=hello.worker_id, credits=worker.last_credit_sent, newest_version=self._newest,
+                      heartbeat_interval_s=self.config.heartbeat_interval_s,
+                      settings={**self._settings, "weights_port": _port_of(self.weights_endpoint),
+                                "start_limit": -1 if self._admission_cap is None else 0})
+        _send(sock, [routing_id, *encode(ready)], self.stats, "ready")
+
+    def _on_batch(self, worker: WorkerInfo, trajectories: list[Trajectory], received_at: float) -> None:
+        """Take in a batch: in bulk when every member is new, within credit and the worker's own, else one by
+        one (which names each refusal)."""
+        ids = [traj.trajectory_id for traj in trajectories]
+        if (worker.buffered + len(ids) > self.config.credits_per_worker or not self._seen.keys().isdisjoint(ids)
+                or len(set(ids)) != len(ids) or any(traj.sampler_id != worker.worker_id for traj in trajectories)):
+            for traj in trajectories:
+                self._on_trajectory(worker, traj, received_at)
+            return
+        for traj in trajectories:
+            traj.received_at = received_at
+            if traj.group_id != worker.last_group_id:
+                self._count_group(worker, traj.group_id)
+        self._seen.update(dict.fromkeys(ids))
+        while len(self._seen) > self.config.dedup_window:
+            self._seen.popitem(last=False)
+        self._buffer.extend(trajectories)
+        worker.received_session += len(ids)
+        worker.buffered += len(ids)
+        worker.trajectories += len(ids)
+        worker.acks += ids
+        self.stats["accepted"] += len(ids)
+
+    def _count_group(self, worker: WorkerInfo, group_id: str) -> None:
+        """A worker sends each group's members back to back: a new group id is a new start (a re-sent duplicate
+        is none, so callers count only new trajectories)."""
+        worker.groups_session += 1
+        worker.last_group_id = group_id
+        if self._admission_cap is not None and worker.groups_session > worker.starts_granted_session:
+            # started on a permit reclaimed since (the worker was thought dead): it counts all the same
+            worker.starts_granted_session += 1
+            self._starts_granted_total += 1
+
+    def _on_trajectory(self, worker: WorkerInfo, traj: Trajectory, received_at: float) -> None:
+        worker.received_session += 1
+        if traj.sampler_id != worker.worker_id:
+            self._reject("forged_id", f"trajectory names sampler {traj.sampler_id!r} on {worker.worker_id}'s link",
+                         worker, traj.trajectory_id)
+            return
+        if traj.trajectory_id in self._seen:
+            worker.duplicates += 1
+            self.stats["duplicates"] += 1
+            worker.acks.append(traj.trajectory_id)  # delivered once already: acknowledge, do not buffer again
+            return
+        if worker.buffered >= self.config.credits_per_worker:
+            self._reject("no_credit", f"{worker.worker_id} sent beyond its credit", worker, traj.trajectory_id)
+            return
+        if traj.group_id != worker.last_group_id:
+            self._count_group(worker, traj.group_id)
+        traj.received_at = received_at
+        self._seen[traj.trajectory_id] = None
+        if len(self._seen) > self.config.dedup_window:
+            self._seen.popitem(last=False)
+        self._buffer.append(traj)
+        worker.buffered += 1
+        worker.trajectories += 1
+        worker.acks.append(traj.trajectory_id)
+        self.stats["accepted"] += 1
+
+    def _on_weights(self, sock: zmq.Socket, frames: list) -> None:
+        routing_id = frames[0].bytes
+        try:
+            request = decode(frames[1:], self.limits)
+        except ProtocolError as exc:
+            self._reject(exc.reason, f"on the weights channel: {exc}")
+            return
+        if not isinstance(request, WeightsRequest):
+            self._reject("unexpected_kind", f"{request.kind} on the weights channel")
+            return
+        user_id = frames[1].get("User-Id") if self._curve is not None else None
+        with self._lock:
+            worker = self._workers.get(request.worker_id)
+            if worker is None or (user_id is not None and worker.public_key not in (None, user_id)):
+                self._reject("unknown_peer", f"weights request for unknown worker {request.worker_id!r}")
+                return
+            released = self._versions.get(worker.released_version)
+            if released is None:
+                return  # nothing released yet (the worker asks again on the next notice)
+            packed = self._versions.get(request.version) if request.chunk >= 0 else None
+            if packed is not None and request.chunk < packed.header.num_chunks:
+                # under the lock: once tracked, publish will not reuse the buffer until ZeroMQ is done with it
+                data = packed.chunk(request.chunk)
+                chunk = WeightsChunk(version=packed.header.version, index=request.chunk,
+                                     checksum=packed.chunk_checksum(request.chunk))
+                frame = zmq.Frame(data, copy=False, track=True)
+                packed.track(zmq.MessageTracker(frame))
+        if packed is None or request.chunk >= packed.header.num_chunks:
+            _send(sock, [routing_id, *encode(released.header)], self.stats, "weights_header")
+            self.stats["weights/headers_sent"] += 1
+            return
+        header, _ = encode(chunk)
+        if _send(sock, [routing_id, header, frame], self.stats, "weights_chunk"):
+            self.stats["weights/bytes_sent"] += len(data)
+
+    def _schedule_notice(self, worker: WorkerInfo, version: int, now: float, size: int) -> None:
+        if worker.worker_id not in self._delay_links:
+            self._delay_links[worker.worker_id] = self._weights_delay(worker.worker_id) if self._weights_delay else None
+        link = self._delay_links[worker.worker_id]
+        due = now if link is None else link(now, size)
+        if due is None:
+            self.stats["weights/notices_lost"] += 1
+            return
+        worker.pending_notices.put(due, version)
+
+    def _trim_versions(self) -> None:
+        needed = {w.released_version for w in self._workers.values()}
+        needed |= {v for w in self._workers.values() for v in w.pending_notices}
+        while len(self._versions) > self.config.max_retained_versions:
+            oldest = next(iter(self._versions))
+            if oldest == self._newest:
+                break
+            if oldest in needed:
+                self.stats["weights/retention_skips"] += 1
+            self._retire(oldest)
+        for v in [v for v in self._versions if v not in needed and v != self._newest]:
+            self._retire(v)
+
+    def _retire(self, version: int) -> None:
+        self._retired.append(self._versions.pop(version))
+        self._publish_times.pop(version, None)
+
+    def _reclaim_starts(self, worker: WorkerInfo) -> None:
+        """Return a dead or rejoining worker's unused admission permits to the fleet, so permits held by a
+        worker that never comes back cannot stall the learner."""
+        unused = worker.starts_granted_session - worker.groups_session
+        if unused > 0:
+            self._starts_granted_total -= unused
+            worker.starts_granted_session = worker.groups_session
+
+    def _grant_starts(self, worker: WorkerInfo) -> int:
+        """The worker's cumulative start limit this session: −1 without admission control; else top its unused
+        permits up to ``ahead`` while the fleet's total stays within the cap."""
+        if self._admission_cap is None:
+            return -1
+        unused = worker.starts_granted_session - worker.groups_session
+        grant = min(self._starts_ahead - unused, self._admission_cap - self._starts_granted_total)
+        if grant > 0:
+            worker.starts_granted_session += grant
+            self._starts_granted_total += grant
+        return worker.starts_granted_session
+
+    def _release_notices(self, worker: WorkerInfo, clock_now: float) -> bool:
+        """Release the versions whose notices are due; True when the worker's released version moved."""
+        released = False
+        for _, _, version in worker.pending_notices.pop_due(clock_now):
+            if version in self._versions:
+                worker.released_version = max(worker.released_version, version)
+                released = True
+            else:  # dropped from retention: the next retained version stands in
+                newer = [v for v in self._versions if v > version]
+                if newer:
+                    worker.released_version = max(worker.released_version, newer[0])
+                    released = True
+        return released
+
+    def _housekeeping(self, sock: zmq.Socket, now: float, beat: bool) -> None:
+        window = self.config.credits_per_worker
+        clock_now = self._clock()
+        outgoing = []
+        with self._lock:
+            for worker in self._workers.values():
+                if worker.alive and now - worker.last_seen > self.config.heartbeat_timeout_s:
+                    worker.alive = False
+                    self._reclaim_starts(worker)
+                    log.warning("worker %s silent for %.1f s: marked dead", worker.worker_id, now - worker.last_seen)
+                released = self._release_notices(worker, clock_now)
+                if not worker.alive:
+                    continue
+                if released:
+                    outgoing.append((worker.routing_id, WeightsNotice(worker.released_version)))
+                limit = worker.credit_limit(window)
+                start_limit = self._grant_starts(worker)
+                if (worker.acks or worker.rejects or limit != worker.last_credit_sent
+                        or start_limit != worker.last_start_limit_sent or beat):
+                    outgoing.append((worker.routing_id, Ack(worker.acks, worker.rejects, limit, start_limit)))
+                    worker.acks, worker.rejects, worker.last_credit_sent = [], [], limit
+                    worker.last_start_limit_sent = start_limit
+            if any(isinstance(m, WeightsNotice) for _, m in outgoing):
+                self._trim_versions()  # released notices may free versions no worker can still be given
+        for routing_id, message in outgoing:
+            _send(sock, [routing_id, *encode(message)], self.stats, message.kind)

@@ -1,0 +1,193 @@
+"""What both ends of the transport share: addresses, CurveZMQ keys, socket setup, non-blocking send and receive,
+the I/O thread's wake-up pipe, and the transport's errors.
+
+Sockets are made here with a channel's high-water marks, linger and inbound size limit (`_socket`); which
+pattern, HWM and timeouts each channel uses is stated where the learner binds it (`server.LearnerServer._open`)
+and where a worker connects it (`client.WorkerClient._connect`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import zmq
+import zmq.auth
+
+from heterorl.config import TransportConfig
+from heterorl.errors import ConfigError, HeteroRLError
+from heterorl.transport.protocol import Limits
+
+# (send_time_s, size_bytes) -> delivery_time_s, or None when the link drops the message
+DelaySchedule = Callable[[float, int], "float | None"]
+
+
+class TransportError(HeteroRLError):
+    """A transport operation failed (timeout, refused handshake, closed endpoint)."""
+
+
+class TransportTimeout(TransportError):
+    """A blocking transport call ran out of time. ``done``: how many of its items it got through first (for
+    ``send_many``: the trajectories queued or dropped by the delay link; resend from there)."""
+
+    def __init__(self, message: str, done: int = 0) -> None:
+        super().__init__(message)
+        self.done = done
+
+
+@dataclass
+class CurveConfig:
+    """CurveZMQ keys (files made by ``heterorl keys``).
+
+    Learner: ``secret_key_file`` (its own ``*.key_secret``) and
+    ``allowed_keys_dir`` (a folder of the workers' public ``*.key`` files).
+    Worker: ``secret_key_file`` (its own) and ``server_key_file`` (the
+    learner's public ``*.key``).
+    """
+
+    secret_key_file: str
+    server_key_file: str | None = None
+    allowed_keys_dir: str | None = None
+
+    def keypair(self) -> tuple[bytes, bytes]:
+        path = Path(self.secret_key_file)
+        if not path.is_file():
+            raise ConfigError(f"CURVE secret key file {path} not found; make one with `heterorl keys --name NAME`")
+        public, secret = zmq.auth.load_certificate(str(path))
+        if secret is None:
+            raise ConfigError(f"{path} holds no secret key; pass the *.key_secret file, not the public *.key")
+        return public, secret
+
+    def server_public_key(self) -> bytes:
+        if not self.server_key_file or not Path(self.server_key_file).is_file():
+            raise ConfigError(f"the learner's public key file {self.server_key_file!r} is missing; copy the "
+                              "learner's *.key file to the worker and pass it as server_key_file (--server-key)")
+        public, _ = zmq.auth.load_certificate(self.server_key_file)
+        return public
+
+
+def make_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
+    """Write ``name.key`` (public) and ``name.key_secret`` (secret, mode 0600) into ``directory``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for suffix in (".key", ".key_secret"):
+        if (directory / (name + suffix)).exists():
+            raise ConfigError(f"{directory / (name + suffix)} exists; choose another --name or remove it")
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    os.chmod(secret, 0o600)
+    return Path(public), Path(secret)
+
+
+def _host_of(address: str) -> str:
+    if "://" not in address:
+        raise ConfigError(f"address {address!r} must look like tcp://HOST:PORT")
+    scheme, rest = address.split("://", 1)
+    if scheme in ("ipc", "inproc"):
+        return "localhost"
+    if scheme != "tcp":
+        raise ConfigError(f"address {address!r}: only tcp://, ipc:// and inproc:// are supported")
+    return rest.rsplit(":", 1)[0].strip("[]")
+
+
+def is_loopback(address: str) -> bool:
+    host = _host_of(address)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _require_security(address: str, curve: CurveConfig | None, config: TransportConfig, refusal: str) -> None:
+    """Plaintext only on loopback, unless the config allows it; ``refusal`` is the error, naming the fix."""
+    if curve is None and not is_loopback(address) and not config.allow_plaintext:
+        raise ConfigError(refusal)
+
+
+def _port_of(address: str) -> int:
+    try:
+        return int(address.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        raise ConfigError(f"address {address!r} has no numeric port") from None
+
+
+def _socket(ctx: zmq.Context, kind: int, hwm: int, config: TransportConfig, limits: Limits) -> zmq.Socket:
+    """A socket with the channel's high-water marks, linger and inbound size limit."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.LINGER, config.linger_ms)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_header_bytes + limits.max_chunk_bytes)
+    return sock
+
+
+def _receive(sock: zmq.Socket, handle, limit: int = 256) -> None:
+    """Hand up to ``limit`` waiting messages to ``handle(sock, frames)`` without blocking."""
+    for _ in range(limit):
+        try:
+            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        handle(sock, frames)
+
+
+def _send(sock: zmq.Socket, frames: list, stats: Counter, what: str) -> bool:
+    """Non-blocking send; a full queue or a vanished peer is counted, never raised."""
+    try:
+        sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        return True
+    except zmq.Again:
+        stats[f"send_dropped/{what}"] += 1
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EHOSTUNREACH:
+            raise
+        stats[f"send_unreachable/{what}"] += 1
+    return False
+
+
+class _Wakeup:
+    """A self-pipe the I/O thread polls next to its sockets, so another thread can wake it at once (a pipe is
+    safe to write from any thread; a ZeroMQ socket is not)."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self.write_fd, False)
+
+    def wake(self) -> None:
+        try:
+            os.write(self.write_fd, b"x")
+        except (BlockingIOError, OSError):
+            pass  # already pending (pipe full) or closed: the thread will wake anyway
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.read_fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class _Endpoint:
+    """Context-manager support: ``with LearnerServer(...) as server:`` closes it on the way out."""
+
+    def close(self, reason: str = "") -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,98 @@
+"""Packing a state dict into one contiguous buffer for the weights channel, and back.
+
+Tensors are laid out back to back in name order as raw little-endian bytes;
+the layout (names, dtypes, shapes) travels in a :class:`WeightsHeader`; each
+chunk carries its XXH3-64 checksum. The receiver checks each chunk as it
+arrives and rebuilds tensors as views of the reassembled buffer (no second copy).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from heterorl.transport.protocol import TENSOR_DTYPES, ProtocolError, WeightsHeader, chunk_checksum
+
+_TORCH_DTYPES = {
+    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64",
+    torch.int64: "int64", torch.int32: "int32", torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool",
+}
+_FROM_WIRE = {v: k for k, v in _TORCH_DTYPES.items()}
+
+
+@dataclass
+class PackedWeights:
+    """One published version: its header and its buffer (sliced into chunks without copying)."""
+
+    header: WeightsHeader
+    buffer: np.ndarray  # uint8
+    checksums: dict = field(default_factory=dict)  # chunk index → XXH3-64, computed on first request
+    trackers: list = field(default_factory=list)  # zmq.MessageTrackers of chunk frames that view the buffer
+
+    def track(self, tracker) -> None:
+        """Note a frame viewing the buffer that ZeroMQ may still be sending."""
+        if len(self.trackers) >= 64:
+            self.trackers = [t for t in self.trackers if not t.done]
+        self.trackers.append(tracker)
+
+    def in_flight(self) -> bool:
+        """True while ZeroMQ may still read the buffer (it must not be overwritten)."""
+        return any(not t.done for t in self.trackers)
+
+    def chunk(self, index: int) -> memoryview:
+        start = index * self.header.chunk_bytes
+        return memoryview(self.buffer[start:start + self.header.chunk_bytes])
+
+    def chunk_checksum(self, index: int) -> int:
+        """The chunk's checksum, computed once (lazily, so checksumming overlaps the transfer)."""
+        if index not in self.checksums:
+            self.checksums[index] = chunk_checksum(self.chunk(index))
+        return self.checksums[index]
+
+
+def pack_state_dict(state: dict[str, torch.Tensor], version: int, chunk_bytes: int = 4 * 2**20,
+                    out: np.ndarray | None = None) -> PackedWeights:
+    """Copy ``state`` (CPU or GPU tensors) once into one buffer and describe it. ``out``: a uint8 array to
+    reuse as that buffer when its size is exactly right (a retired version's: no fresh pages to fault in)."""
+    names = sorted(state)
+    tensors = []
+    for name in names:
+        tensor = state[name].detach()
+        if tensor.dtype not in _TORCH_DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, which the weights channel cannot carry; "
+                             f"cast it to one of {sorted(_TORCH_DTYPES.values())}")
+        tensors.append(tensor)
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    reuse = out is not None and out.dtype == np.uint8 and out.ndim == 1 and len(out) == sum(sizes)
+    flat = torch.from_numpy(out) if reuse else torch.empty(sum(sizes), dtype=torch.uint8)
+    offset = 0
+    for tensor, size in zip(tensors, sizes):
+        if size:  # a byte view of the tensor (bfloat16 included), copied straight from its device
+            flat[offset:offset + size].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+        offset += size
+    buffer = flat.numpy()
+    header = WeightsHeader(version=version, names=names, dtypes=[_TORCH_DTYPES[t.dtype] for t in tensors],
+                           shapes=[list(t.shape) for t in tensors], total_bytes=len(buffer), chunk_bytes=chunk_bytes,
+                           num_chunks=-(-len(buffer) // chunk_bytes))
+    return PackedWeights(header, buffer)
+
+
+def unpack_state_dict(header: WeightsHeader, buffer) -> dict[str, torch.Tensor]:
+    """Tensors viewing ``buffer`` (a writable uint8 array or bytearray holding every chunk, each already
+    checked against its checksum on arrival)."""
+    if len(buffer) != header.total_bytes:
+        raise ProtocolError("total_bytes", f"received {len(buffer)} bytes, header says {header.total_bytes}",
+                            "length_mismatch")
+    raw = np.frombuffer(buffer, dtype=np.uint8)
+    if not raw.flags.writeable:
+        raw = raw.copy()  # torch wants a writable buffer
+    state, offset = {}, 0
+    for name, dtype, shape in zip(header.names, header.dtypes, header.shapes):
+        nbytes = TENSOR_DTYPES[dtype][1] * math.prod(shape)
+        piece = torch.from_numpy(raw[offset:offset + nbytes])
+        state[name] = piece.view(_FROM_WIRE[dtype]).reshape(shape)
+        offset += nbytes
+    return state

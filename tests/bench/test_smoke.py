@@ -1,0 +1,56 @@
+"""Smoke tests of the benchmarks: each runs small and prints its ratios against its baseline. They assert that
+it ran and what it printed, never the ratios' values (these machines are shared and noisy)."""
+
+import pytest
+
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.bench
+
+
+def test_bench_engine_prints_a_ratio():
+    out = run_cli("bench", "engine", "--batch", "8", "--group-size", "4", "--max-tokens", "4", "--repeats", "1")
+    assert out.returncode == 0, out.stderr
+    ratios = [float(part.split("x")[0]) for part in out.stdout.split("ratio (ours / generate)")[1:]]
+    assert len(ratios) == 2 and min(ratios) > 0  # distinct prompts, then groups
+    assert "2 prompts x 4 samples" in out.stdout
+    packed = float(out.stdout.split("ratio (packed / per row)")[1].split("x")[0])
+    assert packed > 0
+
+
+def test_bench_losses_times_every_loss_against_grpo():
+    out = run_cli("bench", "losses", "--batch", "16", "--length", "32", "--repeats", "1", "--warmup", "0")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[2:]}
+    assert {"gepo", "gepo_defensive", "gspo", "tis", "m2po", "decoupled_ppo"} <= set(rows)
+    assert rows["grpo"][-1] == "1.00x" and float(rows["gepo"][-1].rstrip("x")) > 0
+
+
+def test_bench_transport_measures_both_channels_against_raw_pyzmq():
+    out = run_cli("bench", "transport", "--trajectories", "400", "--workers", "1,2", "--prompt-tokens", "64",
+                   "--completion-tokens", "256", "--weights-mib", "8", "--repeats", "1")
+    assert out.returncode == 0, out.stderr
+    ratios = [float(part.split("x")[0]) for part in out.stdout.split("ratio ")[1:]]
+    assert len(ratios) == 3 and all(r > 0 for r in ratios)  # 1 worker, 2 workers, weights
+    assert "trajectories, 2 workers" in out.stdout and "receiver peak RSS" in out.stdout
+
+
+def test_bench_async_runs_both_modes_and_prints_ratio_and_bound():
+    out = run_cli("bench", "async", "--steps", "4", "--prompts", "4", "--group-size", "4")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+            if line.startswith(("  sync ", "  async "))}
+    assert set(rows) == {"sync", "async"} and all(float(r[1]) > 0 for r in rows.values())
+    assert float(rows["sync"][-1]) == 0.0  # sync trains on-policy only
+    ratio = float(out.stdout.split("async / sync:")[1].split("x")[0])
+    bound = float(out.stdout.split("overlap bound of this workload:")[1].split("x")[0])
+    assert ratio > 0 and 1.0 <= bound <= 2.0
+
+
+def test_async_bench_overlap_bound():
+    from heterorl.bench.async_modes import overlap_bound
+
+    assert overlap_bound(0.4, 0.4) == pytest.approx(2.0)  # equal halves: perfect overlap doubles throughput
+    assert overlap_bound(0.74, 0.31) == pytest.approx((0.74 + 0.31) / 0.74)  # training-bound: far below 2
+    assert overlap_bound(0.2, 0.6) == pytest.approx(0.8 / 0.6)  # sampling-bound alike
+    assert overlap_bound(0.0, 0.0) is None

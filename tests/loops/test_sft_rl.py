@@ -1,0 +1,115 @@
+"""The SFT base and RL from it: measured success with fixed seeds."""
+
+import json
+
+import pytest
+
+from heterorl.config import SFT_BASE, load_config, packaged
+from heterorl.loops.sft import run_sft
+from heterorl.loops.sync_rl import rollout_datums, run_sync_rl
+from heterorl.policies import load_policy
+from heterorl.runs import read_metrics
+from heterorl.tasks import make_task
+from heterorl.training.evaluation import evaluate
+from heterorl.training.session import Datum, TrainingClient
+from heterorl.training.step import minibatches, optimize_batch
+
+
+def _maze(cfg):
+    return make_task(cfg.task.name, dict(cfg.task.options))
+
+
+@pytest.mark.parametrize("config, base", [("maze_sft.yaml", SFT_BASE), ("maze4_sft.yaml", "maze4-sft-base")])
+def test_shipped_base_is_deliberately_partial(config, base):
+    cfg = load_config(packaged(config))
+    model, tok = load_policy(base)
+    sampler = TrainingClient(model, tok).save_weights_and_get_sampling_client()
+    task = _maze(cfg)
+    success = evaluate(sampler, task, task.eval_problems(), cfg.rollout.max_tokens).success
+    assert 0.35 <= success <= 0.60
+    recorded = json.loads((packaged(base) / "sft_summary.json").read_text())
+    assert success == pytest.approx(recorded["success"], abs=0.02)
+    assert recorded["config"]["task"]["options"] == dict(cfg.task.options)  # made by the config it is tested with
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, base", [("maze_sft.yaml", SFT_BASE), ("maze4_sft.yaml", "maze4-sft-base")])
+def test_short_remake_of_the_base_follows_the_recorded_curve(config, base):
+    cfg = load_config(packaged(config), ["sft.steps=60", "sft.eval_every=1000"])
+    task = _maze(cfg)
+    model, tok = load_policy("tiny", alphabet=task.alphabet(), tiny=cfg.policy.tiny)
+    losses = {}
+    run_sft(cfg, TrainingClient(model, tok, seed=cfg.seed), task, progress=lambda s, m: losses.update({s: m["sft/loss"]}))
+    recorded = {r["step"]: r["sft/loss"] for r in read_metrics(packaged(base) / "sft_metrics.jsonl")}
+    for step in (1, 10, 30, 60):
+        assert losses[step] == pytest.approx(recorded[step], rel=0.02), step
+    assert losses[60] < 0.6 * losses[1]
+
+
+@pytest.mark.slow
+def test_short_rl_run_improves_held_out_success():
+    cfg = load_config(packaged("maze_rl.yaml"), ["rl.steps=20", "rl.eval_every=10", "logging.wandb_mode=disabled"])
+    task = _maze(cfg)
+    model, tok = load_policy(str(packaged(SFT_BASE)))
+    result = run_sync_rl(cfg, TrainingClient(model, tok, seed=cfg.seed), task)
+    assert result.final_success >= result.base_success + 0.03, result.history
+
+
+def test_minibatches_keep_groups_whole():
+    datums = [Datum(tokens=[1, 2], prompt_len=1, group_id=g) for g in (0, 0, 1, 1, 2, 2, 3, 3, 4, 4)]
+    batches = minibatches(datums, 2)
+    assert [[d.group_id for d in b] for b in batches] == [[0, 0, 1, 1, 2, 2], [3, 3, 4, 4]]
+    assert sum(len(b) for b in minibatches(datums, 7)) == 10
+
+
+def test_dropping_uniform_groups_trains_on_fewer_rows_and_learns_the_same():
+    """Groups that scored alike have zero advantage: dropping them leaves the gradient's direction, so Adam's
+    first step (which is invariant to the gradient's scale) moves the weights the same, for a fraction of rows."""
+    import copy
+
+    import torch
+
+    cfg = load_config(packaged("maze_rl.yaml"), ["rollout.group_size=4", "optim.warmup_steps=0"])
+    task = _maze(cfg)
+    model, tok = load_policy(str(packaged(SFT_BASE)))
+    sampler = TrainingClient(model, tok).save_weights_and_get_sampling_client()
+    problems = task.eval_problems()[:3]
+    datums, _ = rollout_datums(sampler, task, problems, cfg, seed=0)
+    for d, reward in zip(datums, [1, 1, 1, 1, 0, 1, 0, 1, 0, 0, 0, 0]):  # uniform, mixed, uniform groups
+        d.reward = float(reward)
+        d.policy_versions = [0] * len(d.policy_versions)  # sampled by version 0 of the fresh clients below
+    after = {}
+    for drop in (False, True):
+        cfg.rl.drop_uniform_groups = drop
+        training = TrainingClient(copy.deepcopy(model), tok, seed=0)
+        rows = []
+        original = training.forward_backward
+        training.forward_backward = lambda batch, *a, **k: rows.append(len(batch)) or original(batch, *a, **k)
+        metrics = optimize_batch(training, datums, cfg, total_updates=1)
+        assert metrics["optim/updates"] == 1
+        after[drop] = (rows, [p.detach().clone() for p in training.model.parameters()])
+    assert after[False][0] == [12] and after[True][0] == [4]
+    for kept, dropped in zip(after[False][1], after[True][1]):
+        torch.testing.assert_close(kept, dropped, atol=1e-5, rtol=0)  # a step is lr = 1e-4; Adam's eps differs
+    assert any(not torch.equal(p, q) for p, q in zip(after[True][1], model.parameters()))  # it did learn
+
+
+def test_a_batch_without_signal_runs_no_update_and_says_why():
+    """Every group scored alike: no loss runs, so the step records ``optim/updates`` 0 and
+    ``optim/skip_reason`` and none of the loss's metrics (absent by design, not NaN); the weights stay put."""
+    import torch
+
+    cfg = load_config(packaged("maze_rl.yaml"), ["rollout.group_size=4"])
+    task = _maze(cfg)
+    model, tok = load_policy(str(packaged(SFT_BASE)))
+    training = TrainingClient(model, tok, seed=0)
+    datums, _ = rollout_datums(training.save_weights_and_get_sampling_client(), task, task.eval_problems()[:2], cfg,
+                               seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    for drop in (False, True):
+        cfg.rl.drop_uniform_groups = drop
+        for d, reward in zip(datums, [1, 1, 1, 1, 0, 0, 0, 0]):
+            d.reward = float(reward)
+        metrics = optimize_batch(training, datums, cfg, total_updates=1)
+        assert metrics == {"optim/updates": 0, "optim/skip_reason": "no_signal"}
+    assert training.step == 0 and all(torch.equal(p, q) for p, q in zip(before, model.parameters()))

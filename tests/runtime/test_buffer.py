@@ -1,0 +1,106 @@
+"""The learner's staleness-aware buffer: whole groups only, and each policy's rule."""
+
+import numpy as np
+import pytest
+
+from heterorl.config import BufferConfig
+from heterorl.errors import ConfigError
+from heterorl.runtime.buffer import GroupBuffer
+from heterorl.transport.protocol import Trajectory
+from tests.conftest import trajectory
+
+
+def member(group: str, j: int, version: int, size: int = 2, sampler: str = "w0") -> Trajectory:
+    return trajectory(trajectory_id=f"{group}-{j}", group_id=group, sampler_id=sampler, group_size=size,
+                      completion_len=2, version=version)
+
+
+def fill(buffer: GroupBuffer, versions: dict[str, int], now: float = 0.0) -> None:
+    for gid, version in versions.items():
+        for j in range(2):
+            buffer.add(member(gid, j, version), now)
+
+
+def ids(groups) -> list[str]:
+    return [g.group_id for g in groups]
+
+
+def test_only_complete_groups_are_handed_out():
+    buffer = GroupBuffer(BufferConfig(policy="count_only"))
+    assert buffer.add(member("a", 0, 1), 0.0) is None
+    assert buffer.take(1, current_version=1) is None  # half a group is not a group
+    group = buffer.add(member("a", 1, 1), 0.0)
+    assert group is not None and len(group.trajectories) == 2
+    assert ids(buffer.take(1, current_version=1)) == ["a"]
+
+
+def test_a_group_mixing_sizes_or_samplers_refuses_the_newcomer():
+    buffer = GroupBuffer()
+    buffer.add(member("a", 0, 1, size=2), 0.0)
+    assert buffer.add(member("a", 1, 1, size=3), 0.0) is None
+    assert buffer.add(member("a", 1, 1, sampler="w9"), 0.0) is None
+    assert buffer.counters["inconsistent"] == 2 and len(buffer) == 0
+
+
+def test_window_discards_stale_groups_takes_the_newest_and_blocks_when_none_is_fresh():
+    buffer = GroupBuffer(BufferConfig(policy="window", max_staleness_steps=2))
+    fill(buffer, {"old": 1, "mid": 4, "new": 5, "newer": 6})
+    # at version 6: "old" is 5 versions stale (> 2): discarded; newest first
+    assert ids(buffer.take(2, current_version=6)) == ["newer", "new"]
+    assert buffer.counters["dropped_stale"] == 1
+    assert buffer.take(1, current_version=7) is None  # "mid" (v4) is 3 stale at v7: gone, nothing fresh: wait
+    assert buffer.counters["dropped_stale"] == 2 and len(buffer) == 0
+
+
+def test_window_can_take_the_oldest_inside_the_window():
+    buffer = GroupBuffer(BufferConfig(policy="window", max_staleness_steps=3, select="oldest"))
+    fill(buffer, {"a": 5, "b": 3, "c": 4})
+    assert ids(buffer.take(2, current_version=6)) == ["b", "c"]
+
+
+def test_drop_stale_keeps_arrival_order():
+    buffer = GroupBuffer(BufferConfig(policy="drop_stale", max_staleness_steps=1))
+    fill(buffer, {"a": 5, "b": 2, "c": 4, "d": 5})
+    assert ids(buffer.take(3, current_version=5)) == ["a", "c", "d"]
+    assert buffer.counters["dropped_stale"] == 1
+
+
+def test_count_only_never_discards():
+    buffer = GroupBuffer(BufferConfig(policy="count_only", max_staleness_steps=0))
+    fill(buffer, {"a": 0, "b": 9})
+    assert ids(buffer.take(2, current_version=100)) == ["a", "b"]
+    assert buffer.counters["dropped_stale"] == 0
+
+
+def test_staleness_counts_the_oldest_token_of_the_group():
+    buffer = GroupBuffer(BufferConfig(policy="count_only"))
+    old = member("g", 0, 3)
+    old.policy_versions = np.array([3, 4], dtype=np.int32)  # spans a weight update
+    buffer.add(old, 0.0)
+    buffer.add(member("g", 1, 4), 0.0)
+    [group] = buffer.take(1, current_version=6)
+    assert (group.oldest_version, group.newest_version, buffer.staleness(group, 6)) == (3, 4, 3)
+
+
+def test_admission_limit_is_areal_rule():
+    buffer = GroupBuffer(BufferConfig(policy="admission", max_staleness_steps=4))
+    # after 10 batches of 8 groups, groups started may total (10 + 4 + 1) * 8
+    assert buffer.admission_limit(10, 8) == 120
+    assert GroupBuffer(BufferConfig(policy="window")).admission_limit(10, 8) is None
+    buffer.counters["dropped_partial"] += 3  # started, never to be trained: three more may start
+    assert buffer.admission_limit(10, 8) == 123
+
+
+def test_overflow_and_partial_expiry_are_counted():
+    buffer = GroupBuffer(BufferConfig(policy="count_only", max_groups=2, partial_group_timeout_s=10))
+    fill(buffer, {"a": 0, "b": 0, "c": 0})
+    assert len(buffer) == 2 and buffer.counters["dropped_overflow"] == 1
+    buffer.add(member("half", 0, 0), now_s=100.0)
+    assert buffer.expire_partial(105.0) == 0 and buffer.expire_partial(111.0) == 1
+
+
+@pytest.mark.parametrize("field, value", [("policy", "lifo"), ("select", "random"), ("max_staleness_steps", -1),
+                                          ("max_groups", 0)])
+def test_bad_buffer_config_names_the_key(field, value):
+    with pytest.raises(ConfigError, match=f"buffer.{field}"):
+        BufferConfig(**{field: value}).validate()

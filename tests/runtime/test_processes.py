@@ -1,0 +1,277 @@
+"""The learner + rollout workers as real processes over ZeroMQ: train, sync/async, crashes, kill -9, resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from heterorl.runs import read_metrics
+from tests.conftest import ENV, REPO, run_cli, trajectory
+
+SMALL = """
+seed: 0
+task:
+  name: maze
+  options: {{size: 5, wall_density: 0.3, min_path_len: 3, eval_size: 32, eval_seed: 12345}}
+rollout: {{group_size: 4, max_tokens: 24}}
+loss: {{name: gepo}}
+rl: {{base: maze-sft-base, steps: {steps}, prompts_per_step: 4, eval_every: 3}}
+runtime: {{workers: 2, groups_per_call: 2, checkpoint_every: 2}}
+transport: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: 3.0}}
+logging: {{run_dir: {run_dir}, wandb_mode: disabled, progress: false}}
+"""
+
+
+def write_config(tmp_path: Path, steps: int = 6, extra: str = "") -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(SMALL.format(steps=steps, run_dir=tmp_path / "run") + extra)
+    return path
+
+
+def spawn(*args, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "heterorl.cli", *args], stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, env=ENV, cwd=REPO)
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def learner_step(run_dir: Path) -> int:
+    path = run_dir / "checkpoints" / "learner_state.json"
+    try:
+        return json.loads(path.read_text())["step"]
+    except (OSError, ValueError):
+        return -1
+
+
+def endpoint(run_dir: Path) -> str | None:
+    path = run_dir / "endpoints.json"
+    return json.loads(path.read_text())["control"] if path.exists() else None
+
+
+@pytest.mark.slow
+def test_train_async_runs_learner_and_workers_and_reports(tmp_path):
+    out = run_cli("train", "--config", str(write_config(tmp_path, steps=4)))
+    assert out.returncode == 0, out.stdout + out.stderr
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["mode"] == "async" and summary["workers"] == 2
+    records = [r for r in read_metrics(run / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record in records:
+        for key in ("staleness/versions_hist", "staleness/seconds_mean", "learner/idle_frac", "workers/idle_frac",
+                    "throughput/tokens_per_s", "buffer/groups", "optim/updates"):
+            assert key in record, key
+        # which groups make a batch depends on arrival order: a batch whose groups all scored alike runs no
+        # update, and then records why instead of the loss's metrics (docs/RUNTIME.md)
+        if record["optim/updates"] > 0:
+            assert "is/weight_var" in record and "kl/k3" in record and "optim/skip_reason" not in record, record
+        else:
+            assert record["optim/skip_reason"] == "no_signal" and "is/weight_var" not in record, record
+    assert summary["steps_without_update"] == sum(r["optim/updates"] == 0 for r in records)
+    # both workers took part: the learner waited for both to hold its weights before its first step
+    assert max(r["workers/alive"] for r in records) == 2 and records[-1]["transport/rejected"] == 0
+    assert "held-out greedy success" in out.stdout and "staleness mean" in out.stdout
+    for name in ("learner", "worker-0", "worker-1"):
+        assert (run / "logs" / f"{name}.log").exists()
+    assert "ended the run" in (run / "logs" / "worker-0.log").read_text()  # workers left on the learner's bye
+
+
+@pytest.mark.slow
+def test_sync_mode_trains_on_policy(tmp_path):
+    out = run_cli("train", "--config", str(write_config(tmp_path, steps=4)), "--mode", "sync")
+    assert out.returncode == 0, out.stdout + out.stderr
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
+    assert len(records) == 4
+    assert all(r["staleness/versions_max"] == 0 for r in records)  # every batch sampled by the newest weights
+
+
+def test_train_reports_a_crashed_worker_and_stops(tmp_path):
+    config = write_config(tmp_path)
+    out = run_cli("train", "--config", str(config), "task.reward_fn=tests.crashing_reward:score")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "worker-" in out.stderr and "failed" in out.stderr
+    assert "reward service unreachable" in out.stderr  # the crashed worker's log tail
+
+
+def test_train_refuses_to_overwrite_a_run_and_resume_needs_one(tmp_path):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    out = run_cli("train", "--config", str(write_config(tmp_path)))
+    assert out.returncode == 2 and "--resume" in out.stderr
+    out = run_cli("train", "--resume", str(tmp_path / "elsewhere"))
+    assert out.returncode == 2 and "train_config.yaml" in out.stderr
+
+
+@pytest.mark.slow
+def test_kill_minus_nine_learner_resumes_and_workers_reconnect(tmp_path):
+    config = write_config(tmp_path, steps=6)
+    run = tmp_path / "run"
+    learner = spawn("learner", "--config", str(config), log=tmp_path / "learner1.log")
+    workers = []
+    try:
+        address = wait_for(lambda: endpoint(run), 120, "the learner to listen")
+        workers = [spawn("rollout", "--connect", address, "--worker-id", f"w{i}", log=tmp_path / f"w{i}.log")
+                   for i in range(2)]
+        wait_for(lambda: learner_step(run) >= 2, 240, "the first checkpoint")
+        learner.send_signal(signal.SIGKILL)
+        learner.wait(30)
+        before = learner_step(run)
+        versions_before = [r["policy/version"] for r in read_metrics(run / "metrics.jsonl") if "policy/version" in r]
+        learner = spawn("learner", "--config", str(config), "--resume", log=tmp_path / "learner2.log")
+        assert learner.wait(400) == 0, (tmp_path / "learner2.log").read_text()[-3000:]
+        for w in workers:
+            assert w.wait(60) == 0  # they reconnected by themselves and left on the bye
+        state = json.loads((run / "checkpoints" / "learner_state.json").read_text())
+        assert state["step"] == 6
+        # every step trained 4 groups x 4 completions, and no trajectory twice
+        assert len(state["trained_ids"]) == len(set(state["trained_ids"])) == 6 * 4 * 4
+        records = [r for r in read_metrics(run / "metrics.jsonl") if "policy/version" in r]
+        first_run, resumed = records[:len(versions_before)], records[len(versions_before):]
+        assert resumed and resumed[0]["step"] == before + 1
+        checkpointed = max(r["policy/version"] for r in first_run if r["step"] <= before)
+        assert min(r["policy/version"] for r in resumed) > checkpointed  # the version counter went on
+        assert "rejoined" in (tmp_path / "w0.log").read_text()
+    finally:
+        for p in [learner, *workers]:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.slow
+def test_a_killed_worker_does_not_stop_the_run_and_garbage_is_counted(tmp_path):
+    # admission control keeps at most two steps of data ahead of the learner, and w1 is paused while w0
+    # restarts, so the run cannot finish before w0 is back, however slow the machine
+    config = write_config(tmp_path, steps=10, extra="buffer: {policy: admission, max_staleness_steps: 1}\n")
+    run = tmp_path / "run"
+    learner = spawn("learner", "--config", str(config), log=tmp_path / "learner.log")
+    workers = {}
+    try:
+        address = wait_for(lambda: endpoint(run), 120, "the learner to listen")
+        for name in ("w0", "w1"):
+            workers[name] = spawn("rollout", "--connect", address, "--worker-id", name, log=tmp_path / f"{name}.log")
+        log = tmp_path / "learner.log"
+        wait_for(lambda: learner_step(run) >= 2 and "worker w0 joined" in log.read_text(), 240, "two steps and w0")
+        workers["w1"].send_signal(signal.SIGSTOP)
+        workers["w0"].send_signal(signal.SIGKILL)
+        workers["w0-again"] = spawn("rollout", "--connect", address, "--worker-id", "w0",
+                                    log=tmp_path / "w0-again.log")
+        # a stranger sends garbage and a forged trajectory while the run goes on
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 10_000)  # closing waits until all 200 frames are out
+        raw.connect(address)
+        for i in range(200):
+            raw.send(os.urandom(64) if i % 2 else b"\x82\xa1v\x01\xa4kind\xaatrajectory")
+        raw.close()
+        ctx.term()
+        wait_for(lambda: "worker w0 rejoined" in log.read_text(), 240, "w0 to rejoin")
+        workers["w1"].send_signal(signal.SIGCONT)
+        assert learner.poll() is None and learner_step(run) < 10  # the run went on without w0 and takes it back
+        assert learner.wait(400) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["steps"] == 10 and summary["transport_rejected"] >= 200
+        assert "marked dead" in (tmp_path / "learner.log").read_text()
+    finally:
+        for p in [learner, *workers.values()]:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_a_worker_with_a_skewed_clock_does_not_corrupt_staleness(tmp_path):
+    """Staleness in seconds is measured on the learner's clock (when the version was published), so a
+    worker whose clock runs ten minutes ahead changes nothing."""
+    from heterorl.config import load_config
+    from heterorl.policies import load_policy
+    from heterorl.runtime.learner import Learner, learner_settings
+    from heterorl.tasks import make_task
+    from heterorl.training.session import TrainingClient
+    from heterorl.transport import LearnerServer, WorkerClient
+
+    # one hand-made worker, not the two the config names: start on its first data
+    cfg = load_config(write_config(tmp_path, steps=2), overrides=["runtime.fleet_wait_s=0"])
+    task = make_task(cfg.task.name, dict(cfg.task.options))
+    model, tokenizer = load_policy("maze-sft-base")
+    training = TrainingClient(model, tokenizer, seed=0)
+    server = LearnerServer("tcp://127.0.0.1:0", cfg.transport, settings=learner_settings(cfg))
+    skew_s = 600.0
+    stop = threading.Event()
+
+    def skewed_worker():
+        client = WorkerClient(server.control_endpoint, "skewed", cfg.transport)
+        client.wait_ready(20)
+        version, n = -1, 0
+        while not stop.is_set():
+            got = client.latest_weights()
+            if got:
+                version = got[0]
+            if version < 0:
+                time.sleep(0.05)
+                continue
+            for j in range(4):
+                now = time.time() + skew_s
+                traj = trajectory(trajectory_id=f"s-{n}-{j}", group_id=f"s-{n}", sampler_id="skewed", group_size=4,
+                                  completion_len=2, version=version, reward=float(j % 2), generation_start=now - 1.0,
+                                  generation_end=now, sent_at=0.0)
+                try:
+                    client.send(traj, timeout_s=0.5)
+                except Exception:
+                    pass
+            n += 1
+        client.close()
+
+    thread = threading.Thread(target=skewed_worker, daemon=True)
+    thread.start()
+    records = []
+
+    class Logger:
+        def log(self, step, metrics):
+            records.append(metrics)
+
+    try:
+        result = Learner(cfg, training, task, server, tmp_path / "run", logger=Logger()).run()
+    finally:
+        stop.set()
+        server.close()
+        thread.join(10)
+    assert result.steps == 2
+    steps = [r for r in records if "staleness/seconds_mean" in r]
+    assert len(steps) == 2
+    assert all(0 <= r["staleness/seconds_mean"] < 60 for r in steps), [r["staleness/seconds_mean"] for r in steps]
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    config = write_config(tmp_path, steps=200)
+    train = subprocess.Popen([sys.executable, "-m", "heterorl.cli", "train", "--config", str(config)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
+    run = tmp_path / "run"
+    try:
+        wait_for(lambda: (run / "logs" / "worker-1.log").exists() and endpoint(run), 120, "the fleet to start")
+        time.sleep(2)
+        pids = [int(pid) for pattern in (str(run / "train_config.yaml"), endpoint(run)) for pid in subprocess.run(
+            ["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()]
+        assert len(pids) >= 3  # the learner and two workers (and the launcher itself)
+        train.send_signal(signal.SIGINT)
+        _, stderr = train.communicate(timeout=60)
+        assert train.returncode == 130, stderr
+        assert "interrupted" in stderr
+        time.sleep(1)
+        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and
+                 "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+        assert not alive, f"processes left behind: {alive}"
+    finally:
+        if train.poll() is None:
+            train.kill()

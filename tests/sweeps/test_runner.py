@@ -1,0 +1,152 @@
+"""`heterorl sweep`, `heterorl report` and `heterorl compare`: the grid, presets, resuming, failures, reports."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from heterorl.config import load_config
+from heterorl.errors import ConfigError
+from heterorl.sweeps.runner import SweepRunner, delay_overrides, load_spec
+from tests.conftest import run_cli
+
+RUN = """
+seed: 0
+task:
+  name: maze
+  options: {size: 5, wall_density: 0.3, min_path_len: 3, eval_size: 8, eval_seed: 12345}
+rollout: {group_size: 4, max_tokens: 24}
+rl: {base: maze-sft-base, steps: 2, prompts_per_step: 4, eval_every: 2}
+runtime: {workers: 2, groups_per_call: 2}
+logging: {wandb_mode: disabled}
+"""
+
+SWEEP = """
+name: tiny
+config: run.yaml
+mode: simulated
+parallel: 2
+seconds_per_step: 10
+losses: [gepo, grpo]
+delays: ["0", "4"]
+seeds: [0]
+"""
+
+
+def write_sweep(tmp_path: Path, text: str = SWEEP) -> Path:
+    (tmp_path / "run.yaml").write_text(RUN)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_delay_presets_are_the_papers_settings():
+    online = delay_overrides("0", 28.125)
+    assert online["runtime.mode"] == "sync" and online["delay.down.kind"] == "none"
+    steps = delay_overrides("16", 28.125)
+    assert steps["buffer.max_staleness_steps"] == 16 and steps["delay.down.kind"] == "uniform"
+    assert steps["delay.down.high_s"] == 16 * 28.125 and steps["delay.down.low_s"] == 0.0
+    assert steps["delay.down.reorder"]  # each version its own delay: staleness spreads over [0, K]
+    for kind in ("lognormal", "weibull"):
+        paper = delay_overrides(kind, 28.125)
+        assert (paper["delay.down.L_s"], paper["delay.down.U_s"], paper["delay.down.d0_s"], paper["delay.down.c"]) == \
+            (60.0, 1920.0, 400.0, 0.995)
+        assert paper["buffer.max_staleness_steps"] == math.ceil(1920 / 28.125)
+    with pytest.raises(ConfigError, match="not a preset"):
+        delay_overrides("soon", 28.125)
+
+
+def test_every_cell_resolves_to_a_valid_run_config(tmp_path):
+    path = write_sweep(tmp_path, SWEEP + "grid: {optim.lr: [1.0e-4, 3.0e-4]}\noverrides: {rl.steps: 3}\n")
+    sweep = SweepRunner(path, out=tmp_path / "out")
+    assert len(sweep.cells) == 2 * 2 * 1 * 2
+    cell = next(c for c in sweep.cells if c.loss == "grpo" and c.delay == "4" and c.extra["optim.lr"] == 3e-4)
+    assert cell.name == "grpo+optim.lr=0.0003__d4__s0"
+    cfg = sweep.resolve(cell)
+    assert (cfg.loss.name, cfg.optim.lr, cfg.rl.steps, cfg.runtime.execution) == ("grpo", 3e-4, 3, "simulated")
+    assert cfg.delay.down.high_s == 40.0 and cfg.buffer.max_staleness_steps == 4
+    assert cfg.logging.run_dir == str(tmp_path / "out" / "cells" / cell.name)
+
+
+def test_bad_sweep_files_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_spec(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="paralel"):
+        load_spec(write_sweep(tmp_path, SWEEP + "paralel: 3\n"))
+    with pytest.raises(ConfigError, match="mode"):
+        load_spec(write_sweep(tmp_path, SWEEP.replace("simulated", "imagined")))
+    with pytest.raises(ConfigError, match="grpoo"):
+        SweepRunner(write_sweep(tmp_path, SWEEP.replace("grpo]", "grpoo]")))
+    with pytest.raises(ConfigError, match="rl.stepz"):
+        sweep = SweepRunner(write_sweep(tmp_path, SWEEP + "overrides: {rl.stepz: 3}\n"))
+        sweep.resolve(sweep.cells[0])
+    with pytest.raises(ConfigError, match="config"):
+        SweepRunner(write_sweep(tmp_path, SWEEP.replace("run.yaml", "missing.yaml")))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_spec(write_sweep(tmp_path, SWEEP + "seeds: [1]\n"))  # a duplicate key
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_every_cell_resumes_and_reports(tmp_path):
+    path = write_sweep(tmp_path)
+    out = tmp_path / "out"
+    done = run_cli("sweep", str(path), "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "4 to run" in done.stdout
+    cells = sorted(p.name for p in (out / "cells").iterdir())
+    assert cells == ["gepo__d0__s0", "gepo__d4__s0", "grpo__d0__s0", "grpo__d4__s0"]
+    summaries = {c: json.loads((out / "cells" / c / "summary.json").read_text()) for c in cells}
+    assert all(s["status"] == "done" and s["steps"] == 2 and s["execution"] == "simulated"
+               for s in summaries.values())
+    assert summaries["gepo__d0__s0"]["staleness_max"] == 0  # online: sync mode
+    report = (out / "report" / "summary.md").read_text()
+    assert "| gepo | 4 |" in report and (out / "report" / "final_vs_delay_maze.png").is_file()
+    # resumable: nothing reruns; a lost cell reruns alone; a changed config reruns what it changes
+    (out / "cells" / "grpo__d4__s0" / "summary.json").unlink()
+    again = run_cli("sweep", str(path), "--out", str(out))
+    assert again.returncode == 0 and "3 done already, 1 to run" in again.stdout, again.stdout + again.stderr
+    changed = run_cli("sweep", str(path), "--out", str(out), "overrides={loss.options: {clip_eps: 0.1}}",
+                       "losses=[gepo]", "delays=['0']")
+    assert changed.returncode == 0 and "0 done already, 1 to run" in changed.stdout, changed.stdout + changed.stderr
+
+
+@pytest.mark.slow
+def test_a_failing_cell_is_reported_and_the_others_finish(tmp_path):
+    path = write_sweep(tmp_path, SWEEP.replace('delays: ["0", "4"]', 'delays: ["0"]').replace(
+        "losses: [gepo, grpo]", "losses: {gepo: {loss.name: gepo}, broken: {loss.name: gepo, loss.options.clip_eps: -1}}"))
+    out = tmp_path / "out"
+    result = run_cli("sweep", str(path), "--out", str(out))
+    assert result.returncode == 1
+    assert "1 cells failed: broken__d0__s0" in result.stderr
+    failed = json.loads((out / "cells" / "broken__d0__s0" / "summary.json").read_text())
+    assert failed["status"] == "failed" and failed["log_tail"]
+    assert json.loads((out / "cells" / "gepo__d0__s0" / "summary.json").read_text())["status"] == "done"
+    assert "broken__d0__s0" in (out / "report" / "summary.md").read_text()  # listed as unfinished
+
+
+@pytest.mark.slow
+def test_compare_puts_losses_side_by_side_at_one_delay(tmp_path):
+    (tmp_path / "run.yaml").write_text(RUN)
+    result = run_cli("compare", "--losses", "gepo,grpo", "--delay", "4", "--config", str(tmp_path / "run.yaml"),
+                      "--out", str(tmp_path / "cmp"), "--parallel", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    table = result.stdout[result.stdout.index("loss"):]
+    assert "gepo" in table and "grpo" in table
+    assert (tmp_path / "cmp" / "report" / "success_vs_step_maze_4.png").is_file()
+    cfg = load_config(tmp_path / "cmp" / "cells" / "gepo__d4__s0" / "cell_config.yaml")
+    assert cfg.delay.down.kind == "uniform" and cfg.runtime.mode == "async"
+
+
+@pytest.mark.slow
+def test_a_live_cell_runs_the_real_processes_with_scaled_delays(tmp_path):
+    (tmp_path / "run.yaml").write_text(RUN)
+    result = run_cli("compare", "--losses", "gepo", "--delay", "4", "--mode", "live", "--config",
+                      str(tmp_path / "run.yaml"), "--out", str(tmp_path / "live"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    cell = tmp_path / "live" / "cells" / "gepo__d4__s0"
+    summary = json.loads((cell / "summary.json").read_text())
+    assert summary["status"] == "done" and summary["execution"] == "live" and summary["steps"] == 2
+    assert (cell / "logs" / "learner.log").is_file() and (cell / "logs" / "worker-1.log").is_file()
+    cfg = load_config(cell / "cell_config.yaml")
+    assert cfg.delay.time_scale == 10.0 and cfg.delay.down.high_s == 4 * 28.125  # compare: the paper's S

@@ -1,0 +1,91 @@
+"""The layout is the architecture: data flows downhill, no import circles, config a leaf, gepo pure, and the
+runtime's and transport's functions short enough to read (docs/ARCHITECTURE.md)."""
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGES = ("heterorl", "gepo")
+LONG_FUNCTION_LINES = 60
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules ``name`` imports, anywhere in the file (inside functions too)."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            candidates = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for target in candidates:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                targets.add(target)
+    return targets
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {name: _imports(name, path, known) for name, path in known.items()}
+
+
+def _cycle_from(start: str, graph: dict[str, set[str]]) -> list[str] | None:
+    """A path start -> ... -> start, if there is one (depth-first)."""
+    stack, seen = [(start, [start])], set()
+    while stack:
+        node, path = stack.pop()
+        for nxt in graph[node]:
+            if nxt == start:
+                return path + [start]
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append((nxt, path + [nxt]))
+    return None
+
+
+def test_no_module_imports_a_module_that_imports_it_back():
+    assert _cycle_from("a", {"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check sees one
+    assert _cycle_from("a", {"a": {"b"}, "b": set()}) is None
+    graph = _graph()
+    circles = [c for c in (_cycle_from(name, graph) for name in sorted(graph)) if c]
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles[:5])
+
+
+def test_config_is_a_leaf_and_gepo_knows_nothing_of_heterorl():
+    graph = _graph()
+    assert graph["heterorl.config"] <= {"heterorl.errors", "gepo"}, graph["heterorl.config"]
+    for name, targets in graph.items():
+        if name.startswith("gepo"):
+            assert not any(t.startswith("heterorl") for t in targets), (name, targets)
+
+
+def test_runtime_and_transport_functions_fit_a_screen_or_say_why():
+    """A function over 60 lines in runtime/ or transport/ states why in a comment that starts with "long:"."""
+    too_long = []
+    for folder in ("runtime", "transport"):
+        for path in (REPO / "heterorl" / folder).glob("*.py"):
+            lines = path.read_text().splitlines()
+            for node in ast.walk(ast.parse("\n".join(lines))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1
+                    body = lines[node.lineno - 1:node.end_lineno]
+                    if length > LONG_FUNCTION_LINES and not any("# long:" in line for line in body):
+                        too_long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({length} lines)")
+    assert not too_long, too_long

@@ -1,0 +1,261 @@
+"""Wire protocol: every message round-trips; every malformed frame is one ProtocolError naming the field."""
+
+import math
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from heterorl.transport.protocol import (
+    SCHEMA_VERSION,
+    Ack,
+    Bye,
+    Heartbeat,
+    Hello,
+    Limits,
+    ProtocolError,
+    Ready,
+    Trajectory,
+    TrajectoryBatch,
+    WeightsChunk,
+    WeightsNotice,
+    WeightsRequest,
+    chunk_checksum,
+    decode,
+    encode,
+)
+from heterorl.transport.weights import pack_state_dict, unpack_state_dict
+from tests.conftest import trajectory
+
+
+def header_of(message) -> dict:
+    return msgpack.unpackb(encode(message)[0], raw=False)
+
+
+def frames_of(body: dict) -> list[bytes]:
+    return [msgpack.packb(body, use_bin_type=True)]
+
+
+def rejects(frames, field, reason=None, limits=Limits()):
+    with pytest.raises(ProtocolError) as info:
+        decode(frames, limits)
+    assert info.value.field == field, str(info.value)
+    if reason:
+        assert info.value.reason == reason, str(info.value)
+    assert f"`{field}`" in str(info.value)
+    return info.value
+
+
+def test_trajectory_round_trip_keeps_every_stamp():
+    sent = trajectory()
+    got = decode(encode(sent))
+    assert isinstance(got, Trajectory)
+    for name in ("trajectory_id", "group_id", "prompt_id", "sampler_id", "group_size", "reward",
+                 "generation_start", "generation_end", "sent_at", "stop_reason"):
+        assert getattr(got, name) == getattr(sent, name)
+    for name in ("prompt_tokens", "completion_tokens", "behaviour_logprobs", "policy_versions"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(sent, name))
+    assert got.policy_versions.tolist() == [3, 3, 4]  # one trajectory may span a weight update
+
+
+def test_arrays_are_little_endian_raw_buffers_and_decoded_as_views():
+    body = header_of(trajectory())
+    assert body["v"] == SCHEMA_VERSION and body["kind"] == "trajectory"
+    assert body["completion_tokens"] == np.array([9, 10, 1], dtype="<i4").tobytes()
+    got = decode(encode(trajectory()))
+    assert not got.behaviour_logprobs.flags.owndata  # a view of the received buffer, not a copy
+
+
+@pytest.mark.parametrize("message", [
+    Hello("w0", "host-a", 123, 4, 1.5),
+    Ready("w0", credits=64, newest_version=3, heartbeat_interval_s=1.0, settings={"weights_port": 5556, "x": "y"}),
+    Heartbeat("w0", 7, 2.0, 3.5, 0.25),
+    Ack(["a", "b"], ["c: bad"], 70, 12),
+    WeightsNotice(9),
+    WeightsRequest("w0", have_version=3, version=9, chunk=2),
+    Bye("w0", "shutting down"),
+])
+def test_control_messages_round_trip(message):
+    assert decode(encode(message)) == message
+
+
+def test_id_lists_are_checked_in_bulk_and_the_culprit_named():
+    body = header_of(Ack(["a", "b", "c"], [], 3, -1))
+    for accepted, culprit, reason in ((["a", 5, "c"], "accepted[1]", "type"), (["a", "b", ""], "accepted[2]", "bounds"),
+                                      (["x" * 257, "b"], "accepted[0]", "bounds")):
+        rejects([msgpack.packb(body | {"accepted": accepted})], culprit, reason)
+    assert decode([msgpack.packb(body | {"accepted": ["a" * 256]})]).accepted == ["a" * 256]
+
+
+def test_weights_round_trip_through_chunks_with_checksums():
+    state = {"w": torch.randn(300, 7), "b": torch.arange(5, dtype=torch.int64),
+             "h": torch.randn(4, 4).to(torch.bfloat16), "m": torch.tensor([True, False])}
+    packed = pack_state_dict(state, version=5, chunk_bytes=1000)
+    header = decode(encode(packed.header))
+    assert header == packed.header and header.num_chunks == math.ceil(header.total_bytes / 1000) > 1
+    buffer = bytearray(header.total_bytes)
+    for i in range(header.num_chunks):
+        data = packed.chunk(i)
+        chunk = decode(encode(WeightsChunk(5, i, chunk_checksum(data), data)))
+        assert chunk.data.obj is data.obj  # the chunk frame is viewed, not copied
+        buffer[i * 1000:i * 1000 + len(chunk.data)] = chunk.data
+    got = unpack_state_dict(header, buffer)
+    assert set(got) == set(state)
+    for name in state:
+        assert got[name].dtype == state[name].dtype and torch.equal(got[name], state[name])
+
+
+def test_corrupted_weights_fail_their_checksums():
+    packed = pack_state_dict({"w": torch.ones(100)}, version=1, chunk_bytes=128)
+    data = bytearray(packed.chunk(0))
+    checksum = chunk_checksum(data)
+    data[3] ^= 0xFF
+    rejects(encode(WeightsChunk(1, 0, checksum, bytes(data))), "data", "checksum")
+    assert packed.chunk_checksum(0) == checksum and packed.chunk_checksum(1) == chunk_checksum(packed.chunk(1))
+    with pytest.raises(ProtocolError, match="total_bytes"):
+        unpack_state_dict(packed.header, bytearray(packed.header.total_bytes - 1))
+
+
+def test_unsupported_tensor_dtype_is_named():
+    with pytest.raises(ValueError, match="complex64"):
+        pack_state_dict({"z": torch.zeros(2, dtype=torch.complex64)}, version=1)
+
+
+# -- malformed frames ------------------------------------------------------------------------
+
+def test_frame_level_garbage_is_rejected():
+    rejects([b"\x00\x01garbage"], "frame", "malformed")
+    rejects([msgpack.packb([1, 2, 3])], "frame", "malformed")
+    rejects([encode(trajectory())[0][:-5]], "frame", "malformed")  # truncated msgpack
+    rejects([], "frame", "malformed")
+    rejects([*encode(Heartbeat("w0")), b"extra"], "frame", "malformed")
+
+
+def test_schema_version_kind_and_fields_are_checked():
+    body = header_of(Heartbeat("w0", 1, 2.0))
+    rejects(frames_of(body | {"v": SCHEMA_VERSION + 1}), "v", "schema_version")
+    rejects(frames_of({k: v for k, v in body.items() if k != "v"}), "v", "schema_version")
+    rejects(frames_of(body | {"kind": "pickle"}), "kind", "unknown_kind")
+    rejects(frames_of({k: v for k, v in body.items() if k != "version_held"}), "version_held", "missing_field")
+    rejects(frames_of(body | {"sneaky": 1}), "sneaky", "unknown_field")
+    rejects(frames_of(body | {"version_held": "7"}), "version_held", "type")
+    rejects(frames_of(body | {"version_held": True}), "version_held", "type")
+    rejects(frames_of(body | {"sent_at": float("nan")}), "sent_at", "not_finite")
+    rejects(frames_of(body | {"sender_id": "w0; rm -rf"}), "sender_id", "bounds")
+    rejects(frames_of(body | {"sender_id": "x" * 500}), "sender_id", "bounds")
+
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("behaviour_logprobs", np.array([-0.1, np.nan, -1], dtype="<f4").tobytes(), "not_finite"),
+    ("behaviour_logprobs", np.array([-0.1, -np.inf, -1], dtype="<f4").tobytes(), "not_finite"),
+    ("behaviour_logprobs", np.array([-0.1, 0.5, -1], dtype="<f4").tobytes(), "bounds"),
+    ("behaviour_logprobs", np.array([-0.1, -1], dtype="<f4").tobytes(), "length_mismatch"),
+    ("policy_versions", np.array([1, 1, 1, 1], dtype="<i4").tobytes(), "length_mismatch"),
+    ("policy_versions", np.array([1, -1, 1], dtype="<i4").tobytes(), "bounds"),
+    ("completion_tokens", b"\x01\x02\x03", "length"),  # not a whole int32
+    ("completion_tokens", b"", "length"),
+    ("prompt_tokens", np.array([1, 2**25], dtype="<i4").tobytes(), "bounds"),
+    ("prompt_tokens", np.array([-3], dtype="<i4").tobytes(), "bounds"),
+    ("prompt_tokens", [1, 2, 3], "type"),
+    ("reward", float("inf"), "not_finite"),
+    ("reward", 1e9, "bounds"),
+    ("reward", "1.0", "type"),
+    ("group_size", 0, "bounds"),
+    ("generation_end", 9.0, "bounds"),  # before generation_start
+])
+def test_trajectory_fields_are_validated(field, value, reason):
+    rejects(frames_of(header_of(trajectory()) | {field: value}), field, reason)
+
+
+def test_size_limits_apply_before_allocation():
+    limits = Limits(max_tokens=16, max_header_bytes=4096)
+    big = trajectory(completion_tokens=np.zeros(20, np.int32), behaviour_logprobs=np.zeros(20, np.float32),
+                     policy_versions=np.zeros(20, np.int32))
+    rejects(encode(big), "completion_tokens", "too_large", limits)
+    rejects([b"\x00" * 5000], "frame", "too_large", limits)
+
+
+def test_weights_header_consistency_is_checked():
+    header = header_of(pack_state_dict({"w": torch.ones(10)}, version=2, chunk_bytes=16).header)
+    rejects(frames_of(header | {"total_bytes": 41}), "total_bytes", "length_mismatch")
+    rejects(frames_of(header | {"num_chunks": 2}), "num_chunks", "length_mismatch")
+    rejects(frames_of(header | {"dtypes": ["complex64"]}), "dtypes[0]", "bounds")
+    rejects(frames_of(header | {"shapes": [[10], [3]]}), "shapes", "length_mismatch")
+    rejects(frames_of(header | {"chunk_bytes": 0}), "chunk_bytes", "bounds")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_random_bytes_never_raise_anything_but_protocol_error(data):
+    try:
+        decode([data])
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_mutated_valid_frames_decode_or_fail_cleanly(data):
+    frame = bytearray(encode(trajectory())[0])
+    for _ in range(data.draw(st.integers(1, 4))):
+        position = data.draw(st.integers(0, len(frame) - 1))
+        frame[position] = data.draw(st.integers(0, 255))
+    try:
+        message = decode([bytes(frame)])
+    except ProtocolError:
+        return
+    # anything that still decodes passed every check
+    assert isinstance(message, Trajectory)
+    assert np.isfinite(message.behaviour_logprobs).all()
+    assert len(message.behaviour_logprobs) == len(message.completion_tokens) == len(message.policy_versions)
+
+
+def batch_frames(n: int = 3) -> list:
+    return encode(TrajectoryBatch([trajectory(trajectory_id=f"t{i}", completion_tokens=np.arange(i + 1, dtype=np.int32),
+                                              behaviour_logprobs=np.full(i + 1, -0.5, np.float32),
+                                              policy_versions=np.full(i + 1, i, np.int32)) for i in range(n)]))
+
+
+def test_a_batch_carries_its_arrays_in_one_frame_and_decodes_to_views():
+    frames = batch_frames(3)
+    assert len(frames) == 2  # header + the prompt, completion, log-prob and version arrays of all three
+    assert len(memoryview(frames[1])) == 4 * (3 * 4 + 3 * (1 + 2 + 3))  # 4 prompt tokens each, 1..3 completion
+    got = decode([bytes(memoryview(f)) for f in frames])
+    assert [t.trajectory_id for t in got.trajectories] == ["t0", "t1", "t2"]
+    assert [t.completion_tokens.tolist() for t in got.trajectories] == [[0], [0, 1], [0, 1, 2]]
+    assert got.trajectories[2].policy_versions.tolist() == [2, 2, 2]
+    assert got.trajectories[1].prompt_tokens.tolist() == [5, 6, 7, 8]
+    assert not got.trajectories[1].behaviour_logprobs.flags.owndata  # views of the received frames
+
+
+def test_a_batch_is_validated_as_a_whole_and_names_the_entry():
+    header = msgpack.unpackb(batch_frames(3)[0], raw=False)
+    data = bytes(memoryview(batch_frames(3)[1]))
+
+    def with_header(**changes):
+        return [msgpack.packb(header | changes, use_bin_type=True), data]
+
+    rejects(with_header(reward=[1.0, float("nan"), 0.0]), "reward[1]", "not_finite")
+    rejects(with_header(trajectory_id=["t0", "t 1", "t2"]), "trajectory_id[1]", "bounds")
+    rejects(with_header(completion_len=[1, 2]), "completion_len", "length_mismatch")
+    rejects(with_header(completion_len=[1, 2, 4]), "data", "length_mismatch")
+    rejects(with_header(completion_len=[1, 0, 5]), "completion_len[1]", "bounds")  # bulk checks fall back to
+    rejects(with_header(prompt_len=[4, True, 4]), "prompt_len[1]", "type")  # name the entry; no bool for int
+    rejects(with_header(group_size=[4, 4.0, 4]), "group_size[1]", "type")
+    rejects(with_header(trajectory_id=[]), "trajectory_id", "type")
+    rejects(with_header()[:1], "frame", "malformed")  # the data frame missing
+    rejects([*with_header(), data], "frame", "malformed")  # one too many
+    rejects([with_header()[0], data[:-4]], "data", "length_mismatch")
+    words = np.frombuffer(data, "<i4").copy()
+    logprobs = words[12 + 6:12 + 12].view("<f4")  # after 3 x 4 prompt tokens and 6 completion tokens
+    logprobs[1] = np.nan
+    rejects(with_header()[:1] + [words.tobytes()], "behaviour_logprobs", "not_finite")
+    logprobs[1] = 0.5
+    rejects(with_header()[:1] + [words.tobytes()], "behaviour_logprobs", "bounds")
+    logprobs[1] = -0.5
+    versions = words[12 + 12:]
+    versions[0] = -1
+    rejects(with_header()[:1] + [words.tobytes()], "policy_versions", "bounds")
