@@ -42,6 +42,8 @@ _TIMEOUT_S = 120.0
 _TRAJECTORY_TARGET = 0.8
 _WEIGHTS_TARGET = 0.6
 _GROUP = 8  # completions per prompt: a worker hands the transport one scored group at a time
+_VOCAB = 151_936  # token ids are drawn below 150,000; the contract's vocabulary is a Qwen2.5 model's
+_VERSION = 7  # every trajectory's policy version, published before the senders start
 
 
 # -- payloads and measurements ----------------------------------------------------------------------
@@ -57,7 +59,7 @@ def _trajectory(sampler_id: str, prompt_tokens: int, completion_tokens: int):
         prompt_tokens=rng.integers(0, 150_000, prompt_tokens, dtype=np.int32),
         completion_tokens=rng.integers(0, 150_000, completion_tokens, dtype=np.int32),
         behaviour_logprobs=-rng.exponential(1.0, completion_tokens).astype(np.float32),
-        policy_versions=np.full(completion_tokens, 7, dtype=np.int32),
+        policy_versions=np.full(completion_tokens, _VERSION, dtype=np.int32),
         reward=1.0, generation_start=now - 10.0, generation_end=now,
     )
 
@@ -190,13 +192,18 @@ class _Senders:
 def _bench_trajectories(ctx, workers: int, n_total: int, repeats: int, prompt_tokens: int,
                         completion_tokens: int, frame: bytes, config: Any) -> dict[str, tuple[float, float, float]]:
     """{"ours"/"raw": (best trajectories/s, CPU s per trajectory of the receiver and of the senders in that
-    round)}."""
+    round)}. The learner checks every trajectory against a contract, as a live learner does."""
+    import torch
     import zmq
 
     from heterorl.transport import LearnerServer
+    from heterorl.transport.protocol import TrajectoryContract
 
     n_each = max(1, n_total // workers)
-    server = LearnerServer(f"{_HOST}:0", config)
+    contract = TrajectoryContract(vocab_size=_VOCAB, max_sequence_len=prompt_tokens + completion_tokens,
+                                  group_size=_GROUP)
+    server = LearnerServer(f"{_HOST}:0", config, contract=contract)
+    server.publish(_VERSION, {"bias": torch.zeros(1)})  # the version the trajectories carry is out
     zctx = zmq.Context()
     pull = zctx.socket(zmq.PULL)
     raw_address = f"{_HOST}:{pull.bind_to_random_port(_HOST)}"

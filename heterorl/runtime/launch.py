@@ -62,7 +62,7 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
     from heterorl.config import TransportConfig
     from heterorl.delay.clock import delay_clock
     from heterorl.delay.links import DelayLink
-    from heterorl.runtime.learner import Learner, finish_learner_run, learner_settings
+    from heterorl.runtime.learner import Learner, finish_learner_run, learner_settings, trajectory_contract
     from heterorl.transport import LearnerServer
 
     torch.set_num_threads(cfg.runtime.threads)
@@ -81,8 +81,9 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
     weights_delay = None
     if cfg.delay.down.kind != "none":
         weights_delay = lambda worker_id: DelayLink(cfg.delay.down, name=f"{worker_id}/weights").schedule  # noqa: E731
+    contract = trajectory_contract(cfg, training.model)  # checked on every trajectory before it is buffered
     server = LearnerServer(bind, transport, curve=curve, weights_address=weights_address, weights_delay=weights_delay,
-                           settings=learner_settings(cfg), clock=delay_clock(cfg).now)
+                           settings=learner_settings(cfg, contract), clock=delay_clock(cfg).now, contract=contract)
     (run_dir / ENDPOINTS).write_text(json.dumps({"control": server.control_endpoint,
                                                  "weights": server.weights_endpoint}))
     print(f"learner listening on {server.control_endpoint} (weights on {server.weights_endpoint})", flush=True)

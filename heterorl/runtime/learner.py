@@ -36,13 +36,15 @@ from heterorl.runtime.buffer import Group, GroupBuffer
 from heterorl.tasks.base import Task
 from heterorl.training.evaluation import evaluate
 from heterorl.training.session import Datum, SamplingClient, TrainingClient
-from heterorl.training.step import optimize_batch
+from heterorl.training.step import SkippedUpdate, optimize_batch
 from heterorl.transport import LearnerServer
+from heterorl.transport.protocol import TrajectoryContract
 
 log = logging.getLogger("heterorl.runtime.learner")
 
 CHECKPOINT = "checkpoint.pt"
 LEARNER_STATE = "learner_state.json"
+SKIPPED_BATCHES = "skipped_batches.jsonl"  # one line per minibatch the loss refused: its trajectory ids, the reason
 
 
 @dataclass(kw_only=True)
@@ -314,7 +316,10 @@ class Learner:
         staleness_s = [now_wall - state.publish_wall_s.get(str(g.oldest_version), now_wall) for g in groups]
         datums, _ = self.ranks.share((group_datums(groups), self.training.version))
         total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
-        metrics = optimize_batch(self.training, datums, cfg, total_updates, (self.ranks.rank, self.ranks.world))
+        skipped: list[SkippedUpdate] = []
+        metrics = optimize_batch(self.training, datums, cfg, total_updates, (self.ranks.rank, self.ranks.world),
+                                 skipped=skipped)
+        self._keep_skipped(groups, skipped)
         with self._buffer_lock:
             for g in groups:
                 self._trained.update(t.trajectory_id for t in g.trajectories)
@@ -333,6 +338,18 @@ class Learner:
         if (every and state.step % every == 0) or state.step == cfg.rl.steps:
             self.save_checkpoint()
         return version
+
+    def _keep_skipped(self, groups: list[Group], skipped: list[SkippedUpdate]) -> None:
+        """Append each minibatch the loss refused to ``RUN_DIR/skipped_batches.jsonl``: the step, the version,
+        the reason and the ids of its trajectories (rows index `group_datums`' order), for inspection."""
+        if not skipped:
+            return
+        ids = [t.trajectory_id for g in groups for t in g.trajectories]
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with (self.run_dir / SKIPPED_BATCHES).open("a") as f:
+            for update in skipped:
+                f.write(json.dumps({"step": self.state.step + 1, "version": self.training.version,
+                                    "reason": update.reason, "trajectory_ids": [ids[i] for i in update.rows]}) + "\n")
 
     def _step_metrics(self, groups: list[Group], staleness: list[int], staleness_s: list[float],
                       version: int) -> dict:
@@ -371,7 +388,20 @@ def finish_learner_run(cfg: Config, task: Task, training: TrainingClient, run_di
                title=f"{cfg.runtime.mode}, {cfg.loss.name}", xlabel="learner step")
 
 
-def learner_settings(cfg: Config) -> dict:
-    """What workers receive in ``ready``: the whole run config, so a fleet cannot drift apart."""
-    return {"config": to_yaml(cfg)}
+def trajectory_contract(cfg: Config, model) -> TrajectoryContract:
+    """What every trajectory must satisfy to reach ``model`` (docs/RELIABILITY.md): token ids inside its input
+    embedding, prompt + completion within its context (``config.max_position_embeddings``), groups of at most
+    ``rollout.group_size``; behaviour log-probs at or above the default floor."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(context, int):
+        raise HeteroRLError(f"the policy's config has no max_position_embeddings (got {context!r}): the learner "
+                            "cannot bound the sequences it takes; use a model whose config states its context")
+    return TrajectoryContract(vocab_size=model.get_input_embeddings().num_embeddings, max_sequence_len=context,
+                              group_size=cfg.rollout.group_size)
+
+
+def learner_settings(cfg: Config, contract: TrajectoryContract | None = None) -> dict:
+    """What workers receive in ``ready``: the whole run config, so a fleet cannot drift apart, and the contract
+    their trajectories must keep (``contract.*``), so an honest worker never breaks it."""
+    return {"config": to_yaml(cfg), **(contract.settings() if contract is not None else {})}
 

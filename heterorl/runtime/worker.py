@@ -22,6 +22,7 @@ for the next version after each share of a batch, with a timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -41,7 +42,7 @@ from heterorl.tasks import make_task
 from heterorl.training.session import SamplingClient
 from heterorl.training.textcodec import encode_text
 from heterorl.transport import CurveConfig, TransportTimeout, WorkerClient
-from heterorl.transport.protocol import Trajectory
+from heterorl.transport.protocol import MIN_LOGPROB, Trajectory, TrajectoryContract
 
 log = logging.getLogger("heterorl.runtime.worker")
 
@@ -70,10 +71,12 @@ def sampling_params(cfg: Config, worker_id: str, groups_sent: int) -> SamplingPa
 
 
 def stamp_groups(task, worker_id: str, first_index: int, version: int, problems, prompts, groups,
-                 start_wall: float, end_wall: float) -> list[list[Trajectory]]:
+                 start_wall: float, end_wall: float, min_logprob: float = MIN_LOGPROB) -> list[list[Trajectory]]:
     """Score each sampled group and stamp its trajectories (ids, policy version per token, behaviour log-probs,
     timestamps). Group ids are ``{worker_id}-{n}``, n counting from ``first_index``; empty completions are left
-    out (a group is as large as what remains)."""
+    out (a group is as large as what remains). Behaviour log-probs are clipped to [``min_logprob``, 0]: the
+    learner's floor (its contract) exists only to keep the loss finite, and no token a sampler draws lies below
+    it but with odds of about e^-50, so clipping there changes nothing else."""
     stamped = []
     for n, (problem, prompt, group) in enumerate(zip(problems, prompts, groups), start=first_index):
         group_id = f"{worker_id}-{n}"
@@ -83,7 +86,7 @@ def stamp_groups(task, worker_id: str, first_index: int, version: int, problems,
             sampler_id=worker_id, group_size=len(group),
             prompt_tokens=np.asarray(prompt, dtype=np.int32),
             completion_tokens=np.asarray(sample.tokens, dtype=np.int32),
-            behaviour_logprobs=np.minimum(np.asarray(sample.logprobs, dtype=np.float32), 0.0),
+            behaviour_logprobs=np.clip(np.asarray(sample.logprobs, dtype=np.float32), min_logprob, 0.0),
             policy_versions=np.full(len(sample.tokens), version, dtype=np.int32),
             reward=float(task.reward(problem, sample.text)),
             generation_start=start_wall, generation_end=end_wall, stop_reason=sample.stop_reason,
@@ -102,6 +105,7 @@ class RolloutWorker:
         self.client = WorkerClient(options.address, options.worker_id, transport, curve=options.curve)
         self.version = -1
         self.learner_timeout_s = 300.0  # from the learner's config once it answers
+        self.contract: TrajectoryContract | None = None  # what the learner takes, from its ready answer
         self.groups_sent = 0
         self.busy_s = 0.0
         self.idle_s = 0.0
@@ -112,6 +116,7 @@ class RolloutWorker:
         if "config" not in ready.settings:
             raise HeteroRLError("the learner sent no run config in its ready message; is it a heterorl learner?")
         cfg = load_config(text=ready.settings["config"])
+        self.contract = TrajectoryContract.from_settings(ready.settings)
         self.client.config = cfg.transport
         self.learner_timeout_s = cfg.runtime.learner_timeout_s
         torch.set_num_threads(cfg.runtime.threads)
@@ -142,6 +147,7 @@ class RolloutWorker:
         task = make_task(cfg.task.name, dict(cfg.task.options), cfg.task.reward_fn)
         base = self.options.policy or cfg.rl.base or cfg.policy.model
         model, tokenizer = load_policy(base, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=cfg.policy.device)
+        self._check_policy(model, base)
         model.eval()
         self.sampler = SamplingClient.for_model(model, tokenizer, device=cfg.policy.device)
         got = self._wait(self.client.wait_weights, -1, cfg.runtime.learner_timeout_s)
@@ -179,19 +185,42 @@ class RolloutWorker:
         log.info("worker %s: the learner ended the run after %d groups", worker_id, self.groups_sent)
         return 0
 
+    def _check_policy(self, model, base: str) -> None:
+        """Refuse to start with a policy whose token ids the learner's model cannot take (a wrong tokenizer)."""
+        vocab = model.get_input_embeddings().num_embeddings
+        if self.contract is not None and vocab > self.contract.vocab_size:
+            raise HeteroRLError(f"policy {base!r} has {vocab} token ids but the learner's model takes "
+                                f"{self.contract.vocab_size}: its trajectories would be rejected; start the worker "
+                                "with the learner's policy (or a --policy with the same tokenizer)")
+
+    def _sampling_params(self, cfg: Config, prompts: list[list[int]]):
+        """`sampling_params`, with ``max_tokens`` capped so that prompt + completion fit the learner's
+        ``max_sequence_len``; HeteroRLError when a prompt alone leaves no room."""
+        params = sampling_params(cfg, self.options.worker_id, self.groups_sent)
+        if self.contract is None:
+            return params
+        longest = max(map(len, prompts))
+        room = self.contract.max_sequence_len - longest
+        if room < 1:
+            raise HeteroRLError(f"a prompt of {longest} tokens leaves no room for a completion in the learner's "
+                                f"max_sequence_len ({self.contract.max_sequence_len}, its model's context): use "
+                                "shorter prompts (task.options) or a model with a longer context")
+        return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+
     def _generate_and_send(self, cfg: Config, task, problems) -> None:
         worker_id = self.options.worker_id
         prompts = [encode_text(self.sampler.tokenizer, p.prompt, "prompt") for p in problems]
+        params = self._sampling_params(cfg, prompts)
         start_wall, start = time.time(), time.monotonic()
-        groups = self.sampler.sample(prompts, cfg.rollout.group_size, sampling_params(cfg, worker_id,
-                                                                                       self.groups_sent)).result()
+        groups = self.sampler.sample(prompts, cfg.rollout.group_size, params).result()
         elapsed = time.monotonic() - start
         if self.options.throttle > 1:
             time.sleep((self.options.throttle - 1) * elapsed)  # a slower device: counted as busy time
         self.busy_s += time.monotonic() - start
         self.client.busy_s = self.busy_s
+        floor = self.contract.min_logprob if self.contract is not None else MIN_LOGPROB
         stamped = stamp_groups(task, worker_id, self.groups_sent, self.version, problems, prompts, groups,
-                               start_wall, time.time())
+                               start_wall, time.time(), floor)
         self.groups_sent += len(stamped)
         for group in stamped:
             self._send(list(group))

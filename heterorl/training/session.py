@@ -290,7 +290,9 @@ class TrainingClient:
 
     def forward_backward(self, datums: Sequence[Datum], loss_fn: LossFnArg = "cross_entropy", loss_config=None, *,
                          temperature: float = 1.0) -> Future:
-        """Future of ``ForwardBackwardOutput``; gradients accumulate until ``optim_step``.
+        """Future of ``ForwardBackwardOutput``; gradients accumulate until ``optim_step``. A batch the loss refuses
+        (``gepo.LossInputError``: inconsistent input, a non-finite loss) raises before ``backward``, so it leaves
+        the accumulated gradients as they were.
 
         ``temperature``: the one the completions were sampled at. The learner's log-probs are then those of
         the same tempered distribution as the behaviour log-probs, so on-policy importance weights are 1."""

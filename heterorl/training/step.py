@@ -4,9 +4,15 @@ the learner, the simulated execution)."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
+from gepo import LossInputError
 from heterorl.config import Config, loss_options
 from heterorl.training.lr_schedule import learning_rate
 from heterorl.training.session import AdamParams, Datum, TrainingClient
+
+log = logging.getLogger("heterorl.training.step")
 
 
 def group_rows(datums: list[Datum]) -> list[list[Datum]]:
@@ -32,10 +38,19 @@ def minibatches(datums: list[Datum], count: int) -> list[list[Datum]]:
 # ``optim/skip_reason`` of a step that ran no update (``optim/updates`` 0)
 NO_SIGNAL = "no_signal"  # every group's completions scored alike: every group-relative advantage is 0
 TOO_FEW_GROUPS = "too_few_groups"  # fewer groups with signal in each minibatch than learner ranks
+BAD_BATCH = "bad_batch"  # the loss refused every minibatch that had signal (`gepo.LossInputError`: e.g. not finite)
+
+
+@dataclass
+class SkippedUpdate:
+    """A minibatch the loss refused (`gepo.LossInputError`), so no update ran on it."""
+
+    rows: list[int]  # its datums, as indices into the datums given to `optimize_batch`
+    reason: str  # the loss's message
 
 
 def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, total_updates: int,
-                   shard: tuple[int, int] = (0, 1)) -> dict:
+                   shard: tuple[int, int] = (0, 1), skipped: list[SkippedUpdate] | None = None) -> dict:
     """``forward_backward`` + ``optim_step`` on ``cfg.rl.updates_per_batch`` minibatches of whole groups.
 
     A minibatch in which every group scored alike carries no learning signal and is skipped; with
@@ -43,7 +58,11 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
     metrics of the last update (the loss's diagnostics, ``optim/lr``, ``optim/grad_norm``) and
     ``optim/updates`` (how many updates ran). A step that ran no update has no loss, so it reports none of
     the loss's metrics (``loss/*``, ``is/*``, ``kl/*``) nor ``optim/lr``/``optim/grad_norm``: by design they
-    are absent, not NaN, and ``optim/skip_reason`` says why (`NO_SIGNAL` or `TOO_FEW_GROUPS`).
+    are absent, not NaN, and ``optim/skip_reason`` says why (`NO_SIGNAL`, `TOO_FEW_GROUPS` or `BAD_BATCH`).
+
+    A minibatch whose loss raises ``gepo.LossInputError`` (a non-finite loss, inconsistent input) is skipped
+    without a step and logged; ``optim/bad_batches`` (present only when > 0) counts them,
+    and ``skipped``, when given, receives a `SkippedUpdate` for each, so the caller can keep its rows.
 
     ``shard = (rank, world)``: under data parallelism every rank is given the whole batch, makes the same
     minibatch and skip decisions, and runs ``forward_backward`` on its share of each minibatch's groups
@@ -52,6 +71,7 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
     rank, world = shard
     metrics: dict = {"optim/updates": 0}
     reason = NO_SIGNAL
+    row_of = {id(d): i for i, d in enumerate(datums)}
     if cfg.rl.drop_uniform_groups:
         datums = [d for group in group_rows(datums) if has_signal([group]) for d in group]
     for batch in minibatches(datums, cfg.rl.updates_per_batch):
@@ -63,8 +83,17 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
             continue
         if world > 1:
             batch = [d for g in groups[rank::world] for d in g]
-        out = training.forward_backward(batch, cfg.loss.name, loss_options(cfg),
-                                        temperature=cfg.rollout.temperature or 1.0).result()
+        try:
+            out = training.forward_backward(batch, cfg.loss.name, loss_options(cfg),
+                                            temperature=cfg.rollout.temperature or 1.0).result()
+        except LossInputError as exc:
+            # the learner outlives a batch its loss cannot take: no step on it (the loss refuses before backward,
+            # so no gradient of it was accumulated)
+            log.warning("skipped a minibatch of %d rows without an update: %s", len(batch), exc)
+            metrics["optim/bad_batches"] = metrics.get("optim/bad_batches", 0) + 1
+            if skipped is not None:
+                skipped.append(SkippedUpdate([row_of[id(d)] for d in batch], str(exc)))
+            continue
         lr = learning_rate(training.step + 1, cfg.optim.lr, total_updates, cfg.optim.warmup_steps,
                            cfg.optim.schedule, cfg.optim.min_lr_ratio)
         optim = training.optim_step(AdamParams(
@@ -74,5 +103,5 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
         metrics.update({"optim/lr": lr, "optim/grad_norm": optim.grad_norm})
         metrics["optim/updates"] += 1
     if not metrics["optim/updates"]:
-        metrics["optim/skip_reason"] = reason
+        metrics["optim/skip_reason"] = BAD_BATCH if "optim/bad_batches" in metrics else reason
     return metrics

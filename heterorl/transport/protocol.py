@@ -12,6 +12,11 @@ field's type, every array's dtype size, length and bounds, finiteness and the
 size limits of :class:`Limits`, and raises :class:`ProtocolError` naming the
 field. A service catches that one exception type, counts the reason and keeps
 serving.
+
+A frame that decodes may still not fit the learner: :class:`TrajectoryContract`
+states what a trajectory must satisfy to reach its model (versions, vocabulary,
+context, a log-prob floor, group size) and names every trajectory of a batch that
+breaks it (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -142,19 +147,27 @@ def _le(array: np.ndarray, dtype: str) -> bytes:
 
 
 def _check_token_arrays(prompt: np.ndarray, completion: np.ndarray, logprobs: np.ndarray, versions: np.ndarray,
-                        limits: Limits) -> None:
-    """Bounds and finiteness of (possibly concatenated) token arrays: one min/max pass per array."""
+                        limits: Limits) -> tuple[int, int, float, int, int]:
+    """Bounds and finiteness of (possibly concatenated) token arrays: one min/max pass per array. Returns what
+    those passes found, the array part of `BatchExtremes`: (largest prompt token id, largest completion token
+    id, lowest log-prob, oldest version, newest version)."""
+    highest = []
     for name, tokens in (("prompt_tokens", prompt), ("completion_tokens", completion)):
-        if len(tokens) and int(tokens.view("<u4").max()) >= limits.max_token_id:  # negatives wrap to > 2**31
+        top = int(tokens.view("<u4").max()) if len(tokens) else -1  # negatives wrap to > 2**31
+        if top >= limits.max_token_id:
             raise ProtocolError(name, f"token ids must lie in [0, {limits.max_token_id})", "bounds")
+        highest.append(top)
+    low = high = 0.0
     if len(logprobs):
         low, high = float(logprobs.min()), float(logprobs.max())
         if not (math.isfinite(low) and math.isfinite(high)):
             raise ProtocolError("behaviour_logprobs", "holds NaN or inf", "not_finite")
         if high > 1e-4:
             raise ProtocolError("behaviour_logprobs", "holds values > 0 (log-probabilities are ≤ 0)", "bounds")
-    if len(versions) and int(versions.view("<u4").max()) > _INT32_MAX:
+    oldest, newest = (int(versions.min()), int(versions.max())) if len(versions) else (0, -1)
+    if oldest < 0:
         raise ProtocolError("policy_versions", "holds negative versions", "bounds")
+    return highest[0], highest[1], low, oldest, newest
 
 
 # -- messages -------------------------------------------------------------------------------------
@@ -342,6 +355,8 @@ class TrajectoryBatch(Message):
     kind: ClassVar[str] = "trajectories"
     data_frames: ClassVar[int] = 1
     trajectories: list[Trajectory] = field(default_factory=list)
+    # set by `from_wire` from the reductions its checks made anyway; else computed on first use (`extremes`)
+    _extremes: BatchExtremes | None = field(default=None, init=False, repr=False, compare=False)
 
     _SCALARS: ClassVar[tuple[str, ...]] = (
         "trajectory_id", "group_id", "prompt_id", "sampler_id", "group_size", "reward", "generation_start",
@@ -356,6 +371,12 @@ class TrajectoryBatch(Message):
         body["prompt_len"] = [len(t.prompt_tokens) for t in ts]
         body["completion_len"] = [len(t.completion_tokens) for t in ts]
         return body
+
+    def extremes(self) -> BatchExtremes:
+        """What a `TrajectoryContract` bounds, over the whole batch (kept from decoding a received batch)."""
+        if self._extremes is None:
+            self._extremes = BatchExtremes.of(self.trajectories)
+        return self._extremes
 
     def payload_nbytes(self) -> int:
         """Bytes of the data frame (every entry is 4 bytes)."""
@@ -397,9 +418,10 @@ class TrajectoryBatch(Message):
         cuts = (0, total_prompt, total_prompt + total_completion, total_prompt + 2 * total_completion, len(words))
         prompt, completion, logprobs, versions = (words[a:b] for a, b in zip(cuts, cuts[1:]))
         logprobs = logprobs.view("<f4")
-        _check_token_arrays(prompt, completion, logprobs, versions, limits)
+        found = _check_token_arrays(prompt, completion, logprobs, versions, limits)
         if _scalars_valid(body, limits):  # the common case, checked in bulk; else find and name the culprit
-            return cls(_build_batch(body, prompt, completion, logprobs, versions, prompt_len, completion_len))
+            return cls._decoded(_build_batch(body, prompt, completion, logprobs, versions, prompt_len,
+                                             completion_len), found, prompt_len, completion_len)
         trajectories = []
         p_off = c_off = 0
         for i in range(n):
@@ -422,7 +444,17 @@ class TrajectoryBatch(Message):
                 stop_reason=_str(f"stop_reason[{i}]", body["stop_reason"][i], 32, _ID_PATTERN),
             ))
             p_off, c_off = p_end, c_end
-        return cls(trajectories)
+        return cls._decoded(trajectories, found, prompt_len, completion_len)
+
+    @classmethod
+    def _decoded(cls, trajectories: list[Trajectory], found: tuple, prompt_len: list[int],
+                 completion_len: list[int]) -> "TrajectoryBatch":
+        """The decoded batch, keeping its extremes: what the array checks ``found``, the longest sequence and the
+        largest group size."""
+        batch = cls(trajectories)
+        batch._extremes = BatchExtremes(*found, max(map(operator.add, prompt_len, completion_len)),
+                                        max(t.group_size for t in trajectories))
+        return batch
 
 
 def _types_are(values, allowed: set) -> bool:
@@ -641,6 +673,131 @@ TENSOR_DTYPES = {
     "float32": ("<f4", 4), "float16": ("<f2", 2), "bfloat16": ("<u2", 2), "float64": ("<f8", 8),
     "int64": ("<i8", 8), "int32": ("<i4", 4), "int8": ("i1", 1), "uint8": ("u1", 1), "bool": ("u1", 1),
 }
+
+
+# -- the trajectory contract ----------------------------------------------------------------------
+
+# The lowest behaviour log-prob a learner takes (`TrajectoryContract.min_logprob`). A sampler draws a token of
+# log-prob below -50 with probability < V·e^-50 (< 2e-16 for a vocabulary of V = 10^6), so no honest value lies
+# below it; and it keeps importance weights finite in float32: exp(log p − log q) ≤ e^50 ≈ 5e21 per token, and
+# GEPO's group weight likewise (its log-denominator lies between the group's lowest and highest mean log q),
+# where exp overflows past 88.7. A floor of -1e4 would not: exp(1e4) is inf.
+MIN_LOGPROB = -50.0
+
+
+@dataclass(frozen=True)
+class BatchExtremes:
+    """What a `TrajectoryContract` bounds, reduced over a whole batch (or one trajectory): one number per bound.
+    Token ids are -1 and versions (0, -1) for empty arrays."""
+
+    prompt_token_max: int
+    completion_token_max: int
+    logprob_min: float
+    version_min: int
+    version_max: int
+    sequence_len_max: int  # prompt + completion tokens
+    group_size_max: int
+
+    @classmethod
+    def of(cls, trajectories: list[Trajectory]) -> "BatchExtremes":
+        """The extremes of ``trajectories`` (one reduction per array per trajectory)."""
+        def extreme(name: str, highest: bool, empty):
+            arrays = [getattr(t, name) for t in trajectories]
+            values = [(a.max() if highest else a.min()).item() for a in arrays if len(a)]
+            return (max if highest else min)(values, default=empty)
+
+        return cls(extreme("prompt_tokens", True, -1), extreme("completion_tokens", True, -1),
+                   extreme("behaviour_logprobs", False, 0.0), extreme("policy_versions", False, 0),
+                   extreme("policy_versions", True, -1),
+                   max((len(t.prompt_tokens) + len(t.completion_tokens) for t in trajectories), default=0),
+                   max((t.group_size for t in trajectories), default=0))
+
+
+@dataclass(frozen=True)
+class Breach:
+    """Trajectory ``index`` of a batch breaks its contract: ``reason`` is a short tag, ``message`` names the
+    field, the value and the bound."""
+
+    index: int
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class TrajectoryContract:
+    """What a trajectory must satisfy before it may reach the learner's model (docs/RELIABILITY.md). The
+    decoder checks that a frame is well formed; this checks that it fits this learner:
+
+    - ``policy_versions``: every entry in [0, newest version published] (`version_ahead`, `version_negative`);
+    - ``prompt_tokens``, ``completion_tokens``: ids < ``vocab_size``, the rows of the model's input embedding
+      (`token_out_of_vocab`);
+    - prompt + completion ≤ ``max_sequence_len``, the model's context (`too_long`);
+    - ``behaviour_logprobs`` ≥ ``min_logprob``, a floor that keeps the loss finite (`logprob_below_floor`;
+      see `MIN_LOGPROB`);
+    - ``group_size`` ≤ ``group_size`` (None: any), the completions sampled per prompt: a worker leaves out empty
+      completions, so a group may be smaller, never larger (`group_too_large`).
+    """
+
+    vocab_size: int
+    max_sequence_len: int
+    min_logprob: float = MIN_LOGPROB
+    group_size: int | None = None
+
+    _SETTINGS: ClassVar[tuple[str, ...]] = ("vocab_size", "max_sequence_len", "min_logprob", "group_size")
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_sequence_len", "group_size"):
+            value = getattr(self, name)
+            if name == "group_size" and value is None:
+                continue  # any group size
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise HeteroRLError(f"TrajectoryContract.{name} = {value!r}: must be a positive integer")
+        if not (isinstance(self.min_logprob, (int, float)) and -math.inf < self.min_logprob < 0):
+            raise HeteroRLError(f"TrajectoryContract.min_logprob = {self.min_logprob!r}: must be finite and < 0")
+
+    def breaches(self, batch: TrajectoryBatch, newest_version: int) -> list[Breach]:
+        """The trajectories of ``batch`` that break the contract, each with the first bound it breaks; [] when
+        none does. The common case costs a few comparisons: the batch's extremes (reduced once, by the decoder
+        for a received batch) are checked first, and each trajectory only when some bound fails."""
+        if self._breach(batch.extremes(), newest_version) is None:
+            return []
+        found = []
+        for index, traj in enumerate(batch.trajectories):
+            breach = self._breach(BatchExtremes.of([traj]), newest_version)
+            if breach is not None:
+                found.append(Breach(index, *breach))
+        return found
+
+    def _breach(self, x: BatchExtremes, newest_version: int) -> tuple[str, str] | None:
+        """(reason, message) of the first bound ``x`` breaks, or None."""
+        if x.version_max > newest_version:
+            return "version_ahead", (f"policy_versions holds version {x.version_max} > {newest_version}, the newest "
+                                     "the learner has published")
+        if x.version_min < 0:
+            return "version_negative", f"policy_versions holds version {x.version_min} < 0"
+        for name, top in (("prompt_tokens", x.prompt_token_max), ("completion_tokens", x.completion_token_max)):
+            if top >= self.vocab_size:
+                return "token_out_of_vocab", f"{name} holds token id {top} >= vocab_size {self.vocab_size}"
+        if x.sequence_len_max > self.max_sequence_len:
+            return "too_long", (f"prompt_tokens + completion_tokens = {x.sequence_len_max} tokens > max_sequence_len "
+                                f"{self.max_sequence_len}")
+        if x.logprob_min < self.min_logprob:
+            return "logprob_below_floor", (f"behaviour_logprobs holds {x.logprob_min:g} < min_logprob "
+                                           f"{self.min_logprob:g}")
+        if self.group_size is not None and x.group_size_max > self.group_size:
+            return "group_too_large", f"group_size {x.group_size_max} > {self.group_size} completions per prompt"
+        return None
+
+    def settings(self) -> dict[str, Any]:
+        """The contract as ``ready`` settings (``contract.<field>``), so a worker can keep it."""
+        return {f"contract.{name}": getattr(self, name) for name in self._SETTINGS}
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any]) -> "TrajectoryContract | None":
+        """The contract a learner stated in its ``ready`` settings; None when it stated none."""
+        if "contract.vocab_size" not in settings:
+            return None
+        return cls(**{name: settings.get(f"contract.{name}") for name in cls._SETTINGS})
 
 
 # -- framing --------------------------------------------------------------------------------------

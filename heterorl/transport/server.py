@@ -39,6 +39,7 @@ from heterorl.transport.protocol import (
     Ready,
     Trajectory,
     TrajectoryBatch,
+    TrajectoryContract,
     WeightsChunk,
     WeightsNotice,
     WeightsRequest,
@@ -60,6 +61,9 @@ from heterorl.transport.sockets import (
 from heterorl.transport.weights import PackedWeights, pack_state_dict
 
 log = logging.getLogger("heterorl.transport")
+
+GROUP_REJECTED = "group_rejected"  # the reason a member is refused for when another member of its group was refused
+_POISONED_GROUPS_KEPT = 64  # per worker: a worker sends a group's members back to back, so a few recent ones suffice
 
 
 class _RateLimitedLog:
@@ -103,6 +107,7 @@ class WorkerInfo:
     last_group_id: str = ""
     starts_granted_session: int = 0  # admission permits granted this session (cumulative)
     last_start_limit_sent: int = -2
+    poisoned_groups: OrderedDict = field(default_factory=OrderedDict)  # recent group ids with a rejected member
 
     def credit_limit(self, window: int) -> int:
         return self.received_session + max(0, window - self.buffered)
@@ -114,13 +119,17 @@ class LearnerServer(_Endpoint):
     def __init__(self, address: str, config: TransportConfig | None = None, curve: CurveConfig | None = None,
                  limits: Limits = DEFAULT_LIMITS, weights_address: str | None = None,
                  weights_delay: Callable[[str], DelaySchedule | None] | None = None,
-                 settings: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 settings: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic,
+                 contract: TrajectoryContract | None = None) -> None:
+        """``contract``: what every trajectory must satisfy to be buffered (`set_contract`); None checks only
+        that frames are well formed."""
         self.config = config or TransportConfig()
         self.config.validate()
         _require_security(address, curve, self.config, (
             f"refusing plaintext on {address}: give CURVE keys (`heterorl keys`, then --curve-secret/--allow-keys) "
             "or set allow_plaintext=True if this network is trusted"))
         self.limits = limits
+        self._contract = contract
         self._curve = curve
         self._settings = dict(settings or {})
         self._clock = clock
@@ -139,6 +148,7 @@ class LearnerServer(_Endpoint):
         self._newest = -1
         self._admission_cap: int | None = None  # total groups the fleet may start (None: no admission control)
         self._starts_granted_total = 0
+        self._starts_refused = 0  # groups started on a permit and refused whole: they widen the admission cap
         self._starts_ahead = 1
         self.stats: Counter = Counter()
         self._reject_log = _RateLimitedLog()
@@ -199,6 +209,11 @@ class LearnerServer(_Endpoint):
                 self._schedule_notice(worker, version, now, packed.header.total_bytes)
             self._trim_versions()
 
+    def set_contract(self, contract: TrajectoryContract | None) -> None:
+        """From now on, refuse every trajectory that breaks ``contract`` (None: check only the wire format)."""
+        with self._lock:
+            self._contract = contract
+
     def set_admission(self, cap: int | None, ahead: int = 1) -> None:
         """Admission control: the fleet may start at most ``cap`` groups in total (None: no limit); each worker
         holds at most ``ahead`` unused permits, so one fast worker cannot take every permit."""
@@ -218,7 +233,7 @@ class LearnerServer(_Endpoint):
         """A snapshot of the worker registry."""
         with self._lock:
             return [WorkerInfo(**{k: getattr(w, k) for k in WorkerInfo.__dataclass_fields__
-                                  if k not in ("pending_notices", "acks", "rejects")})
+                                  if k not in ("pending_notices", "acks", "rejects", "poisoned_groups")})
                     for w in self._workers.values()]
 
     def close(self, reason: str = "learner closed") -> None:
@@ -326,7 +341,7 @@ class LearnerServer(_Endpoint):
         self.stats[f"rejected/{reason}"] += 1
         self._reject_log(reason, message)
         if worker is not None and trajectory_id:
-            worker.rejects.append(f"{trajectory_id}: {message}"[:256])
+            worker.rejects.append(f"{trajectory_id}: {reason}: {message}"[:256])
 
     def _on_control(self, sock: zmq.Socket, frames: list) -> None:
         routing_id = frames[0].bytes
@@ -351,11 +366,9 @@ class LearnerServer(_Endpoint):
             if not worker.alive:
                 worker.alive = True
                 log.info("worker %s is back", worker.worker_id)
-            if isinstance(message, TrajectoryBatch):
-                self._on_batch(worker, message.trajectories, time.time())
-                self._lock.notify_all()
-            elif isinstance(message, Trajectory):
-                self._on_trajectory(worker, message, time.time())
+            if isinstance(message, (TrajectoryBatch, Trajectory)):
+                batch = message if isinstance(message, TrajectoryBatch) else TrajectoryBatch([message])
+                self._on_batch(worker, batch, time.time())
                 self._lock.notify_all()
             elif isinstance(message, Heartbeat):
                 if message.sender_id != worker.worker_id:
@@ -405,14 +418,17 @@ class LearnerServer(_Endpoint):
                                 "start_limit": -1 if self._admission_cap is None else 0})
         _send(sock, [routing_id, *encode(ready)], self.stats, "ready")
 
-    def _on_batch(self, worker: WorkerInfo, trajectories: list[Trajectory], received_at: float) -> None:
-        """Take in a batch: in bulk when every member is new, within credit and the worker's own, else one by
-        one (which names each refusal)."""
+    def _on_batch(self, worker: WorkerInfo, batch: TrajectoryBatch, received_at: float) -> None:
+        """Take in a batch: in bulk when every member is new, within credit, the worker's own and within the
+        contract, else one by one (which names each refusal)."""
+        trajectories = batch.trajectories
         ids = [traj.trajectory_id for traj in trajectories]
-        if (worker.buffered + len(ids) > self.config.credits_per_worker or not self._seen.keys().isdisjoint(ids)
-                or len(set(ids)) != len(ids) or any(traj.sampler_id != worker.worker_id for traj in trajectories)):
-            for traj in trajectories:
-                self._on_trajectory(worker, traj, received_at)
+        breaches = self._breaches(worker, batch)
+        if (breaches or worker.buffered + len(ids) > self.config.credits_per_worker
+                or not self._seen.keys().isdisjoint(ids) or len(set(ids)) != len(ids)
+                or any(traj.sampler_id != worker.worker_id for traj in trajectories)):
+            for index, traj in enumerate(trajectories):
+                self._on_trajectory(worker, traj, received_at, breaches.get(index))
             return
         for traj in trajectories:
             traj.received_at = received_at
@@ -428,6 +444,26 @@ class LearnerServer(_Endpoint):
         worker.acks += ids
         self.stats["accepted"] += len(ids)
 
+    def _breaches(self, worker: WorkerInfo, batch: TrajectoryBatch) -> dict[int, tuple[str, str]]:
+        """{index: (reason, message)} of the members of ``batch`` to refuse: those that break the contract, and
+        every member of a group one of whose members was refused (such a group can never be trained whole, so
+        its other members must not wait in the buffer for it). {} in the common case, at the cost of a few
+        comparisons."""
+        found = {}
+        if self._contract is not None:
+            found = {b.index: (b.reason, b.message) for b in self._contract.breaches(batch, self._newest)}
+        if not found and not worker.poisoned_groups:
+            return found
+        poisoned = worker.poisoned_groups
+        for index in found:
+            poisoned[batch.trajectories[index].group_id] = None
+        for index, traj in enumerate(batch.trajectories):
+            if index not in found and traj.group_id in poisoned:
+                found[index] = (GROUP_REJECTED, f"group {traj.group_id} has a member that was rejected")
+        while len(poisoned) > _POISONED_GROUPS_KEPT:
+            poisoned.popitem(last=False)
+        return found
+
     def _count_group(self, worker: WorkerInfo, group_id: str) -> None:
         """A worker sends each group's members back to back: a new group id is a new start (a re-sent duplicate
         is none, so callers count only new trajectories)."""
@@ -438,7 +474,10 @@ class LearnerServer(_Endpoint):
             worker.starts_granted_session += 1
             self._starts_granted_total += 1
 
-    def _on_trajectory(self, worker: WorkerInfo, traj: Trajectory, received_at: float) -> None:
+    def _on_trajectory(self, worker: WorkerInfo, traj: Trajectory, received_at: float,
+                       breach: tuple[str, str] | None = None) -> None:
+        """Take in one trajectory, or refuse it: forged, beyond credit, or ``breach`` = (reason, message) of the
+        contract it breaks. A duplicate is acknowledged again and buffered once."""
         worker.received_session += 1
         if traj.sampler_id != worker.worker_id:
             self._reject("forged_id", f"trajectory names sampler {traj.sampler_id!r} on {worker.worker_id}'s link",
@@ -448,6 +487,13 @@ class LearnerServer(_Endpoint):
             worker.duplicates += 1
             self.stats["duplicates"] += 1
             worker.acks.append(traj.trajectory_id)  # delivered once already: acknowledge, do not buffer again
+            return
+        if breach is not None:
+            if traj.group_id != worker.last_group_id:  # its group used a start permit, and will never be trained
+                self._count_group(worker, traj.group_id)
+                self._starts_refused += 1
+            reason, message = breach
+            self._reject(reason, f"{message} (from {worker.worker_id})", worker, traj.trajectory_id)
             return
         if worker.buffered >= self.config.credits_per_worker:
             self._reject("no_credit", f"{worker.worker_id} sent beyond its credit", worker, traj.trajectory_id)
@@ -540,7 +586,8 @@ class LearnerServer(_Endpoint):
         if self._admission_cap is None:
             return -1
         unused = worker.starts_granted_session - worker.groups_session
-        grant = min(self._starts_ahead - unused, self._admission_cap - self._starts_granted_total)
+        grant = min(self._starts_ahead - unused,
+                    self._admission_cap + self._starts_refused - self._starts_granted_total)
         if grant > 0:
             worker.starts_granted_session += grant
             self._starts_granted_total += grant

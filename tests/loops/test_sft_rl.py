@@ -113,3 +113,47 @@ def test_a_batch_without_signal_runs_no_update_and_says_why():
         metrics = optimize_batch(training, datums, cfg, total_updates=1)
         assert metrics == {"optim/updates": 0, "optim/skip_reason": "no_signal"}
     assert training.step == 0 and all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+
+
+def test_a_minibatch_whose_loss_is_not_finite_is_skipped_and_the_rest_still_trains():
+    """Behaviour log-probs of -1e30 make GEPO's importance weight overflow: the loss refuses that minibatch
+    (`gepo.LossInputError`), which then runs no update, leaves no gradient behind and is handed back by its rows;
+    the weights move exactly as if only the good minibatch had been given."""
+    import copy
+
+    import torch
+
+    from heterorl.training.step import BAD_BATCH
+
+    cfg = load_config(packaged("maze_rl.yaml"), ["rollout.group_size=4", "loss.name=gepo", "optim.warmup_steps=0"])
+    task = _maze(cfg)
+    model, tok = load_policy(str(packaged(SFT_BASE)))
+    sampler = TrainingClient(copy.deepcopy(model), tok).save_weights_and_get_sampling_client()
+    datums, _ = rollout_datums(sampler, task, task.eval_problems()[:2], cfg, seed=0)
+    for d, reward in zip(datums, [1, 0, 1, 0, 0, 1, 1, 0]):  # both groups carry signal
+        d.reward = float(reward)
+    good = copy.deepcopy(datums[4:])
+    for d in datums[:4]:
+        d.behaviour_logprobs = [-1e30] * len(d.behaviour_logprobs)
+
+    def client():
+        training = TrainingClient(copy.deepcopy(model), tok, seed=0)
+        training.version = sampler.version  # the version that sampled the datums
+        return training
+
+    training, skipped = client(), []
+    metrics = optimize_batch(training, datums, cfg, total_updates=1, skipped=skipped)
+    assert metrics == {"optim/updates": 0, "optim/bad_batches": 1, "optim/skip_reason": BAD_BATCH}
+    assert [s.rows for s in skipped] == [list(range(8))] and "not finite" in skipped[0].reason
+    assert training.step == 0 and all(p.grad is None for p in training.model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(training.model.parameters(), model.parameters()))
+
+    cfg.rl.updates_per_batch = 2  # the bad group in one minibatch, the good one in the other
+    training, skipped = client(), []
+    metrics = optimize_batch(training, datums, cfg, total_updates=1, skipped=skipped)
+    assert metrics["optim/updates"] == 1 and metrics["optim/bad_batches"] == 1 and "optim/skip_reason" not in metrics
+    assert [s.rows for s in skipped] == [[0, 1, 2, 3]]
+    alone = client()
+    assert optimize_batch(alone, good, cfg, total_updates=1)["optim/updates"] == 1
+    for p, q in zip(training.model.parameters(), alone.model.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)  # nothing of the refused minibatch reached the update

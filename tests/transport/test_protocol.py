@@ -1,5 +1,7 @@
-"""Wire protocol: every message round-trips; every malformed frame is one ProtocolError naming the field."""
+"""Wire protocol: every message round-trips; every malformed frame is one ProtocolError naming the field; the
+trajectory contract names every trajectory that breaks it."""
 
+import dataclasses
 import math
 
 import msgpack
@@ -9,9 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from heterorl.errors import HeteroRLError
 from heterorl.transport.protocol import (
+    MIN_LOGPROB,
     SCHEMA_VERSION,
     Ack,
+    BatchExtremes,
+    Breach,
     Bye,
     Heartbeat,
     Hello,
@@ -20,6 +26,7 @@ from heterorl.transport.protocol import (
     Ready,
     Trajectory,
     TrajectoryBatch,
+    TrajectoryContract,
     WeightsChunk,
     WeightsNotice,
     WeightsRequest,
@@ -259,3 +266,88 @@ def test_a_batch_is_validated_as_a_whole_and_names_the_entry():
     versions = words[12 + 12:]
     versions[0] = -1
     rejects(with_header()[:1] + [words.tobytes()], "policy_versions", "bounds")
+
+
+# -- the trajectory contract ------------------------------------------------------------------------
+# conftest's trajectory: 4 prompt tokens (ids 5..8), 3 completion tokens (ids 9, 10, 1), log-probs down to -2.5,
+# versions 3 and 4, group_size 8: 7 tokens in all
+CONTRACT = TrajectoryContract(vocab_size=12, max_sequence_len=8, group_size=8)
+NEWEST = 4
+
+
+def received(*trajectories) -> TrajectoryBatch:
+    """``trajectories`` as the learner receives them: encoded as one batch and decoded."""
+    batch = TrajectoryBatch([dataclasses.replace(t, trajectory_id=f"t{i}") for i, t in enumerate(trajectories)])
+    return decode([bytes(memoryview(f)) for f in encode(batch)])
+
+
+def long_trajectory(prompt_len: int, completion_len: int):
+    """A trajectory of ``prompt_len`` + ``completion_len`` tokens, every id inside a vocabulary of 12."""
+    return trajectory(prompt_tokens=np.full(prompt_len, 5, np.int32),
+                      completion_tokens=np.full(completion_len, 9, np.int32),
+                      behaviour_logprobs=np.full(completion_len, -0.5, np.float32),
+                      policy_versions=np.full(completion_len, 3, np.int32))
+
+
+def test_a_batch_within_the_contract_is_passed_on_its_extremes_alone(monkeypatch):
+    batch = received(trajectory(), trajectory(completion_len=4, version=NEWEST), trajectory(version=0))
+    assert batch.extremes() == BatchExtremes.of(batch.trajectories)  # the decoder kept what its checks reduced
+    assert batch.extremes().sequence_len_max == 8 and batch.extremes().version_max == NEWEST
+    monkeypatch.setattr(BatchExtremes, "of", lambda *_: pytest.fail("went through the trajectories one by one"))
+    assert CONTRACT.breaches(batch, NEWEST) == []
+    # at every bound exactly, still within it
+    edge = TrajectoryContract(vocab_size=11, max_sequence_len=8, min_logprob=-2.5, group_size=8)
+    assert edge.breaches(batch, NEWEST) == []
+
+
+@pytest.mark.parametrize("changes, reason, words", [
+    ({"version": NEWEST + 1}, "version_ahead", ["policy_versions", "version 5 > 4"]),
+    ({"version": 1001}, "version_ahead", ["policy_versions", "version 1001 > 4"]),
+    ({"completion_tokens": np.array([9, 12, 1], np.int32)}, "token_out_of_vocab",
+     ["completion_tokens", "token id 12 >= vocab_size 12"]),
+    ({"prompt_tokens": np.array([5, 6, 7, 100], np.int32)}, "token_out_of_vocab",
+     ["prompt_tokens", "token id 100 >= vocab_size 12"]),
+    ({"completion_len": 5}, "too_long", ["prompt_tokens + completion_tokens", "9 tokens > max_sequence_len 8"]),
+    (long_trajectory(8192, 8192), "too_long", ["16384 tokens > max_sequence_len 8"]),
+    ({"behaviour_logprobs": np.array([-0.1, -1e30, -0.01], np.float32)}, "logprob_below_floor",
+     ["behaviour_logprobs", "-1e+30 < min_logprob -50"]),
+    ({"behaviour_logprobs": np.array([-0.1, -50.5, -0.01], np.float32)}, "logprob_below_floor",
+     ["-50.5 < min_logprob -50"]),
+    ({"group_size": 64}, "group_too_large", ["group_size 64 > 8"]),
+])
+def test_each_bound_of_the_contract_names_the_trajectory_the_field_the_value_and_the_bound(changes, reason, words):
+    bad = changes if isinstance(changes, Trajectory) else trajectory(**changes)
+    batch = received(trajectory(), bad, trajectory(version=0))
+    (breach,) = CONTRACT.breaches(batch, NEWEST)
+    assert (breach.index, breach.reason) == (1, reason)
+    for word in words:
+        assert word in breach.message, breach.message
+    assert CONTRACT.breaches(TrajectoryBatch([bad]), NEWEST) == [Breach(0, reason, breach.message)]  # unsent too
+
+
+def test_the_contract_reports_every_offender_and_the_first_bound_each_breaks():
+    batch = received(trajectory(version=9, group_size=64), trajectory(), trajectory(group_size=64),
+                     trajectory(completion_tokens=np.array([50, 51, 52], np.int32)))
+    assert [(b.index, b.reason) for b in CONTRACT.breaches(batch, NEWEST)] == [
+        (0, "version_ahead"), (2, "group_too_large"), (3, "token_out_of_vocab")]
+    # nothing published yet: no version is known, so every trajectory is ahead
+    assert {b.reason for b in CONTRACT.breaches(received(trajectory(version=0)), -1)} == {"version_ahead"}
+
+
+def test_negative_versions_break_the_contract_even_where_the_decoder_is_not_asked():
+    batch = TrajectoryBatch([trajectory(version=-2)])  # the decoder refuses this; a hand-made batch may hold it
+    assert [(b.reason, b.message) for b in CONTRACT.breaches(batch, NEWEST)] == [
+        ("version_negative", "policy_versions holds version -2 < 0")]
+
+
+def test_any_group_size_is_taken_without_a_bound_and_the_contract_travels_as_settings():
+    assert TrajectoryContract(12, 8).breaches(received(trajectory(group_size=64)), NEWEST) == []
+    settings = CONTRACT.settings()
+    assert settings == {"contract.vocab_size": 12, "contract.max_sequence_len": 8,
+                        "contract.min_logprob": MIN_LOGPROB, "contract.group_size": 8}
+    assert TrajectoryContract.from_settings(decode(encode(Ready("w0", 1, 0, 1.0, settings))).settings) == CONTRACT
+    assert TrajectoryContract.from_settings({"config": "..."}) is None
+    for bad in ({"vocab_size": 0}, {"max_sequence_len": 2.5}, {"min_logprob": 0.0}, {"min_logprob": float("-inf")},
+                {"group_size": 0}):
+        with pytest.raises(HeteroRLError, match=next(iter(bad))):
+            TrajectoryContract(**({"vocab_size": 12, "max_sequence_len": 8} | bad))
