@@ -26,14 +26,42 @@ import argparse
 import json
 import shutil
 import sys
+from importlib import resources
 from pathlib import Path
 
 from heterorl.config import packaged
-from heterorl.errors import HeteroRLError
+from heterorl.errors import ConfigError, HeteroRLError
 
 DEMO_CONFIG = "demo.yaml"
 RL_CONFIG = "maze_rl.yaml"
 SFT_CONFIG = "maze_sft.yaml"
+
+
+def _positive(kind: type):
+    """An argparse type: a number of ``kind`` > 0 (argparse names the flag and exits 2 otherwise)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not value > 0:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+        return value
+
+    return parse
+
+
+def _seed_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integer seeds, e.g. ``0,1,2``."""
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers, e.g. 0,1,2") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one seed, e.g. 0")
+    return seeds
+
+
 def _add_config_args(parser: argparse.ArgumentParser, default_config: str | None) -> None:
     parser.add_argument("--config", default=default_config,
                         help="YAML config file" + (f" (default: the packaged {default_config})" if default_config else ""))
@@ -41,13 +69,46 @@ def _add_config_args(parser: argparse.ArgumentParser, default_config: str | None
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. optim.lr=3e-4")
 
 
-def _resolve_config(args):
-    from heterorl.config import load_config, to_yaml
+def _packaged_configs() -> list[str]:
+    return sorted(path.name for path in (Path(str(resources.files("heterorl"))) / "configs").glob("*.yaml"))
 
-    path = args.config
-    if path is not None and not Path(path).exists() and "/" not in path:
-        path = packaged(path)
-    cfg = load_config(path, args.overrides)
+
+def _config_path(name: str) -> Path:
+    """``--config NAME``: a file here, else a packaged config of that name (``demo.yaml``); ConfigError naming
+    the packaged ones when it is neither."""
+    path = Path(name)
+    if path.exists() or "/" in name:
+        return path  # load_config says what is wrong with a path that is not a file
+    if name in _packaged_configs():
+        return packaged(name)
+    raise ConfigError(f"config file {name} does not exist here ({Path.cwd()}), and no packaged config has that "
+                      f"name; packaged configs: {', '.join(_packaged_configs())}")
+
+
+def _load(path: str | Path | None, overrides: list[str]):
+    """`load_config`, except that a ``task.name=`` override that changes the file's task drops the file's
+    ``task.options``: they are the fields of the other task's config (a maze's ``size`` means nothing to
+    ``jsonl``), so only the ``task.options.*`` given on the command line remain."""
+    from heterorl.config import load_config
+
+    cfg = load_config(path, overrides)
+    renamed = [o for o in overrides if o.startswith("task.name=")]
+    if not renamed:
+        return cfg
+    task_overrides = [o for o in overrides if o.startswith("task.options")]
+    from_file = load_config(path, [o for o in overrides if o not in renamed and o not in task_overrides]).task
+    if from_file.name != cfg.task.name and from_file.options:
+        cfg.task.options = load_config(None, task_overrides).task.options
+        print(f"heterorl: task.name={cfg.task.name} replaces the config's task {from_file.name!r}: its options "
+              f"({', '.join(from_file.options)}) are dropped; set the new task's as task.options.KEY=VALUE",
+              file=sys.stderr)
+    return cfg
+
+
+def _resolve_config(args):
+    from heterorl.config import to_yaml
+
+    cfg = _load(None if args.config is None else _config_path(args.config), args.overrides)
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return None
@@ -236,24 +297,24 @@ def cmd_rollout(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from heterorl.config import load_config, to_yaml
+    from heterorl.config import to_yaml
     from heterorl.runtime.launch import train
 
     overrides = list(args.overrides)
     if args.mode:
         overrides.append(f"runtime.mode={args.mode}")
-    if args.workers:
+    if args.workers is not None:
         overrides.append(f"runtime.workers={args.workers}")
     if args.resume:
+        if args.config is not None:
+            raise HeteroRLError(f"--resume {args.resume} continues with that run's train_config.yaml: drop --config "
+                                f"{args.config} (give changes as key=value overrides)")
         saved = Path(args.resume) / "train_config.yaml"
         if not saved.is_file():
             raise HeteroRLError(f"--resume {args.resume}: no train_config.yaml there; is it a `heterorl train` run dir?")
-        cfg = load_config(saved, overrides + [f"logging.run_dir={args.resume}"])
+        cfg = _load(saved, overrides + [f"logging.run_dir={args.resume}"])
     else:
-        cfg = _resolve_config(args) if not overrides else _resolve_config(argparse.Namespace(
-            config=args.config, overrides=overrides, dry_run=args.dry_run))
-        if cfg is None:
-            return 0
+        cfg = _load(_config_path(args.config or DEMO_CONFIG), overrides)
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return 0
@@ -311,20 +372,24 @@ def cmd_sweep(args) -> int:
 
     sweep = SweepRunner(args.sweep, args.overrides, out=args.out)
     if args.dry_run:
-        for cell in sweep.cells:
-            print(cell.name, " ".join(f"{k}={v}" for k, v in cell.overrides.items() if not k.startswith("logging.")))
-        for cell in sweep.cells:
-            sweep.resolve(cell)  # every cell's config is valid
-        return 0
+        return _list_cells(sweep)
     failed = sweep.run()
     return _finish_sweep(sweep, failed)
+
+
+def _list_cells(sweep) -> int:
+    """--dry-run of a sweep: print each cell's overrides and check that every cell's config resolves."""
+    for cell in sweep.cells:
+        print(cell.name, " ".join(f"{k}={v}" for k, v in cell.overrides.items() if not k.startswith("logging.")))
+    for cell in sweep.cells:
+        sweep.resolve(cell)
+    return 0
 
 
 def cmd_report(args) -> int:
     from heterorl.sweeps.report import log_report_to_wandb, write_report
 
-    seeds = [int(x) for x in args.seeds.split(",") if x] if args.seeds else None
-    summary = write_report(args.sweep_dir, args.out, seeds)
+    summary = write_report(args.sweep_dir, args.out, args.seeds)
     print(summary.with_name("table.txt").read_text())
     print(f"report: {summary}")
     if args.wandb_project:
@@ -336,19 +401,18 @@ def cmd_compare(args) -> int:
     from heterorl.sweeps.report import compare_table, load_sweep
     from heterorl.sweeps.runner import SweepRunner, SweepSpec
 
-    config = args.config
-    if not Path(config).exists() and "/" not in config:
-        config = str(packaged(config))
+    config = _config_path(args.config)
     losses = [x for x in args.losses.split(",") if x]
-    seeds = [int(x) for x in args.seeds.split(",") if x]
     name = f"compare-{'-'.join(losses)}-d{args.delay}"
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         raise HeteroRLError(f"override {bad[0]!r} is not of the form key=value (e.g. rl.steps=30)")
-    spec = SweepSpec(name=name, config=str(Path(config).resolve()), mode=args.mode, parallel=args.parallel,
-                     losses=losses, delays=[args.delay], seeds=seeds,
+    spec = SweepSpec(name=name, config=str(config.resolve()), mode=args.mode, parallel=args.parallel,
+                     losses=losses, delays=[args.delay], seeds=args.seeds,
                      overrides=dict(o.split("=", 1) for o in args.overrides))
     sweep = SweepRunner(None, spec=spec, out=args.out or Path("runs") / "compare" / name)
+    if args.dry_run:
+        return _list_cells(sweep)
     failed = sweep.run()
     print()
     print(compare_table(load_sweep(sweep.out)))
@@ -375,9 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="learner + rollout workers as separate processes on this machine "
                        "(runtime.execution=simulated: all in one process on a virtual clock)")
     _add_config_args(p, DEMO_CONFIG)
+    p.set_defaults(config=None)  # DEMO_CONFIG when not given; None tells a --config given with --resume apart
     p.add_argument("--mode", choices=["sync", "async"], help="sync: workers wait for every new version "
                    "(the on-policy baseline); async: they never wait (default: runtime.mode)")
-    p.add_argument("--workers", type=int, help="rollout worker processes (default: runtime.workers)")
+    p.add_argument("--workers", type=_positive(int), help="rollout worker processes (default: runtime.workers)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("learner", help="the learner alone: binds, waits for workers, trains, publishes weights")
@@ -395,7 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", help="starting policy folder on this machine (default: the learner config's)")
     p.add_argument("--curve-secret", help="this worker's *.key_secret file (turns on CurveZMQ)")
     p.add_argument("--server-key", help="the learner's public *.key file")
-    p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the learner")
+    p.add_argument("--connect-timeout", type=_positive(float), default=120.0,
+                   help="seconds to wait for the learner (> 0)")
     p.add_argument("--allow-plaintext", action="store_true", help="allow plaintext to a non-loopback address")
     p.set_defaults(fn=cmd_rollout)
     p = sub.add_parser("sweep", help="a delay sweep: losses x delays x seeds (resumable), then its report")
@@ -407,8 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="tables, plots and a Markdown summary of a sweep directory")
     p.add_argument("sweep_dir")
     p.add_argument("--out", help="report folder (default: SWEEP_DIR/report)")
-    p.add_argument("--seeds", help="comma-separated seeds to report (default: all; e.g. those a running sweep has "
-                   "finished for every cell)")
+    p.add_argument("--seeds", type=_seed_list, help="comma-separated seeds to report (default: all; e.g. those a "
+                   "running sweep has finished for every cell)")
     p.add_argument("--wandb-project", help="also log the table to wandb, grouped by the sweep's name")
     p.add_argument("--wandb-mode", default="offline", choices=["offline", "online"])
     p.set_defaults(fn=cmd_report)
@@ -416,10 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--losses", default="gepo,grpo", help="comma-separated losses or presets (default: gepo,grpo)")
     p.add_argument("--delay", default="16", help="a delay preset: 0 (online), steps (8, 16, ...), lognormal, weibull")
     p.add_argument("--config", default=DEMO_CONFIG, help=f"base run config (default: the packaged {DEMO_CONFIG})")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
+    p.add_argument("--seeds", type=_seed_list, default=[0], help="comma-separated seeds (default: 0)")
     p.add_argument("--mode", default="simulated", choices=["simulated", "live"])
-    p.add_argument("--parallel", type=int, default=1, help="runs at once (default 1)")
+    p.add_argument("--parallel", type=_positive(int), default=1, help="runs at once (default 1)")
     p.add_argument("--out", help="output directory (default: runs/compare/NAME)")
+    p.add_argument("--dry-run", action="store_true", help="list the runs and check their configs, run nothing")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="run-config overrides, e.g. rl.steps=30")
     p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("keys", help="make a CurveZMQ key pair (NAME.key public, NAME.key_secret secret)")

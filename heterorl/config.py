@@ -1,5 +1,6 @@
 """Typed run configuration: every section of a run's config and its validation, loaded from YAML with dotted
-overrides. A leaf: it imports no other part of heterorl but its errors, so every part can read it.
+overrides. A leaf: it imports no other part of heterorl but its errors (and gepo, for the loss choices), so
+every part can read it.
 
     cfg = load_config("my.yaml", ["loss.name=grpo", "rollout.temperature=0.7"])
 
@@ -50,14 +51,14 @@ def _one_of(key: str, value: Any, choices: Sequence[str]) -> None:
 def _positive(section: Any, key: str, *names: str) -> None:
     for name in names:
         if getattr(section, name) <= 0:
-            raise ConfigError(f"config key `{key}.{name}` = {getattr(section, name)}: must be > 0")
+            _fail(f"{key}.{name}", getattr(section, name), "must be > 0")
 
 
 def _optional_positive(section: Any, key: str, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
         if value is not None and not value > 0:
-            raise ConfigError(f"config key `{key}.{name}` = {value}: must be > 0 (or null for the default)")
+            _fail(f"{key}.{name}", value, "must be > 0 (or null for the default)")
 
 
 @dataclass
@@ -230,6 +231,15 @@ class TaskConfig:
     name: str = "maze"  # maze | arithmetic | jsonl
     options: Dict[str, Any] = field(default_factory=dict)  # fields of the task's config dataclass
     reward_fn: Optional[str] = None  # "my_pkg.rewards:score" replaces the task's reward
+    # a reward_fn call that has not returned after this long is an error that stops the run (it runs in a
+    # helper thread for this); null: no limit, and the call runs in the caller's thread (a function that uses
+    # signals needs that)
+    reward_timeout_s: Optional[float] = 60.0
+
+    def validate(self, key: str = "task") -> None:
+        timeout = self.reward_timeout_s
+        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+            _fail(f"{key}.reward_timeout_s", timeout, "must be a finite number of seconds > 0, or null for no limit")
 
 
 @dataclass

@@ -113,7 +113,7 @@ def setup_run(cfg: Config, name: str, policy: str, append: bool = False, data_pa
     from heterorl.tasks import make_task
     from heterorl.training.session import TrainingClient
 
-    task = make_task(cfg.task.name, dict(cfg.task.options), cfg.task.reward_fn)
+    task = make_task(cfg.task.name, dict(cfg.task.options), cfg.task.reward_fn, cfg.task.reward_timeout_s)
     model, tokenizer = load_policy(policy, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=cfg.policy.device)
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -3,9 +3,11 @@
 import json
 
 import pytest
+import yaml
 
 from heterorl.policies import load_policy
 from heterorl.runs import read_metrics
+from heterorl.tasks import make_task
 from tests.conftest import run_cli
 
 
@@ -30,6 +32,8 @@ def test_dry_run_prints_the_resolved_config():
     (["rl", "task.name=chess", "rl.steps=1"], "chess"),
     (["rl", "loss.name=nope", "rl.steps=1", "rl.base=maze-sft-base", "logging.wandb_mode=disabled"], "nope"),
     (["rl", "rl.base=/nonexistent/policy", "logging.wandb_mode=disabled"], "/nonexistent/policy"),
+    (["rl", "--config", "my_run.yaml"], "my_run.yaml does not exist here"),
+    (["rl", "task.reward_timeout_s=0"], "`task.reward_timeout_s`"),
 ])
 def test_bad_input_exits_2_with_a_message(args, message, tmp_path):
     out = run_cli(*args, f"logging.run_dir={tmp_path / 'run'}")
@@ -69,3 +73,85 @@ def test_keys_makes_a_curve_pair_and_never_overwrites_one(tmp_path):
     assert (tmp_path / "worker-7.key_secret").stat().st_mode & 0o077 == 0
     again = run_cli("keys", "--name", "worker-7", "--out", str(tmp_path))
     assert again.returncode == 2 and "exists" in again.stderr
+
+
+def test_a_missing_config_names_the_packaged_ones_and_a_packaged_name_still_works(tmp_path):
+    out = run_cli("sft", "--config", "my_run.yaml", cwd=tmp_path)
+    assert out.returncode == 2 and "reinstall" not in out.stderr
+    assert f"my_run.yaml does not exist here ({tmp_path})" in out.stderr
+    assert "packaged configs: demo.yaml, maze4_rl.yaml, maze4_sft.yaml, maze_rl.yaml, maze_sft.yaml" in out.stderr
+    out = run_cli("rl", "--config", "maze4_rl.yaml", "--dry-run", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["rl"]["base"] == "maze4-sft-base"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--workers", "0", "--dry-run"], "argument --workers: '0': must be > 0"),
+    (["train", "--workers", "-3", "--dry-run"], "argument --workers: '-3': must be > 0"),
+    (["compare", "--parallel", "0", "--dry-run"], "argument --parallel: '0': must be > 0"),
+    (["compare", "--seeds", "0,x", "--dry-run"], "argument --seeds: '0,x': give comma-separated integers"),
+    (["report", "SWEEP_DIR", "--seeds", "x"], "argument --seeds: 'x'"),
+    (["rollout", "--connect", "tcp://127.0.0.1:9", "--connect-timeout", "-1"], "argument --connect-timeout: '-1'"),
+    (["train", "--resume", "/nonexistent/run", "--config", "demo.yaml"], "drop --config demo.yaml"),
+])
+def test_a_bad_flag_exits_2_naming_it(args, message):
+    out = run_cli(*args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_task_name_on_the_command_line_drops_the_files_options_of_another_task(tmp_path):
+    """The README's JSONL command: the packaged configs' maze options do not follow task.name=jsonl."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
+    out = run_cli("rl", "task.name=jsonl", f"task.options.path={data}", "task.options.eval_size=1", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    task = yaml.safe_load(out.stdout)["task"]
+    assert task["options"] == {"path": str(data), "eval_size": 1}
+    assert "its options (size, wall_density, min_path_len, eval_size, eval_seed) are dropped" in out.stderr
+    assert make_task(task["name"], task["options"]).eval_problems()[0].answer in ("2", "4")
+    # the same task keeps the file's options under the command line's
+    out = run_cli("rl", "task.name=maze", "task.options.size=4", "--dry-run")
+    assert yaml.safe_load(out.stdout)["task"]["options"] == {"size": 4, "wall_density": 0.3, "min_path_len": 3,
+                                                              "eval_size": 256, "eval_seed": 12345}
+    assert "dropped" not in out.stderr
+
+
+def test_keys_refuses_a_name_that_is_a_path(tmp_path):
+    out_dir = tmp_path / "keys"
+    for name in ("../x", "a/b", "..", "."):
+        out = run_cli("keys", "--name", name, "--out", str(out_dir))
+        assert out.returncode == 2 and "must be a plain file name" in out.stderr, (name, out.stderr)
+    assert list(tmp_path.rglob("*.key*")) == []
+    (tmp_path / "file").write_text("")
+    out = run_cli("keys", "--name", "w", "--out", str(tmp_path / "file"))
+    assert out.returncode == 2 and "is not a folder" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_compare_dry_run_lists_the_runs_and_checks_their_configs(tmp_path):
+    out = run_cli("compare", "--losses", "gepo,grpo", "--delay", "32", "--seeds", "0,1", "--dry-run",
+                  "--out", str(tmp_path / "cmp"))
+    assert out.returncode == 0, out.stderr
+    names = [line.split()[0] for line in out.stdout.splitlines()]
+    assert names == ["gepo__d32__s0", "grpo__d32__s0", "gepo__d32__s1", "grpo__d32__s1"]
+    assert not (tmp_path / "cmp").exists()
+    out = run_cli("compare", "--dry-run", "rl.stepz=3", "--out", str(tmp_path / "cmp"))
+    assert out.returncode == 2 and "`rl.stepz`" in out.stderr
+
+
+def test_train_stops_on_a_reward_that_never_returns(tmp_path):
+    """A reward function stuck in the rollout workers: each worker gives up after task.reward_timeout_s and exits
+    with the error, and `heterorl train` stops, printing its log tail."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"""
+task: {{name: maze, options: {{size: 4, eval_size: 8}}, reward_fn: tests.stuck_reward:score, reward_timeout_s: 2}}
+policy: {{tiny: {{hidden_size: 32, num_layers: 1, intermediate_size: 64}}}}
+rollout: {{group_size: 2, max_tokens: 8}}
+rl: {{base: null, steps: 3, prompts_per_step: 2, eval_every: 3}}
+runtime: {{workers: 1, groups_per_call: 1}}
+logging: {{run_dir: {tmp_path / "run"}, wandb_mode: disabled, progress: false}}
+""")
+    out = run_cli("train", "--config", str(config), timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "worker-" in out.stderr and "failed" in out.stderr
+    assert "tests.stuck_reward:score did not return within 2 s" in out.stderr  # the stuck worker's log tail

@@ -37,10 +37,20 @@ def test_round_trip_through_yaml(tmp_path):
     (["loss.name"], "not of the form key=value"),
     (["loss.advantage=given"], "must be one of auto, group_centered, group_normalized, bnpo"),
     (["loss.advantage=bnpo", "loss.options.advantage=group_centered"], "disagree: set only one"),
+    (["task.reward_timeout_s=0"], "`task.reward_timeout_s` = 0.0: must be a finite number of seconds > 0"),
+    (["task.reward_timeout_s=-5"], "`task.reward_timeout_s` = -5.0"),
+    (["task.reward_timeout_s=inf"], "`task.reward_timeout_s` = inf"),
+    (["task.reward_timeout_s=nan"], "`task.reward_timeout_s` = nan"),
 ])
 def test_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(None, overrides)
+
+
+def test_reward_timeout_defaults_to_a_minute_and_null_means_no_limit():
+    assert load_config(None, []).task.reward_timeout_s == 60.0
+    assert load_config(None, ["task.reward_timeout_s=0.5"]).task.reward_timeout_s == 0.5
+    assert load_config(None, ["task.reward_timeout_s=null"]).task.reward_timeout_s is None
 
 
 def test_file_errors_name_the_key_and_file(tmp_path):

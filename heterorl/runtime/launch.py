@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from heterorl.errors import HeteroRLError
 from heterorl.runs import setup_run
 
 ENDPOINTS = "endpoints.json"
+METRICS = "metrics.jsonl"
 
 
 def _init_ranks(cfg: Config) -> int:
@@ -41,41 +43,75 @@ def _init_ranks(cfg: Config) -> int:
 def _follow_rank(cfg: Config, resume: bool) -> None:
     """A learner rank > 0: same model and optimizer, trains on its share of each batch, owns no socket."""
     from heterorl.policies import load_policy
-    from heterorl.runtime.learner import CHECKPOINT, Learner
+    from heterorl.runtime.learner import Learner, read_checkpoint
     from heterorl.tasks import make_task
     from heterorl.training.session import TrainingClient
 
-    task = make_task(cfg.task.name, dict(cfg.task.options), cfg.task.reward_fn)
+    task = make_task(cfg.task.name, dict(cfg.task.options), cfg.task.reward_fn, cfg.task.reward_timeout_s)
     model, tokenizer = load_policy(cfg.rl.base or cfg.policy.model, alphabet=task.alphabet(), tiny=cfg.policy.tiny,
                                    device=cfg.policy.device)
     training = TrainingClient(model, tokenizer, device=cfg.policy.device, seed=cfg.seed, data_parallel=True)
     if resume:
-        training.load_state(Path(cfg.logging.run_dir) / "checkpoints" / CHECKPOINT).result()
+        training.load_state(read_checkpoint(cfg.logging.run_dir, cfg.policy.device).training_state).result()
     Learner(cfg, training, task, None, cfg.logging.run_dir).follow()
 
 
 def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, allow_plaintext: bool = False,
                   progress=None):
-    """The learner process: bind, train ``rl.steps`` steps, say bye to the workers, write the summary."""
+    """The learner process: bind, train ``rl.steps`` steps, say bye to the workers, write the summary. With
+    ``resume``, continue from the run dir's checkpoint, read and checked before anything is bound or written;
+    the metrics of the steps after it are dropped, as they are trained again. The workers hear `BYE_RUN_FINISHED`
+    when the run is over, `BYE_LEARNER_STOPPING` when it stops before (they wait for a restarted learner)."""
+    run_dir = Path(cfg.logging.run_dir)
+    if not resume and (run_dir / "checkpoints" / "learner_state.json").is_file():
+        raise HeteroRLError(f"{run_dir} already holds a run: pass --resume to continue it (its workers hold its "
+                            "versions), or choose another logging.run_dir")
     import torch
 
-    from heterorl.config import TransportConfig
-    from heterorl.delay.clock import delay_clock
-    from heterorl.delay.links import DelayLink
-    from heterorl.runtime.learner import Learner, finish_learner_run, learner_settings, trajectory_contract
-    from heterorl.transport import LearnerServer
+    from heterorl.runtime.learner import Learner, finish_learner_run, read_checkpoint
+    from heterorl.transport.protocol import BYE_LEARNER_STOPPING, BYE_RUN_FINISHED
 
     torch.set_num_threads(cfg.runtime.threads)
     if _init_ranks(cfg) > 0:
         _follow_rank(cfg, resume)
         return None
+    checkpoint = read_checkpoint(run_dir, cfg.policy.device) if resume else None
+    if checkpoint is not None:
+        keep_metrics_until(run_dir / METRICS, checkpoint.state.step)  # each step is logged once
+    task, training, logger, run_dir = setup_run(cfg, "learner", cfg.rl.base or cfg.policy.model, append=resume,
+                                                data_parallel=True)
+    server = _learner_server(cfg, bind, training, curve=curve, allow_plaintext=allow_plaintext, resume=resume,
+                             published_before=checkpoint.newest_published if checkpoint is not None else -1)
+    learner = Learner(cfg, training, task, server, run_dir, logger, progress)
+    reason = BYE_LEARNER_STOPPING
+    try:
+        if checkpoint is not None:
+            learner.resume(checkpoint)
+        result = learner.run()
+        reason = BYE_RUN_FINISHED
+    finally:
+        server.close(reason)
+        logger.close()
+    finish_learner_run(cfg, task, training, run_dir, result,
+                       {"execution": "live", "transport_rejected": server.stats["rejected"]})
+    return result
+
+
+def _learner_server(cfg: Config, bind: str, training, *, curve, allow_plaintext: bool, resume: bool,
+                    published_before: int):
+    """The learner's `LearnerServer`, its address written to ``RUN_DIR/endpoints.json``; a resumed learner binds
+    the addresses its workers are still dialling (when ``bind`` leaves the port open)."""
+    from heterorl.config import TransportConfig
+    from heterorl.delay.clock import delay_clock
+    from heterorl.delay.links import DelayLink
+    from heterorl.runtime.learner import learner_settings, trajectory_contract
+    from heterorl.transport import LearnerServer
+
     run_dir = Path(cfg.logging.run_dir)
     weights_address = None
     if resume and (run_dir / ENDPOINTS).is_file() and bind.endswith(":0"):
         previous = json.loads((run_dir / ENDPOINTS).read_text())  # the workers are still dialling these
         bind, weights_address = previous["control"], previous["weights"]
-    task, training, logger, run_dir = setup_run(cfg, "learner", cfg.rl.base or cfg.policy.model, append=resume,
-                                                data_parallel=True)
     transport = TransportConfig(**{**cfg.transport.__dict__, "allow_plaintext": allow_plaintext
                                    or cfg.transport.allow_plaintext})
     weights_delay = None
@@ -83,21 +119,44 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
         weights_delay = lambda worker_id: DelayLink(cfg.delay.down, name=f"{worker_id}/weights").schedule  # noqa: E731
     contract = trajectory_contract(cfg, training.model)  # checked on every trajectory before it is buffered
     server = LearnerServer(bind, transport, curve=curve, weights_address=weights_address, weights_delay=weights_delay,
-                           settings=learner_settings(cfg, contract), clock=delay_clock(cfg).now, contract=contract)
+                           settings=learner_settings(cfg, contract), clock=delay_clock(cfg).now, contract=contract,
+                           published_before=published_before)
     (run_dir / ENDPOINTS).write_text(json.dumps({"control": server.control_endpoint,
                                                  "weights": server.weights_endpoint}))
     print(f"learner listening on {server.control_endpoint} (weights on {server.weights_endpoint})", flush=True)
-    learner = Learner(cfg, training, task, server, run_dir, logger, progress)
+    return server
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """Drop the records of the steps after ``step`` from the metrics file ``path`` (a learner resumed from the
+    checkpoint of ``step`` logs them again), and a last line a killed learner left half-written, by rewriting it
+    atomically; a file with nothing to drop is left as it is."""
+    if not path.is_file():
+        return
+    lines = path.read_bytes().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if line.endswith(b"\n") and isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "wb") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def _checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the run dir's latest checkpoint, or None when its learner state cannot be read (the learner
+    then says what is wrong). Read here without importing the learner (and torch) into the launcher."""
     try:
-        if resume:
-            learner.load_checkpoint()
-        result = learner.run()
-    finally:
-        server.close("run finished")
-        logger.close()
-    finish_learner_run(cfg, task, training, run_dir, result,
-                       {"execution": "live", "transport_rejected": server.stats["rejected"]})
-    return result
+        return int(json.loads((run_dir / "checkpoints" / "learner_state.json").read_bytes())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 class _Child:
@@ -159,7 +218,10 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
     config_path.write_text(to_yaml(cfg))
     logs = run_dir / "logs"
     children: list[_Child] = []
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path = run_dir / METRICS
+    step = _checkpoint_step(run_dir) if resume else None
+    if step is not None:
+        keep_metrics_until(metrics_path, step)  # as the learner will: the progress follows from what stays
     seen = metrics_path.stat().st_size if resume and metrics_path.exists() else 0
     try:
         learner = _Child("learner", ["learner", "--config", str(config_path), "--bind", cfg.runtime.address,

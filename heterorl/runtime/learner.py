@@ -10,9 +10,12 @@ is measured on the learner's clock only — versions (current − oldest token
 version of a group) and seconds (now − when that version was published) — so
 a worker's skewed clock cannot corrupt it.
 
-Checkpoints (``runtime.checkpoint_every``) hold the weights, the optimizer,
-the version, the RNG, the step, the ids of every trajectory trained (none is
-trained twice after a resume) and the eval history.
+Checkpoints (``runtime.checkpoint_every``, and one before the first publish)
+hold the weights, the optimizer, the version, the RNG, the step, the ids of
+every trajectory trained (none is trained twice after a resume) and the eval
+history; the newest version published is written down at every publish, so
+that a resumed learner's versions go on above it (docs/RELIABILITY.md, "Crash
+and resume").
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -35,15 +38,18 @@ from heterorl.runs import RunResult, StepRecorder, finish_run, idle_fraction
 from heterorl.runtime.buffer import Group, GroupBuffer
 from heterorl.tasks.base import Task
 from heterorl.training.evaluation import evaluate
-from heterorl.training.session import Datum, SamplingClient, TrainingClient
+from heterorl.training.session import Datum, SamplingClient, TrainingClient, read_training_state
 from heterorl.training.step import SkippedUpdate, optimize_batch
 from heterorl.transport import LearnerServer
 from heterorl.transport.protocol import TrajectoryContract
 
 log = logging.getLogger("heterorl.runtime.learner")
 
-CHECKPOINT = "checkpoint.pt"
-LEARNER_STATE = "learner_state.json"
+CHECKPOINTS = "checkpoints"  # the folder under the run dir
+LEARNER_STATE = "learner_state.json"  # the latest checkpoint: the learner's state, naming its weights file
+PREVIOUS_STATE = "learner_state.prev.json"  # the checkpoint before it, kept with its weights file until the next
+PUBLISHED = "published.json"  # the newest version published (and when), rewritten before each publish
+CHECKPOINT = "checkpoint.pt"  # the weights file of a learner state that names none (run dirs of older versions)
 SKIPPED_BATCHES = "skipped_batches.jsonl"  # one line per minibatch the loss refused: its trajectory ids, the reason
 
 
@@ -73,6 +79,97 @@ class LearnerState:
     steps_without_update: int = 0
     idle_s: float = 0.0
     elapsed_s: float = 0.0
+    version: int = -1  # the policy version of the checkpoint's weights (-1: not recorded, older run dirs)
+    weights: str = CHECKPOINT  # the checkpoint's weights file in checkpoints/: model, optimizer, version, RNG
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read back and checked (`read_checkpoint`): what `Learner.resume` continues from."""
+
+    state: LearnerState
+    training_state: dict  # its weights file, as `read_training_state` returns it
+    newest_published: int  # the newest version any learner of the run published: at least the checkpoint's
+    published_wall_s: dict[str, float]  # version → time.time() it was published, for those after the checkpoint
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file and rename it over ``path``: a killed process leaves one or the other."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_learner_state(path: Path) -> LearnerState:
+    if not path.is_file():
+        raise HeteroRLError(f"{path} does not exist")
+    try:
+        raw = json.loads(path.read_bytes())
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise HeteroRLError(f"{path} is not a learner state: not valid JSON ({exc})") from None
+    names = {f.name for f in fields(LearnerState)}
+    if (not isinstance(raw, dict) or not set(raw) <= names or not isinstance(raw.get("step"), int)
+            or not isinstance(raw.get("trained_ids"), list) or not isinstance(raw.get("weights", ""), str)):
+        raise HeteroRLError(f"{path} is not a learner state: expected a JSON object with an integer step, a list "
+                            f"of trained_ids and no other keys than {', '.join(sorted(names))}")
+    return LearnerState(**raw)
+
+
+def _read_pair(folder: Path, name: str, map_location) -> tuple[LearnerState, dict]:
+    """The learner state ``name`` and the weights file it names, checked to belong together."""
+    state = _read_learner_state(folder / name)
+    weights = folder / Path(state.weights).name
+    training_state = read_training_state(weights, map_location)
+    if state.version >= 0 and training_state["version"] != state.version:
+        raise HeteroRLError(f"{weights} holds policy version {training_state['version']}, but {name} was written "
+                            f"with version {state.version}: they are not one checkpoint")
+    return state, training_state
+
+
+def _read_published(folder: Path) -> tuple[int, dict[str, float]]:
+    """(newest version published, {version: wall time} of those since the last checkpoint); (-1, {}) if none."""
+    path = folder / PUBLISHED
+    if not path.is_file():
+        return -1, {}
+    try:
+        raw = json.loads(path.read_bytes())
+        return int(raw["version"]), {str(int(v)): float(t) for v, t in raw["publish_wall_s"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise HeteroRLError(f"{path} is not a record of the newest version published ({exc!r}); stop every worker "
+                            "(one holding a newer version would ignore the learner's), delete the file and resume "
+                            "again: the versions then go on from the checkpoint's") from None
+
+
+def read_checkpoint(run_dir: str | Path, map_location="cpu") -> Checkpoint:
+    """The latest checkpoint of ``run_dir``, every file read and checked (the weights with
+    ``torch.load(weights_only=True)``); HeteroRLError naming the file and what is wrong, and which checkpoint
+    to resume from instead (the previous one, when it is good) and how."""
+    folder = Path(run_dir) / CHECKPOINTS
+    if not (folder / LEARNER_STATE).is_file() and not (folder / PREVIOUS_STATE).is_file():
+        raise HeteroRLError(f"no checkpoint to resume in {folder}; was the run started with this run dir?")
+    try:
+        state, training_state = _read_pair(folder, LEARNER_STATE, map_location)
+    except HeteroRLError as exc:
+        raise HeteroRLError(f"cannot resume from the latest checkpoint: {exc}. {_fallback(folder, map_location)}"
+                            ) from None
+    newest, wall_s = _read_published(folder)
+    return Checkpoint(state, training_state, max(newest, int(training_state["version"])), wall_s)
+
+
+def _fallback(folder: Path, map_location) -> str:
+    """What to resume from when the latest checkpoint is bad: the previous one if it is good, and how."""
+    try:
+        state, _ = _read_pair(folder, PREVIOUS_STATE, map_location)
+    except HeteroRLError as exc:
+        return f"No good checkpoint remains ({exc}): start the run again in another logging.run_dir."
+    return (f"The previous checkpoint (step {state.step}: {folder / PREVIOUS_STATE} and {state.weights}) is good; "
+            f"to resume from it, run `cp {folder / PREVIOUS_STATE} {folder / LEARNER_STATE}` and resume again "
+            f"(the steps after {state.step} are trained again)")
 
 
 class Ranks:
@@ -161,32 +258,56 @@ class Learner:
         self._trained: set[str] = set()
         self._eval_sampler = training.live_sampling_client()
         self.recorder: StepRecorder | None = None  # made by `run`, over the (possibly resumed) state
-        self.dropped_trained = 0
+        self.dropped_trained = 0  # trajectories that arrived after being trained (before a restart): never twice
+        self._since_checkpoint: dict[str, float] = {}  # version → wall time, for versions after the checkpoint
+        self._resumed_step = 0  # the step this learner resumed at: its server counts the groups started since
         self._buffer_lock = threading.Condition()
         self._stop_ingest = threading.Event()
         self._ingest_error: BaseException | None = None
 
     # -- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
-        folder = self.run_dir / "checkpoints"
+        """Checkpoint the learner as it stands: its weights file ``checkpoint-STEP.pt`` first, then
+        ``learner_state.json``, which names that file, as the commit (each written atomically, so a killed
+        learner leaves the old checkpoint or the new one). The checkpoint it replaces stays, as
+        ``learner_state.prev.json`` and its weights file; older weights files and temporary files go."""
+        folder = self.run_dir / CHECKPOINTS
         folder.mkdir(parents=True, exist_ok=True)
-        self.training.save_state(folder / CHECKPOINT).result()
-        self.state.trained_ids = sorted(self._trained)
+        state = self.state
+        state.trained_ids = sorted(self._trained)
         if self.recorder is not None:
-            self.state.steps_without_update = self.recorder.steps_without_update
-        fd, tmp = tempfile.mkstemp(prefix=".learner_state.", dir=folder)
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(self.state), f)
-        os.replace(tmp, folder / LEARNER_STATE)
+            state.steps_without_update = self.recorder.steps_without_update
+        state.version, state.weights = self.training.version, f"checkpoint-{state.step:06d}.pt"
+        self.training.save_state(folder / state.weights).result()
+        keep, latest = {state.weights}, folder / LEARNER_STATE
+        if latest.is_file():
+            data = latest.read_bytes()
+            _write_atomically(folder / PREVIOUS_STATE, data)
+            try:
+                keep.add(json.loads(data).get("weights", CHECKPOINT))
+            except (ValueError, AttributeError):
+                pass  # not a learner state (the resume that read it would have refused it): nothing to keep
+        _write_atomically(latest, json.dumps(asdict(state)).encode())
+        self._since_checkpoint.clear()  # every version published so far is in the checkpoint's publish_wall_s
+        for path in folder.iterdir():  # weights no checkpoint names, and what a killed learner left half-written
+            if path.name.startswith(".") or (path.suffix == ".pt" and path.name not in keep):
+                path.unlink(missing_ok=True)
 
-    def load_checkpoint(self) -> None:
-        folder = self.run_dir / "checkpoints"
-        if not (folder / CHECKPOINT).is_file() or not (folder / LEARNER_STATE).is_file():
-            raise HeteroRLError(f"no checkpoint to resume in {folder}; was the run started with this run dir?")
-        self.training.load_state(folder / CHECKPOINT).result()
-        self.state = LearnerState(**json.loads((folder / LEARNER_STATE).read_text()))
+    def resume(self, checkpoint: Checkpoint) -> None:
+        """Continue from ``checkpoint`` (`read_checkpoint`): its weights, optimizer, RNG and learner state. The
+        version goes on above every version published before, by the learner that wrote the checkpoint or by
+        one that ran on after it, so the next publish gives every worker the checkpoint's weights under a
+        version newer than any it holds."""
+        self.training.load_state(checkpoint.training_state).result()
+        self.state = checkpoint.state
+        self.state.publish_wall_s.update(checkpoint.published_wall_s)
+        self._since_checkpoint = dict(checkpoint.published_wall_s)
         self._trained = set(self.state.trained_ids)
-        log.info("resumed at step %d, version %d", self.state.step, self.training.version)
+        self._resumed_step = self.state.step
+        self.training.version = checkpoint.newest_published
+        log.info("resumed at step %d from version %d; the newest version published was %d, the next is %d",
+                 self.state.step, checkpoint.training_state["version"], checkpoint.newest_published,
+                 checkpoint.newest_published + 1)
 
     # -- helpers ------------------------------------------------------------------------------------
     def _evaluate(self) -> float:
@@ -194,12 +315,25 @@ class Learner:
 
     def _publish(self) -> int:
         version, state = self.training.save_weights_for_sampler().result()
+        wall_s = self.state.publish_wall_s[str(version)] = time.time()
+        self._record_published(version, wall_s)
         self.server.publish(version, state)
-        self.state.publish_wall_s[str(version)] = time.time()
         return version
 
+    def _record_published(self, version: int, wall_s: float) -> None:
+        """Write down ``version`` as the newest published before any worker can see it (a small file, written
+        atomically): a learner resumed from an older checkpoint publishes above it (`read_checkpoint`)."""
+        self._since_checkpoint[str(version)] = wall_s
+        folder = self.run_dir / CHECKPOINTS
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {"version": version, "publish_wall_s": self._since_checkpoint}
+        _write_atomically(folder / PUBLISHED, json.dumps(record).encode())
+
     def _admit(self) -> None:
-        cap = self.buffer.admission_limit(self.state.step, self.cfg.rl.prompts_per_step)
+        per_step = self.cfg.rl.prompts_per_step
+        cap = self.buffer.admission_limit(self.state.step, per_step)
+        if cap is not None:  # the server counts the groups started in this learner's life: the steps before it
+            cap -= self._resumed_step * per_step  # consumed theirs, so the fleet stays as far ahead as ever
         self.server.set_admission(cap, ahead=self.cfg.runtime.groups_per_call)
 
     def _await_fleet(self) -> None:
@@ -283,6 +417,8 @@ class Learner:
         self.recorder = StepRecorder(cfg, self._evaluate, self.logger, self.progress, history=state.history,
                                      steps_without_update=state.steps_without_update)
         self.recorder.start()
+        if not (self.run_dir / CHECKPOINTS / LEARNER_STATE).is_file():
+            self.save_checkpoint()  # step 0: a learner killed before its first checkpoint can resume too
         version = self._publish()
         self._admit()
         self._await_fleet()
@@ -366,7 +502,12 @@ class Learner:
             "workers/alive": sum(w.alive for w in workers),
             # what a simulated run needs to mimic this fleet: simulate.call_s = this × runtime.groups_per_call
             "workers/busy_s_per_group": busy * self.cfg.rollout.group_size / max(trajectories, 1),
+            # a worker holding a version the learner has not published would mean the versions went backwards
+            "workers/version_held_max": max((w.version_held for w in workers if w.alive), default=-1),
             "transport/rejected": self.server.stats["rejected"],
+            # since the learner started: ids it had already trained (before a restart) and ids it had already taken
+            "buffer/dropped_trained": self.dropped_trained,
+            "transport/duplicates": self.server.stats["duplicates"],
         }
 
     def follow(self) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import secrets
 import time
 import zlib
 from dataclasses import dataclass
@@ -70,16 +71,25 @@ def sampling_params(cfg: Config, worker_id: str, groups_sent: int) -> SamplingPa
                           seed=zlib.crc32(f"{cfg.seed}/{worker_id}/{groups_sent}".encode()))
 
 
+def new_session() -> str:
+    """A worker process's session token, drawn at start (48 random bits): the ids it stamps never repeat those of
+    an earlier life of the same worker id, which the learner has trained or still remembers."""
+    return secrets.token_hex(6)
+
+
 def stamp_groups(task, worker_id: str, first_index: int, version: int, problems, prompts, groups,
-                 start_wall: float, end_wall: float, min_logprob: float = MIN_LOGPROB) -> list[list[Trajectory]]:
+                 start_wall: float, end_wall: float, min_logprob: float = MIN_LOGPROB, *,
+                 session: str = "") -> list[list[Trajectory]]:
     """Score each sampled group and stamp its trajectories (ids, policy version per token, behaviour log-probs,
-    timestamps). Group ids are ``{worker_id}-{n}``, n counting from ``first_index``; empty completions are left
-    out (a group is as large as what remains). Behaviour log-probs are clipped to [``min_logprob``, 0]: the
-    learner's floor (its contract) exists only to keep the loss finite, and no token a sampler draws lies below
-    it but with odds of about e^-50, so clipping there changes nothing else."""
+    timestamps). Group ids are ``{worker_id}-{session}-{n}`` (``{worker_id}-{n}`` without a session, as in the
+    simulation, which has one life), n counting from ``first_index``; trajectory ids add ``-{j}``. Empty
+    completions are left out (a group is as large as what remains). Behaviour log-probs are clipped to
+    [``min_logprob``, 0]: the learner's floor (its contract) exists only to keep the loss finite, and no token a
+    sampler draws lies below it but with odds of about e^-50, so clipping there changes nothing else."""
     stamped = []
+    prefix = f"{worker_id}-{session}" if session else worker_id
     for n, (problem, prompt, group) in enumerate(zip(problems, prompts, groups), start=first_index):
-        group_id = f"{worker_id}-{n}"
+        group_id = f"{prefix}-{n}"
         group = [sample for sample in group if sample.tokens]
         stamped.append([Trajectory(
             trajectory_id=f"{group_id}-{j}", group_id=group_id, prompt_id=problem.problem_id[:128],
@@ -106,6 +116,7 @@ class RolloutWorker:
         self.version = -1
         self.learner_timeout_s = 300.0  # from the learner's config once it answers
         self.contract: TrajectoryContract | None = None  # what the learner takes, from its ready answer
+        self.session = new_session()  # in every id this process stamps
         self.groups_sent = 0
         self.busy_s = 0.0
         self.idle_s = 0.0
@@ -144,7 +155,7 @@ class RolloutWorker:
     def run(self) -> int:
         cfg = self._configure()
         worker_id = self.options.worker_id
-        task = make_task(cfg.task.name, dict(cfg.task.options), cfg.task.reward_fn)
+        task = make_task(cfg.task.name, dict(cfg.task.options), cfg.task.reward_fn, cfg.task.reward_timeout_s)
         base = self.options.policy or cfg.rl.base or cfg.policy.model
         model, tokenizer = load_policy(base, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=cfg.policy.device)
         self._check_policy(model, base)
@@ -154,7 +165,8 @@ class RolloutWorker:
         if got is None:
             raise HeteroRLError(f"no weights from the learner within {cfg.runtime.learner_timeout_s} s")
         self._apply(got)
-        log.info("worker %s: version %d, task %s, mode %s", worker_id, self.version, task.name, cfg.runtime.mode)
+        log.info("worker %s (session %s): version %d, task %s, mode %s", worker_id, self.session, self.version,
+                 task.name, cfg.runtime.mode)
         rng = shard_rng(cfg.seed, worker_id)
         sync = cfg.runtime.mode == "sync"
         share = cfg.rl.prompts_per_step // cfg.runtime.workers
@@ -182,7 +194,10 @@ class RolloutWorker:
                 continue
             used_version = self.version
             self._generate_and_send(cfg, task, [task.sample_train(rng) for _ in range(n)])
-        log.info("worker %s: the learner ended the run after %d groups", worker_id, self.groups_sent)
+        if self.client.refused:
+            raise HeteroRLError(f"the learner refused worker {worker_id}: {self.client.refused}")
+        log.info("worker %s: the learner ended the run after %d groups (holding version %d)", worker_id,
+                 self.groups_sent, self.version)
         return 0
 
     def _check_policy(self, model, base: str) -> None:
@@ -220,7 +235,7 @@ class RolloutWorker:
         self.client.busy_s = self.busy_s
         floor = self.contract.min_logprob if self.contract is not None else MIN_LOGPROB
         stamped = stamp_groups(task, worker_id, self.groups_sent, self.version, problems, prompts, groups,
-                               start_wall, time.time(), floor)
+                               start_wall, time.time(), floor, session=self.session)
         self.groups_sent += len(stamped)
         for group in stamped:
             self._send(list(group))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from heterorl.config import TaskConfig
 from heterorl.errors import TaskError
 from heterorl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 from heterorl.tasks.base import Problem, Task
@@ -23,11 +24,13 @@ TASKS: dict[str, tuple[type, type]] = {
 }
 
 
-def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str | None = None) -> Task:
+def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str | None = None,
+              reward_timeout_s: float | None = TaskConfig.reward_timeout_s) -> Task:
     """Build task ``name`` from ``options`` (its config's fields).
 
     When ``reward_fn`` (``"package.module:function"``) is given, the task is
-    wrapped in :class:`CustomRewardTask` and scored by that function. Raises
+    wrapped in :class:`CustomRewardTask` and scored by that function, each
+    call limited to ``reward_timeout_s`` seconds (None: no limit). Raises
     TaskError for an unknown task name, an unknown or missing option, or a
     bad reward function path.
     """
@@ -49,7 +52,7 @@ def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str |
         raise TaskError(f"task {name!r} needs option(s) {', '.join(missing)}")
     task = task_cls(config_cls(**options))
     if reward_fn is not None:
-        task = CustomRewardTask(task, load_reward_fn(reward_fn))
+        task = CustomRewardTask(task, load_reward_fn(reward_fn), reward_timeout_s)
     return task
 
 

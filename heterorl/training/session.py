@@ -363,9 +363,11 @@ class TrainingClient:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        os.close(fd)
         try:
-            torch.save(self.state_dict(), tmp)
+            with os.fdopen(fd, "wb") as f:
+                torch.save(self.state_dict(), f)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -373,32 +375,65 @@ class TrainingClient:
         return path
 
     def save_state(self, path) -> Future:
-        """Future of the path: weights, optimizer, version, step and RNG, written atomically."""
+        """Future of the path: weights, optimizer, version, step and RNG, written atomically (a temporary file
+        renamed over ``path``: a killed process leaves the old state or the new one, never a torn one)."""
         return self._executor.submit(self._save_state, path)
 
-    def _load_state(self, path) -> int:
-        path = Path(path)
-        if not path.is_file():
-            raise HeteroRLError(f"no training state at {path}")
-        state = torch.load(path, map_location=self.device, weights_only=False)
-        self.model.load_state_dict(state["model"])
-        if state["optimizer"] is not None:
-            self.optimizer = torch.optim.AdamW(self.model.parameters())
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.version, self.step = state["version"], state["step"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
+    def _load_state(self, state) -> int:
+        if not isinstance(state, dict):
+            state = read_training_state(state, self.device)
+        try:
+            self.model.load_state_dict(state["model"])
+            if state["optimizer"] is not None:
+                self.optimizer = torch.optim.AdamW(self.model.parameters())
+                self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise HeteroRLError(f"the training state does not fit this model ({_first_sentence(exc)}); was it "
+                                "saved from another policy?") from None
+        self.version, self.step = int(state["version"]), int(state["step"])
+        torch.set_rng_state(state["rng"]["torch"].cpu())
+        version, internal, gauss = state["rng"]["python"]
+        random.setstate((version, tuple(internal), gauss))
         return self.version
 
-    def load_state(self, path) -> Future:
-        """Future of the restored version."""
-        return self._executor.submit(self._load_state, path)
+    def load_state(self, state) -> Future:
+        """Future of the restored version. ``state``: a path `save_state` wrote, or what `read_training_state`
+        read from one."""
+        return self._executor.submit(self._load_state, state)
 
     def close(self) -> None:
         self._executor.shutdown()
 
 
+_STATE_FIELDS = ("model", "optimizer", "version", "step", "rng")
+
+
+def _first_sentence(exc: BaseException) -> str:
+    text = str(exc).strip().split(". ")[0].splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+def read_training_state(path, map_location: str | torch.device = "cpu") -> dict:
+    """The training state `TrainingClient.save_state` wrote to ``path``, read with ``torch.load(weights_only=True)``:
+    tensors, numbers, strings and containers only (the model, the optimizer, the version, the step, torch's RNG
+    state and python's as a tuple of ints), so nothing in the file can run code. HeteroRLError naming the file
+    and what is wrong: missing, truncated or garbage, or a field absent."""
+    path = Path(path)
+    if not path.is_file():
+        raise HeteroRLError(f"no training state at {path}")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # damaged bytes fail wherever the parser is (UnpicklingError, EOFError, IndexError, ...);
+        # with weights_only nothing in the file runs, so every failure means one thing: not a readable state
+        raise HeteroRLError(f"{path} cannot be read as a training state: it is truncated, not a checkpoint, or "
+                            f"holds more than tensors, numbers and strings ({_first_sentence(exc)})") from None
+    missing = [name for name in _STATE_FIELDS if not isinstance(state, dict) or name not in state]
+    if missing:
+        raise HeteroRLError(f"{path} is not a training state: it lacks {', '.join(missing)}")
+    return state
+
+
 __all__ = [
     "AdamParams", "Datum", "ForwardBackwardOutput", "OptimStepOutput", "SampleOutput",
-    "SamplingClient", "SamplingParams", "TrainingClient",
+    "SamplingClient", "SamplingParams", "TrainingClient", "read_training_state",
 ]

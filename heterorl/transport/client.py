@@ -44,6 +44,7 @@ from heterorl.transport.protocol import (
 from heterorl.transport.sockets import (
     CurveConfig,
     DelaySchedule,
+    TransportError,
     TransportTimeout,
     _Endpoint,
     _receive,
@@ -118,7 +119,8 @@ class WorkerClient(_Endpoint):
         self._start_limit = -1
         self.busy_s = 0.0  # reported in heartbeats; the rollout loop adds to them
         self.idle_s = 0.0
-        self.finished = threading.Event()  # the learner said bye: the run is over
+        self.finished = threading.Event()  # the learner said the run is over (or refused this worker: `refused`)
+        self.refused: str | None = None  # the learner's reason when it refused this worker
         self._ready: Ready | None = None
         self._version_held = version_held
         self._latest: tuple[int, dict] | None = None
@@ -144,10 +146,14 @@ class WorkerClient(_Endpoint):
 
     # -- public API ---------------------------------------------------------------------------------
     def wait_ready(self, timeout_s: float) -> Ready:
-        """Block until the learner answers the hello; TransportTimeout after ``timeout_s``."""
+        """Block until the learner answers the hello; TransportTimeout after ``timeout_s``, TransportError when
+        it refuses this worker."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while self._ready is None or not self.learner_alive:
+                if self.refused:
+                    raise TransportError(f"the learner at {self.address} refused worker {self.worker_id}: "
+                                         f"{self.refused}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransportTimeout(f"no answer from the learner at {self.address} within {timeout_s} s; "
@@ -382,10 +388,18 @@ class WorkerClient(_Endpoint):
             self._fetch.start(self._weights, self, self._now)
 
     def _on_bye(self, bye: Bye) -> None:
+        """The run is over (leave), this worker is refused (stop), or the learner is stopping before the end of
+        the run: then it is taken for gone and hello goes out again, so a restarted learner gets this worker
+        back (the rollout worker gives up after ``runtime.learner_timeout_s``)."""
         log.info("learner said bye to %s: %s", self.worker_id, bye.reason)
         self.rejections.append(bye.reason)
-        self.finished.set()
         with self._lock:
+            if bye.ends_run or bye.refuses:
+                self.refused = bye.reason if bye.refuses else None
+                self.finished.set()
+            else:
+                self.learner_alive = False
+                self._last_hello = 0.0  # hello at once: a restarted learner answers it
             self._lock.notify_all()
 
     def _drain_outbox(self, control: zmq.Socket) -> None:

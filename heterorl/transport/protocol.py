@@ -646,13 +646,29 @@ class WeightsChunk(Message):
                    index=_int("index", body["index"], 0, _INT32_MAX), checksum=checksum, data=chunk)
 
 
+# What a learner's bye tells a worker (its ``reason``); any other reason reads as BYE_LEARNER_STOPPING.
+BYE_RUN_FINISHED = "run finished"  # the run is over: the worker leaves
+BYE_LEARNER_STOPPING = "learner stopping"  # the learner exits before the run is over (an error, an interrupt, a
+#   restart): the worker keeps saying hello until runtime.learner_timeout_s, so a restarted learner gets it back
+BYE_REFUSED = "refused: "  # prefix: this worker may not join (e.g. its id belongs to another key); it stops
+
+
 @dataclass
 class Bye(Message):
-    """Either direction: I am leaving (or: you are refused), with a reason for the other side's log."""
+    """Either direction: I am leaving (or: you are refused), with a reason. A learner's reason is one of the
+    ``BYE_*`` above, which tells its workers whether to leave (`ends_run`), stop (`refuses`) or wait for it."""
 
     kind: ClassVar[str] = "bye"
     sender_id: str
     reason: str = ""
+
+    @property
+    def ends_run(self) -> bool:
+        return self.reason == BYE_RUN_FINISHED
+
+    @property
+    def refuses(self) -> bool:
+        return self.reason.startswith(BYE_REFUSED)
 
     @classmethod
     def from_wire(cls, body, limits, data=()):

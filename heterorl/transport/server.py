@@ -31,6 +31,8 @@ from heterorl.errors import ConfigError, HeteroRLError
 from heterorl.transport.protocol import (
     DEFAULT_LIMITS,
     Ack,
+    BYE_LEARNER_STOPPING,
+    BYE_REFUSED,
     Bye,
     Heartbeat,
     Hello,
@@ -120,9 +122,12 @@ class LearnerServer(_Endpoint):
                  limits: Limits = DEFAULT_LIMITS, weights_address: str | None = None,
                  weights_delay: Callable[[str], DelaySchedule | None] | None = None,
                  settings: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic,
-                 contract: TrajectoryContract | None = None) -> None:
+                 contract: TrajectoryContract | None = None, published_before: int = -1) -> None:
         """``contract``: what every trajectory must satisfy to be buffered (`set_contract`); None checks only
-        that frames are well formed."""
+        that frames are well formed. ``published_before``: the newest version an earlier learner of this run
+        published (a resumed learner's, docs/RELIABILITY.md "Crash and resume"): workers may hold it, so the
+        contract takes trajectories stamped up to it before this server publishes anything, and `publish` goes
+        above it."""
         self.config = config or TransportConfig()
         self.config.validate()
         _require_security(address, curve, self.config, (
@@ -145,7 +150,7 @@ class LearnerServer(_Endpoint):
         self._versions: OrderedDict[int, PackedWeights] = OrderedDict()
         self._retired: deque[PackedWeights] = deque(maxlen=2)  # dropped versions whose buffers publish reuses
         self._publish_times: dict[int, float] = {}
-        self._newest = -1
+        self._newest = published_before  # the newest version published in this run: the contract's version bound
         self._admission_cap: int | None = None  # total groups the fleet may start (None: no admission control)
         self._starts_granted_total = 0
         self._starts_refused = 0  # groups started on a permit and refused whole: they widen the admission cap
@@ -236,8 +241,10 @@ class LearnerServer(_Endpoint):
                                   if k not in ("pending_notices", "acks", "rejects", "poisoned_groups")})
                     for w in self._workers.values()]
 
-    def close(self, reason: str = "learner closed") -> None:
-        """Say bye to every live worker (they stop their loops) and stop the I/O thread."""
+    def close(self, reason: str = BYE_LEARNER_STOPPING) -> None:
+        """Say bye to every live worker with ``reason`` and stop the I/O thread. `BYE_RUN_FINISHED` ends the
+        workers' loops; any other reason (the default) tells them this learner is stopping before the run is
+        over, and they keep saying hello until a restarted learner answers."""
         self._bye_reason = reason
         self._stop.set()
         self._wakeup.wake()
@@ -304,7 +311,7 @@ class LearnerServer(_Endpoint):
         try:
             self._serve(control, weights)
         finally:
-            bye = encode(Bye("learner", getattr(self, "_bye_reason", "learner closed")))
+            bye = encode(Bye("learner", getattr(self, "_bye_reason", BYE_LEARNER_STOPPING)))
             for worker in list(self._workers.values()):
                 if worker.alive:
                     _send(control, [worker.routing_id, *bye], self.stats, "bye")
@@ -388,7 +395,8 @@ class LearnerServer(_Endpoint):
         now = time.monotonic()
         if worker is not None and user_id is not None and worker.public_key not in (None, user_id):
             self._reject("forged_id", f"worker id {hello.worker_id!r} belongs to another key")
-            _send(sock, [routing_id, *encode(Bye("learner", "worker id taken by another key"))], self.stats, "bye")
+            refusal = Bye("learner", f"{BYE_REFUSED}worker id taken by another key")
+            _send(sock, [routing_id, *encode(refusal)], self.stats, "bye")
             return
         if worker is None and len(self._workers) >= self.config.max_workers:
             self._reject("too_many_workers", f"hello from {hello.worker_id!r}: registry full ({self.config.max_workers})")
@@ -410,9 +418,11 @@ class LearnerServer(_Endpoint):
         worker.groups_session = worker.starts_granted_session = 0
         worker.last_start_limit_sent = -2
         worker.pending_notices.clear()
-        worker.released_version = self._newest  # a (re)joining worker gets the newest whole version
+        # a (re)joining worker gets the newest whole version this server holds (none before its first publish)
+        worker.released_version = max(self._versions, default=-1)
         worker.last_credit_sent = worker.credit_limit(self.config.credits_per_worker)
-        ready = Ready(worker_id=hello.worker_id, credits=worker.last_credit_sent, newest_version=self._newest,
+        ready = Ready(worker_id=hello.worker_id, credits=worker.last_credit_sent,
+                      newest_version=worker.released_version,
                       heartbeat_interval_s=self.config.heartbeat_interval_s,
                       settings={**self._settings, "weights_port": _port_of(self.weights_endpoint),
                                 "start_limit": -1 if self._admission_cap is None else 0})

@@ -71,14 +71,26 @@ class CurveConfig:
 
 
 def make_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
-    """Write ``name.key`` (public) and ``name.key_secret`` (secret, mode 0600) into ``directory``."""
+    """Write ``name.key`` (public) and ``name.key_secret`` (secret, mode 0600) into ``directory``. ``name`` is a
+    plain file name (letters, digits, ``-``, ``_``, ``.``), so the files land in ``directory`` and nowhere else."""
+    if name in (".", "..") or not name or any(not (c.isascii() and (c.isalnum() or c in "-_.")) for c in name):
+        raise ConfigError(f"key name {name!r} must be a plain file name: letters, digits, '-', '_' and '.', not "
+                          "'.' or '..' (no path: the key files go into --out)")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"{directory} is not a folder: give --out a folder for the key files") from None
     for suffix in (".key", ".key_secret"):
         if (directory / (name + suffix)).exists():
             raise ConfigError(f"{directory / (name + suffix)} exists; choose another --name or remove it")
-    public, secret = zmq.auth.create_certificates(str(directory), name)
+    umask = os.umask(0o077)  # the secret file is never readable by others, not even before the chmod
+    try:
+        public, secret = zmq.auth.create_certificates(str(directory), name)
+    finally:
+        os.umask(umask)
     os.chmod(secret, 0o600)
+    os.chmod(public, 0o666 & ~umask)  # as any file the user writes: it is meant to be copied to the other side
     return Path(public), Path(secret)
 
 

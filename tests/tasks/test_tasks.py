@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import re
+import threading
+import time
 from collections import deque
 
 import pytest
@@ -15,7 +18,7 @@ from heterorl.tasks.answers import answers_match, extract_boxed_answer, extract_
 from heterorl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 from heterorl.tasks.jsonl import JsonlConfig, JsonlTask
 from heterorl.tasks.maze import MazeConfig, MazeTask, maze_problem
-from heterorl.tasks.rewards import CustomRewardTask, load_reward_fn
+from heterorl.tasks.rewards import CallTimedOut, CustomRewardTask, TimedCall, load_reward_fn
 
 # ---------------------------------------------------------------- maze
 
@@ -395,6 +398,16 @@ def nan(prompt, completion, answer):
     return math.nan
 def boom(prompt, completion, answer):
     raise RuntimeError("kaboom")
+def own_timeout(prompt, completion, answer):
+    raise TimeoutError("scoring service timed out")
+import threading
+RELEASE = threading.Event()
+CALLS = []
+def stuck_once(prompt, completion, answer):  # the first call hangs until RELEASE is set
+    CALLS.append(completion)
+    if len(CALLS) == 1:
+        RELEASE.wait(60)
+    return 0.5
 '''
 
 
@@ -436,12 +449,46 @@ def test_load_reward_fn_failures(reward_module, spec, message):
         load_reward_fn(spec)
 
 
-@pytest.mark.parametrize("name, message", [("text", "'high'"), ("nan", "nan"), ("boom", "kaboom")])
+@pytest.mark.parametrize("name, message", [("text", "'high'"), ("nan", "nan"), ("boom", "kaboom"),
+                                           ("own_timeout", "raised TimeoutError: scoring service timed out")])
 def test_custom_reward_bad_results(reward_module, name, message):
     task = CustomRewardTask(ArithmeticTask(), load_reward_fn(f"{reward_module}:{name}"))
     with pytest.raises(TaskError, match=re.escape(message)) as info:
         task.reward(Problem(problem_id="p", prompt="1+1=", answer="2"), "#### 2")
     assert f"{reward_module}:{name}" in str(info.value)
+
+
+def test_a_reward_that_never_returns_is_an_error_naming_it_the_limit_and_the_key(reward_module):
+    module = importlib.import_module(reward_module)
+    task = make_task("arithmetic", {"digits": 1, "eval_size": 5}, reward_fn=f"{reward_module}:stuck_once",
+                     reward_timeout_s=0.2)
+    problem = task.eval_problems()[0]
+    try:
+        start = time.monotonic()
+        with pytest.raises(TaskError) as info:
+            task.reward(problem, "first")
+        assert 0.2 <= time.monotonic() - start < 5
+        message = str(info.value)
+        assert f"{reward_module}:stuck_once did not return within 0.2 s" in message
+        assert "task.reward_timeout_s=SECONDS" in message and repr(problem.problem_id) in message
+        # the stuck call is abandoned: the next one runs on a fresh thread and returns
+        assert task.reward(problem, "second") == 0.5
+    finally:
+        module.RELEASE.set()
+    assert task.reward(problem, "third") == 0.5  # the first call's late result is never taken for another's
+    assert module.CALLS == ["first", "second", "third"]
+
+
+def test_timed_call_runs_in_a_daemon_thread_or_without_a_limit_in_the_callers():
+    caller = threading.current_thread()
+    assert TimedCall(threading.current_thread, None)() is caller
+    helper = TimedCall(threading.current_thread, 5.0)
+    first = helper()
+    assert first is not caller and first.daemon and helper() is first  # one long-lived thread for every call
+    with pytest.raises(KeyError, match="k"):
+        TimedCall({}.__getitem__, 5.0)("k")  # the function's own exception, unchanged
+    with pytest.raises(CallTimedOut, match="within 0.05 s"):
+        TimedCall(time.sleep, 0.05)(2)
 
 
 # ---------------------------------------------------------------- registry

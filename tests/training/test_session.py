@@ -1,14 +1,16 @@
 """Session primitives: futures in order, real learning, snapshots, state round trip, bad input."""
 
 import copy
+import random
 
+import numpy as np
 import pytest
 import torch
 
 import gepo
 from heterorl.engines import SamplingParams
 from heterorl.errors import HeteroRLError
-from heterorl.training.session import AdamParams, Datum, TrainingClient
+from heterorl.training.session import AdamParams, Datum, TrainingClient, read_training_state
 
 
 @pytest.fixture()
@@ -176,6 +178,45 @@ def test_state_round_trip(training, tiny_policy, tmp_path):
     assert training.forward(datums).result().loss == pytest.approx(loss_saved, abs=1e-7)
     assert (training.version, training.step) == (1, 1)
     assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]  # written atomically, no temp left
+
+
+def test_state_loads_with_weights_only_and_restores_both_rngs(training, tiny_policy, tmp_path):
+    """Everything a state holds (model, optimizer, version, step, torch's and python's RNG) loads under
+    torch.load(weights_only=True), and the RNG streams go on where they were at the save."""
+    _, tok = tiny_policy
+    training.forward_backward(_datums(tok))
+    training.optim_step(AdamParams(learning_rate=1e-3)).result()
+    training.save_state(tmp_path / "state.pt").result()
+    expected = (random.random(), torch.rand(3))
+    random.random(), torch.rand(3)
+    state = read_training_state(tmp_path / "state.pt")  # weights_only: a file that needs more is refused
+    assert state["optimizer"]["state"] and (state["version"], state["step"]) == (0, 1)
+    training.load_state(state).result()
+    drawn = (random.random(), torch.rand(3))
+    assert drawn[0] == expected[0] and torch.equal(drawn[1], expected[1])
+
+
+def test_a_damaged_state_is_an_error_naming_the_file(training, tmp_path):
+    """Truncated anywhere, random bytes, or pickled objects beyond tensors: one clear error, never a raw one."""
+    good = tmp_path / "state.pt"
+    training.save_state(good).result()
+    data, rng = good.read_bytes(), np.random.default_rng(0)
+    damaged = [data[:n] for n in (0, 10, len(data) // 3, len(data) - 1)] + [rng.bytes(n) for n in (1, 64, 4096) * 4]
+    for i, blob in enumerate(damaged):
+        path = tmp_path / f"bad-{i}.pt"
+        path.write_bytes(blob)
+        with pytest.raises(HeteroRLError, match=f"{path} cannot be read as a training state"):
+            read_training_state(path)
+    code = tmp_path / "code.pt"
+    torch.save({"model": {}, "optimizer": None, "version": 0, "step": 0, "rng": HeteroRLError("x")}, code)
+    with pytest.raises(HeteroRLError, match="holds more than tensors"):
+        training.load_state(code).result()
+    torch.save({"model": {}}, code)
+    with pytest.raises(HeteroRLError, match="lacks optimizer, version, step, rng"):
+        training.load_state(code).result()
+    torch.save({**training.state_dict(), "model": {"nope": torch.zeros(1)}}, code)
+    with pytest.raises(HeteroRLError, match="does not fit this model"):
+        training.load_state(code).result()
 
 
 def test_callable_loss_and_registered_policy_loss(training, tiny_policy):
