@@ -8,6 +8,7 @@
     heterorl bench transport            trajectories and weights over ZeroMQ vs raw pyzmq
     heterorl bench async                samples/s of the same run in sync and in async mode
     heterorl keys --name NAME [--out D] a CurveZMQ key pair for a learner or a remote worker
+    heterorl keys revoke --name NAME --allow-keys D   refuse a worker's key (no restart)
     heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async)
     heterorl learner --bind ADDR        the learner alone (remote workers connect to it)
     heterorl rollout --connect ADDR     one rollout worker (on any machine that reaches the learner)
@@ -238,8 +239,19 @@ def cmd_bench(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    from heterorl.transport import make_keypair
+    from heterorl.config import TransportConfig
+    from heterorl.transport import make_keypair, revoke_key
 
+    if args.action == "revoke":
+        if not args.allow_keys:
+            raise HeteroRLError("keys revoke needs --allow-keys: the learner's folder of allowed worker *.key files")
+        moved = revoke_key(args.allow_keys, args.name)
+        print(f"revoked {args.name}: its key moved to {moved}; a running learner refuses it within "
+              f"transport.keys_reload_s ({TransportConfig().keys_reload_s:g} s by default), live connections "
+              "included (move the file back to allow it again)")
+        return 0
+    if args.allow_keys:
+        raise HeteroRLError("--allow-keys is for `heterorl keys revoke`; `heterorl keys` writes into --out")
     public, secret = make_keypair(args.out, args.name)
     print(f"public key: {public}   (give it to the other side: a worker's goes into the learner's allowed folder)")
     print(f"secret key: {secret}   (stays on this machine, mode 0600)")
@@ -266,11 +278,15 @@ def _log_to_console() -> None:
 
 
 def cmd_learner(args) -> int:
-    from heterorl.runtime.launch import serve_learner
+    import os
+
+    from heterorl.runtime.launch import refuse_busy_ports, serve_learner
 
     cfg = _resolve_config(args)
     if cfg is None:
         return 0
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 binds (the others would find its ports taken)
+        refuse_busy_ports(cfg, args.bind or cfg.runtime.address, args.resume)  # before transformers loads
     _log_to_console()
     result = serve_learner(cfg, args.bind or cfg.runtime.address, resume=args.resume,
                            curve=_curve(args.curve_secret, allowed=args.allow_keys),
@@ -298,7 +314,7 @@ def cmd_rollout(args) -> int:
 
 def cmd_train(args) -> int:
     from heterorl.config import to_yaml
-    from heterorl.runtime.launch import train
+    from heterorl.runtime.launch import refuse_busy_ports, train
 
     overrides = list(args.overrides)
     if args.mode:
@@ -318,6 +334,8 @@ def cmd_train(args) -> int:
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return 0
+    if cfg.runtime.execution != "simulated":  # said here, in one line, rather than by the learner process
+        refuse_busy_ports(cfg, cfg.runtime.address, bool(args.resume))
     bar, update = _progress(cfg.rl.steps, f"train ({cfg.runtime.mode}, {cfg.runtime.workers} workers)",
                             cfg.logging.progress)
     try:
@@ -489,9 +507,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="list the runs and check their configs, run nothing")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="run-config overrides, e.g. rl.steps=30")
     p.set_defaults(fn=cmd_compare)
-    p = sub.add_parser("keys", help="make a CurveZMQ key pair (NAME.key public, NAME.key_secret secret)")
+    p = sub.add_parser("keys", help="make a CurveZMQ key pair (NAME.key public, NAME.key_secret secret), or "
+                       "revoke a worker's key")
+    p.add_argument("action", nargs="?", choices=["make", "revoke"], default="make",
+                   help="make (default): write a key pair into --out; revoke: take NAME.key out of the learner's "
+                   "--allow-keys folder (a running learner refuses it within transport.keys_reload_s)")
     p.add_argument("--name", required=True, help="whose keys: 'learner' or a worker id")
     p.add_argument("--out", default="keys", help="folder for the key files (default: keys)")
+    p.add_argument("--allow-keys", help="revoke: the learner's folder of allowed worker *.key files")
     p.set_defaults(fn=cmd_keys)
     return parser
 

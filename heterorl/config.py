@@ -114,17 +114,30 @@ class TransportConfig:
     fetch_timeout_s: float = 30.0  # restart a weights fetch after this long without a chunk
     max_retained_versions: int = 64  # packed versions kept for workers whose release is still delayed
     dedup_window: int = 1_000_000  # trajectory ids remembered for duplicate detection
-    max_workers: int = 1024  # registry size; a hello beyond it is refused (bounds memory under a hello flood)
+    max_workers: int = 1024  # registry size; when full, the entry of the worker silent longest makes room
+    worker_expiry_s: float = 600.0  # a worker silent this long leaves the registry (it may say hello again)
+    # per worker (docs/RELIABILITY.md, "Bounds per worker"): incomplete groups it may have at the learner, and
+    # their bytes; a member beyond either is refused with its group
+    open_groups_per_worker: int = 32
+    open_group_bytes_per_worker: int = 256 * 2**20
+    max_trajectories_per_s: float = 0.0  # per worker, enforced through its credit; 0: no limit
+    keys_reload_s: float = 2.0  # how often the learner re-reads its allowed-keys folder (revocation)
     linger_ms: int = 1000
     allow_plaintext: bool = False  # plaintext on a non-loopback address
 
     def validate(self, key: str = "transport") -> None:
         _positive(self, key, "control_hwm", "weights_hwm", "credits_per_worker", "trajectory_batch",
                   "weights_chunk_bytes", "weights_pipeline", "max_retained_versions", "dedup_window", "max_workers",
-                  "heartbeat_interval_s")
+                  "heartbeat_interval_s", "open_groups_per_worker", "open_group_bytes_per_worker", "keys_reload_s")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             _fail(f"{key}.heartbeat_timeout_s", self.heartbeat_timeout_s,
                   f"must exceed `{key}.heartbeat_interval_s` ({self.heartbeat_interval_s})")
+        if self.worker_expiry_s < self.heartbeat_timeout_s:
+            _fail(f"{key}.worker_expiry_s", self.worker_expiry_s,
+                  f"must be at least `{key}.heartbeat_timeout_s` ({self.heartbeat_timeout_s}): only a worker "
+                  "taken for dead can expire")
+        if not self.max_trajectories_per_s >= 0:
+            _fail(f"{key}.max_trajectories_per_s", self.max_trajectories_per_s, "must be >= 0 (0: no limit)")
 
 
 DELAY_KINDS = ("none", "constant", "uniform", "exponential", "lognormal", "weibull", "trace")
@@ -422,6 +435,10 @@ class Config:
             _fail("rl.prompts_per_step", self.rl.prompts_per_step,
                   f"in sync mode it must be a multiple of `runtime.workers` = {self.runtime.workers} (each worker "
                   "makes an equal share)")
+        if self.transport.credits_per_worker < self.rollout.group_size:
+            _fail("transport.credits_per_worker", self.transport.credits_per_worker,
+                  f"must be at least `rollout.group_size` = {self.rollout.group_size}: the learner holds a group's "
+                  "members on the worker's credit until the group is complete")
         if self.buffer.max_groups < self.rl.prompts_per_step:
             _fail("buffer.max_groups", self.buffer.max_groups,
                   f"must hold at least one batch (`rl.prompts_per_step` = {self.rl.prompts_per_step})")

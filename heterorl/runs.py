@@ -110,10 +110,10 @@ def plot_curves(curves: dict[str, list[tuple[float, float]]], path: str | Path, 
 def setup_run(cfg: Config, name: str, policy: str, append: bool = False, data_parallel: bool = False):
     """Task, TrainingClient over ``policy``, metrics logger and run dir, as every training command needs."""
     from heterorl.policies import load_policy
-    from heterorl.tasks import make_task
+    from heterorl.tasks import make_task_from
     from heterorl.training.session import TrainingClient
 
-    task = make_task(cfg.task.name, dict(cfg.task.options), cfg.task.reward_fn, cfg.task.reward_timeout_s)
+    task = make_task_from(cfg.task)
     model, tokenizer = load_policy(policy, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=cfg.policy.device)
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ test objects (one of each: a trajectory, a small tiny policy)."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -13,6 +14,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import yaml  # noqa: E402
 
 from heterorl.transport.protocol import Trajectory  # noqa: E402
 
@@ -45,6 +47,37 @@ def trajectory(*, completion_len: int | None = None, version: int | None = None,
     if version is not None:
         values["policy_versions"] = np.full(len(values["completion_tokens"]), version, dtype=np.int32)
     return Trajectory(**(values | fields))
+
+
+def maze_run(run_dir, steps: int, *, eval_size: int, eval_every: int, **sections: dict) -> str:
+    """The YAML of the small run the runtime tests share: the 5x5 maze from the shipped SFT base, GEPO, groups of
+    4, 4 prompts a step, 2 workers, no wandb, ``steps`` steps; ``sections`` (``runtime={...}``) are merged over
+    it, section by section."""
+    run = {
+        "seed": 0,
+        "task": {"name": "maze", "options": {"size": 5, "wall_density": 0.3, "min_path_len": 3,
+                                             "eval_size": eval_size, "eval_seed": 12345}},
+        "rollout": {"group_size": 4, "max_tokens": 24},
+        "loss": {"name": "gepo"},
+        "rl": {"base": "maze-sft-base", "steps": steps, "prompts_per_step": 4, "eval_every": eval_every},
+        "runtime": {"workers": 2, "groups_per_call": 2},
+        "logging": {"run_dir": str(run_dir), "wandb_mode": "disabled", "progress": False},
+    }
+    for name, values in sections.items():
+        run[name] = {**run.get(name, {}), **values}
+    return yaml.safe_dump(run, sort_keys=False)
+
+
+def wait_until(predicate, timeout_s: float, what: str, step_s: float = 0.02):
+    """Poll ``predicate`` until it returns something true, and return that; fail naming ``what`` after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(step_s)
 
 
 @pytest.fixture(scope="session")

@@ -189,6 +189,11 @@ class _Senders:
             p.join(_TIMEOUT_S)
 
 
+def _whole_groups(n: int) -> int:
+    """``n`` trajectories rounded down to whole groups of `_GROUP` (at least one group)."""
+    return max(_GROUP, n // _GROUP * _GROUP)
+
+
 def _bench_trajectories(ctx, workers: int, n_total: int, repeats: int, prompt_tokens: int,
                         completion_tokens: int, frame: bytes, config: Any) -> dict[str, tuple[float, float, float]]:
     """{"ours"/"raw": (best trajectories/s, CPU s per trajectory of the receiver and of the senders in that
@@ -199,7 +204,7 @@ def _bench_trajectories(ctx, workers: int, n_total: int, repeats: int, prompt_to
     from heterorl.transport import LearnerServer
     from heterorl.transport.protocol import TrajectoryContract
 
-    n_each = max(1, n_total // workers)
+    n_each = _whole_groups(n_total // workers)  # the learner passes on whole groups only
     contract = TrajectoryContract(vocab_size=_VOCAB, max_sequence_len=prompt_tokens + completion_tokens,
                                   group_size=_GROUP)
     server = LearnerServer(f"{_HOST}:0", config, contract=contract)
@@ -229,7 +234,7 @@ def _bench_trajectories(ctx, workers: int, n_total: int, repeats: int, prompt_to
 
     receivers = {"ours": receive_ours, "raw": receive_raw}
     for name, group in groups.items():  # warm-up
-        group.run(max(1, n_each // 10), receivers[name])
+        group.run(_whole_groups(n_each // 10), receivers[name])
     best: dict[str, tuple[float, float, float]] = {"ours": (0.0, 0.0, 0.0), "raw": (0.0, 0.0, 0.0)}
     for _ in range(repeats):
         for name, group in groups.items():

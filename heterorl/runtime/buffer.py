@@ -55,6 +55,7 @@ class GroupBuffer:
     def __init__(self, config: BufferConfig | None = None) -> None:
         self.config = config or BufferConfig()
         self.config.validate()
+        # keyed by `Trajectory.group_key` (group ids are chosen by workers: one worker's cannot clash with another's)
         self._partial: OrderedDict[str, _Partial] = OrderedDict()
         self._groups: OrderedDict[str, Group] = OrderedDict()  # complete, in arrival order
         self.counters = {"groups_in": 0, "dropped_stale": 0, "dropped_overflow": 0, "dropped_partial": 0,
@@ -62,19 +63,19 @@ class GroupBuffer:
 
     def add(self, traj: Trajectory, now_s: float) -> Group | None:
         """Add one trajectory; returns its group when this completes it."""
-        partial = self._partial.get(traj.group_id)
+        key = traj.group_key
+        partial = self._partial.get(key)
         if partial is None:
-            partial = self._partial[traj.group_id] = _Partial(group_size=traj.group_size, first_s=now_s)
-        if traj.group_size != partial.group_size or traj.sampler_id != next(
-                iter(partial.members.values()), traj).sampler_id:
-            self.counters["inconsistent"] += 1  # one group, two sizes or two samplers: refuse the newcomer
+            partial = self._partial[key] = _Partial(group_size=traj.group_size, first_s=now_s)
+        if traj.group_size != partial.group_size:
+            self.counters["inconsistent"] += 1  # one group, two sizes: refuse the newcomer
             return None
         partial.members[traj.trajectory_id] = traj
         if len(partial.members) < partial.group_size:
             return None
-        del self._partial[traj.group_id]
+        del self._partial[key]
         group = Group(traj.group_id, list(partial.members.values()), now_s)
-        self._groups[group.group_id] = group
+        self._groups[key] = group
         self.counters["groups_in"] += 1
         while len(self._groups) > self.config.max_groups:
             self._groups.popitem(last=False)
@@ -105,8 +106,8 @@ class GroupBuffer:
         bound = self.config.max_staleness_steps
         policy = self.config.policy
         if policy in ("window", "drop_stale"):
-            for gid in [gid for gid, g in self._groups.items() if current_version - g.oldest_version > bound]:
-                del self._groups[gid]
+            for key in [key for key, g in self._groups.items() if current_version - g.oldest_version > bound]:
+                del self._groups[key]
                 self.counters["dropped_stale"] += 1
         if len(self._groups) < n_groups:
             return None
@@ -116,7 +117,7 @@ class GroupBuffer:
             candidates.sort(key=lambda g: g.oldest_version, reverse=newest_first)  # stable: arrival order on ties
         chosen = candidates[:n_groups]
         for group in chosen:
-            del self._groups[group.group_id]
+            del self._groups[group.trajectories[0].group_key]
         self.counters["groups_out"] += len(chosen)
         return chosen
 

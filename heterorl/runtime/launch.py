@@ -9,17 +9,19 @@ others are stopped; the exit status is non-zero. Ctrl-C stops everything.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from heterorl.config import Config, to_yaml
 from heterorl.errors import HeteroRLError
+from heterorl.files import write_atomically
 from heterorl.runs import setup_run
 
 ENDPOINTS = "endpoints.json"
@@ -44,10 +46,10 @@ def _follow_rank(cfg: Config, resume: bool) -> None:
     """A learner rank > 0: same model and optimizer, trains on its share of each batch, owns no socket."""
     from heterorl.policies import load_policy
     from heterorl.runtime.learner import Learner, read_checkpoint
-    from heterorl.tasks import make_task
+    from heterorl.tasks import make_task_from
     from heterorl.training.session import TrainingClient
 
-    task = make_task(cfg.task.name, dict(cfg.task.options), cfg.task.reward_fn, cfg.task.reward_timeout_s)
+    task = make_task_from(cfg.task)
     model, tokenizer = load_policy(cfg.rl.base or cfg.policy.model, alphabet=task.alphabet(), tiny=cfg.policy.tiny,
                                    device=cfg.policy.device)
     training = TrainingClient(model, tokenizer, device=cfg.policy.device, seed=cfg.seed, data_parallel=True)
@@ -80,7 +82,8 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
         keep_metrics_until(run_dir / METRICS, checkpoint.state.step)  # each step is logged once
     task, training, logger, run_dir = setup_run(cfg, "learner", cfg.rl.base or cfg.policy.model, append=resume,
                                                 data_parallel=True)
-    server = _learner_server(cfg, bind, training, curve=curve, allow_plaintext=allow_plaintext, resume=resume,
+    server = _learner_server(cfg, learner_addresses(cfg, bind, resume), training, curve=curve,
+                             allow_plaintext=allow_plaintext,
                              published_before=checkpoint.newest_published if checkpoint is not None else -1)
     learner = Learner(cfg, training, task, server, run_dir, logger, progress)
     reason = BYE_LEARNER_STOPPING
@@ -92,15 +95,71 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
     finally:
         server.close(reason)
         logger.close()
+    counted = ("rejected", "dropped_groups", "duplicates", "workers_removed", "revoked")
     finish_learner_run(cfg, task, training, run_dir, result,
-                       {"execution": "live", "transport_rejected": server.stats["rejected"]})
+                       {"execution": "live", "transport_rejected": server.stats["rejected"],
+                        # what the learner refused or dropped, by reason (docs/RELIABILITY.md)
+                        "transport": {k: v for k, v in sorted(server.stats.items()) if k.startswith(counted)}})
     return result
 
 
-def _learner_server(cfg: Config, bind: str, training, *, curve, allow_plaintext: bool, resume: bool,
+def learner_addresses(cfg: Config, bind: str, resume: bool) -> tuple[str, str | None]:
+    """The control and weights addresses the learner binds: ``bind`` (weights None: on its port + 1), or, for a
+    resumed learner whose ``bind`` leaves the port open, the ones in ``RUN_DIR/endpoints.json`` that its
+    workers are still dialling."""
+    endpoints = Path(cfg.logging.run_dir) / ENDPOINTS
+    if resume and endpoints.is_file() and bind.endswith(":0"):
+        previous = json.loads(endpoints.read_text())
+        return previous["control"], previous["weights"]
+    return bind, None
+
+
+def refuse_busy_ports(cfg: Config, bind: str, resume: bool) -> None:
+    """HeteroRLError naming the address when another process listens on the learner's control address or its
+    weights one (`learner_addresses`): for `heterorl learner` and `heterorl train` to say at once, before the
+    seconds that loading libraries and the model take, what the bind would say after them.
+    Port 0 (free ports are picked) and addresses that are not tcp:// are left to the bind."""
+    control, weights = learner_addresses(cfg, bind, resume)
+    host, port = _host_port(control)
+    if not control.startswith("tcp://") or not port:
+        return
+    for channel, address in (("control", control), ("weights", weights or f"tcp://{host}:{port + 1}")):
+        if _in_use(*_host_port(address)):
+            raise HeteroRLError(f"{address} (the learner's {channel} channel) is in use by another process: choose "
+                                "another port (--bind, or runtime.address; the weights channel takes port + 1, and "
+                                "port 0 picks free ones) or stop the process that holds it")
+
+
+def _host_port(address: str) -> tuple[str, int | None]:
+    """HOST and PORT of ``tcp://HOST:PORT``; PORT None when it is not a number."""
+    host, _, port = address.partition("://")[2].rpartition(":")
+    return host, int(port) if port.isdigit() else None
+
+
+def _in_use(host: str, port: int | None) -> bool:
+    """Whether binding ``host:port`` fails because another socket listens there; False when that cannot be told
+    (no port; a host only ZeroMQ resolves, such as an interface name; a port this user may not bind)."""
+    if port is None:
+        return False
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo("0.0.0.0" if host == "*" else host.strip("[]"), port,
+                                                           type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError, OverflowError):
+        return False
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: a port in TIME_WAIT is free
+        try:
+            probe.bind(where)
+            probe.listen(1)
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def _learner_server(cfg: Config, addresses: tuple[str, str | None], training, *, curve, allow_plaintext: bool,
                     published_before: int):
-    """The learner's `LearnerServer`, its address written to ``RUN_DIR/endpoints.json``; a resumed learner binds
-    the addresses its workers are still dialling (when ``bind`` leaves the port open)."""
+    """The learner's `LearnerServer` on ``addresses`` (`learner_addresses`), its address written to
+    ``RUN_DIR/endpoints.json``."""
     from heterorl.config import TransportConfig
     from heterorl.delay.clock import delay_clock
     from heterorl.delay.links import DelayLink
@@ -108,10 +167,7 @@ def _learner_server(cfg: Config, bind: str, training, *, curve, allow_plaintext:
     from heterorl.transport import LearnerServer
 
     run_dir = Path(cfg.logging.run_dir)
-    weights_address = None
-    if resume and (run_dir / ENDPOINTS).is_file() and bind.endswith(":0"):
-        previous = json.loads((run_dir / ENDPOINTS).read_text())  # the workers are still dialling these
-        bind, weights_address = previous["control"], previous["weights"]
+    bind, weights_address = addresses
     transport = TransportConfig(**{**cfg.transport.__dict__, "allow_plaintext": allow_plaintext
                                    or cfg.transport.allow_plaintext})
     weights_delay = None
@@ -120,7 +176,7 @@ def _learner_server(cfg: Config, bind: str, training, *, curve, allow_plaintext:
     contract = trajectory_contract(cfg, training.model)  # checked on every trajectory before it is buffered
     server = LearnerServer(bind, transport, curve=curve, weights_address=weights_address, weights_delay=weights_delay,
                            settings=learner_settings(cfg, contract), clock=delay_clock(cfg).now, contract=contract,
-                           published_before=published_before)
+                           published_before=published_before, group_timeout_s=cfg.buffer.partial_group_timeout_s)
     (run_dir / ENDPOINTS).write_text(json.dumps({"control": server.control_endpoint,
                                                  "weights": server.weights_endpoint}))
     print(f"learner listening on {server.control_endpoint} (weights on {server.weights_endpoint})", flush=True)
@@ -144,10 +200,7 @@ def keep_metrics_until(path: Path, step: int) -> None:
             kept.append(line)
     if len(kept) == len(lines):
         return
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    write_atomically(path, b"".join(kept))
 
 
 def _checkpoint_step(run_dir: Path) -> int | None:

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -34,6 +32,7 @@ import torch.distributed as dist
 
 from heterorl.config import Config, to_yaml
 from heterorl.errors import HeteroRLError
+from heterorl.files import write_atomically
 from heterorl.runs import RunResult, StepRecorder, finish_run, idle_fraction
 from heterorl.runtime.buffer import Group, GroupBuffer
 from heterorl.tasks.base import Task
@@ -69,7 +68,7 @@ class LearnerState:
     """What a resume needs besides the TrainingClient state."""
 
     step: int = 0
-    trained_ids: list[str] = field(default_factory=list)
+    trained_ids: list[str] = field(default_factory=list)  # `Trajectory.key` of each trajectory trained
     history: list[dict] = field(default_factory=list)
     publish_wall_s: dict[str, float] = field(default_factory=dict)  # version → time.time() it was published
     staleness_sum: float = 0.0
@@ -91,18 +90,6 @@ class Checkpoint:
     training_state: dict  # its weights file, as `read_training_state` returns it
     newest_published: int  # the newest version any learner of the run published: at least the checkpoint's
     published_wall_s: dict[str, float]  # version → time.time() it was published, for those after the checkpoint
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file and rename it over ``path``: a killed process leaves one or the other."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _read_learner_state(path: Path) -> LearnerState:
@@ -282,12 +269,12 @@ class Learner:
         keep, latest = {state.weights}, folder / LEARNER_STATE
         if latest.is_file():
             data = latest.read_bytes()
-            _write_atomically(folder / PREVIOUS_STATE, data)
+            write_atomically(folder / PREVIOUS_STATE, data)
             try:
                 keep.add(json.loads(data).get("weights", CHECKPOINT))
             except (ValueError, AttributeError):
                 pass  # not a learner state (the resume that read it would have refused it): nothing to keep
-        _write_atomically(latest, json.dumps(asdict(state)).encode())
+        write_atomically(latest, json.dumps(asdict(state)).encode())
         self._since_checkpoint.clear()  # every version published so far is in the checkpoint's publish_wall_s
         for path in folder.iterdir():  # weights no checkpoint names, and what a killed learner left half-written
             if path.name.startswith(".") or (path.suffix == ".pt" and path.name not in keep):
@@ -327,7 +314,7 @@ class Learner:
         folder = self.run_dir / CHECKPOINTS
         folder.mkdir(parents=True, exist_ok=True)
         record = {"version": version, "publish_wall_s": self._since_checkpoint}
-        _write_atomically(folder / PUBLISHED, json.dumps(record).encode())
+        write_atomically(folder / PUBLISHED, json.dumps(record).encode())
 
     def _admit(self) -> None:
         per_step = self.cfg.rl.prompts_per_step
@@ -374,7 +361,7 @@ class Learner:
             now = time.monotonic()
             with self._buffer_lock:
                 for traj in arrived:
-                    if traj.trajectory_id in self._trained:
+                    if traj.key in self._trained:
                         self.dropped_trained += 1  # already trained before a restart: never twice
                         continue
                     self.buffer.add(traj, now)
@@ -431,13 +418,13 @@ class Learner:
             self._stop_ingest.set()
             ingest.join(5)
         self.ranks.share("stop")
-        workers = self.server.workers()
+        fleet = self.server.fleet_totals()
         return self.recorder.result(
             LearnerResult, steps=state.step, minutes=state.elapsed_s / 60,
             staleness_mean=state.staleness_sum / max(state.groups_trained, 1), staleness_max=state.staleness_max,
             tokens_per_s=state.tokens_trained / max(state.elapsed_s, 1e-9),
             learner_idle_frac=state.idle_s / max(state.elapsed_s, 1e-9),
-            worker_idle_frac=idle_fraction(sum(w.idle_s for w in workers), sum(w.busy_s for w in workers)))
+            worker_idle_frac=idle_fraction(fleet["idle_s"], fleet["busy_s"]))
 
     def _step(self, start: float, version: int) -> int:
         """One learner step: wait for a batch, train on it, publish, record; returns the new version."""
@@ -458,7 +445,7 @@ class Learner:
         self._keep_skipped(groups, skipped)
         with self._buffer_lock:
             for g in groups:
-                self._trained.update(t.trajectory_id for t in g.trajectories)
+                self._trained.update(t.key for t in g.trajectories)
         state.step += 1
         version = self._publish()
         self._admit()
@@ -490,12 +477,12 @@ class Learner:
     def _step_metrics(self, groups: list[Group], staleness: list[int], staleness_s: list[float],
                       version: int) -> dict:
         """`step_metrics` on the learner's clock, and what only a live fleet has: its workers and transport."""
-        state, workers = self.state, self.server.workers()
-        busy, trajectories = sum(w.busy_s for w in workers), sum(w.trajectories for w in workers)
+        state, workers, fleet = self.state, self.server.workers(), self.server.fleet_totals()
+        busy, trajectories = fleet["busy_s"], fleet["trajectories"]
         with self._buffer_lock:
             shared = step_metrics(groups, staleness, staleness_s, version=version, buffer=self.buffer,
                                   idle_s=state.idle_s, elapsed_s=state.elapsed_s, workers_busy_s=busy,
-                                  workers_idle_s=sum(w.idle_s for w in workers), tokens_trained=state.tokens_trained)
+                                  workers_idle_s=fleet["idle_s"], tokens_trained=state.tokens_trained)
         return {
             **shared,
             "buffer/trajectories_waiting": self.server.buffered(),
@@ -508,6 +495,9 @@ class Learner:
             # since the learner started: ids it had already trained (before a restart) and ids it had already taken
             "buffer/dropped_trained": self.dropped_trained,
             "transport/duplicates": self.server.stats["duplicates"],
+            # incomplete groups the server dropped (docs/RELIABILITY.md, "Bounds per worker"): refused with a
+            # member, timed out, or left behind by a worker that said hello again or left the registry
+            "transport/dropped_groups": self.server.stats["dropped_groups"],
         }
 
     def follow(self) -> None:

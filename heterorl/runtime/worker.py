@@ -39,7 +39,7 @@ from heterorl.delay.links import DelayLink
 from heterorl.engines.base import SamplingParams
 from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy
-from heterorl.tasks import make_task
+from heterorl.tasks import make_task_from
 from heterorl.training.session import SamplingClient
 from heterorl.training.textcodec import encode_text
 from heterorl.transport import CurveConfig, TransportTimeout, WorkerClient
@@ -155,7 +155,7 @@ class RolloutWorker:
     def run(self) -> int:
         cfg = self._configure()
         worker_id = self.options.worker_id
-        task = make_task(cfg.task.name, dict(cfg.task.options), cfg.task.reward_fn, cfg.task.reward_timeout_s)
+        task = make_task_from(cfg.task)
         base = self.options.policy or cfg.rl.base or cfg.policy.model
         model, tokenizer = load_policy(base, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=cfg.policy.device)
         self._check_policy(model, base)

@@ -56,4 +56,9 @@ def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str |
     return task
 
 
-__all__ = ["Problem", "Task", "TASKS", "make_task"]
+def make_task_from(config: TaskConfig) -> Task:
+    """`make_task` from a run config's ``task`` section (its name, options, reward function and timeout)."""
+    return make_task(config.name, dict(config.options), config.reward_fn, config.reward_timeout_s)
+
+
+__all__ = ["Problem", "Task", "TASKS", "make_task", "make_task_from"]

@@ -15,9 +15,7 @@ submission order, on the client's worker thread.
 from __future__ import annotations
 
 import copy
-import os
 import random
-import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +28,7 @@ from heterorl.engines.base import SampleOutput, SamplingEngine, SamplingParams
 from heterorl.engines.logprobs import packed_completion_logprobs, pad_right, prompt_groups, should_pack, token_logprobs
 from heterorl.engines.torch_engine import TorchEngine
 from heterorl.errors import HeteroRLError
+from heterorl.files import write_atomically
 
 
 @dataclass
@@ -158,6 +157,21 @@ class SamplingClient:
         return self._executor.submit(lambda: self.engine.compute_logprobs([tokens])[0])
 
 
+def resolve_loss(loss_fn: LossFnArg, loss_config) -> tuple[Callable, Any]:
+    """The loss function and its config for ``loss_fn`` (a registered gepo loss name, or a callable passed
+    through) and ``loss_config`` (a dict of options, a config object, or None for the defaults); HeteroRLError
+    naming the problem for an unknown loss or option."""
+    if callable(loss_fn):
+        return loss_fn, loss_config
+    try:
+        spec = gepo.get_loss(loss_fn)
+        config = loss_config if loss_config is not None and not isinstance(loss_config, dict) else \
+            gepo.make_loss_config(loss_fn, loss_config)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise HeteroRLError(str(exc).strip("'\"")) from None
+    return spec.fn, config
+
+
 class TrainingClient:
     """Owns the trainable model, its optimizer and the policy version counter.
 
@@ -258,20 +272,8 @@ class TrainingClient:
         ).clamp(max=logprobs.shape[1] - 1).to(self.device)
         return logprobs.gather(1, cols)
 
-    @staticmethod
-    def _resolve_loss(loss_fn: LossFnArg, loss_config):
-        if callable(loss_fn):
-            return loss_fn, loss_config
-        try:
-            spec = gepo.get_loss(loss_fn)
-            config = loss_config if loss_config is not None and not isinstance(loss_config, dict) else \
-                gepo.make_loss_config(loss_fn, loss_config)
-        except (KeyError, ValueError, TypeError) as exc:
-            raise HeteroRLError(str(exc).strip("'\"")) from None
-        return spec.fn, config
-
     def _run_loss(self, datums, loss_fn, loss_config, backward: bool, temperature: float) -> ForwardBackwardOutput:
-        fn, config = self._resolve_loss(loss_fn, loss_config)
+        fn, config = resolve_loss(loss_fn, loss_config)
         self.model.train(backward)
         batch = self._loss_batch(datums, with_grad=backward, temperature=temperature)
         loss, metrics = fn(batch, config)
@@ -360,19 +362,8 @@ class TrainingClient:
         }
 
     def _save_state(self, path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(self.state_dict(), f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        state = self.state_dict()
+        return write_atomically(path, lambda f: torch.save(state, f))
 
     def save_state(self, path) -> Future:
         """Future of the path: weights, optimizer, version, step and RNG, written atomically (a temporary file

@@ -7,10 +7,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from gepo import LossInputError
 from heterorl.config import Config, loss_options
 from heterorl.training.lr_schedule import learning_rate
-from heterorl.training.session import AdamParams, Datum, TrainingClient
+from heterorl.training.session import AdamParams, Datum, TrainingClient, resolve_loss
 
 log = logging.getLogger("heterorl.training.step")
 
@@ -49,6 +51,31 @@ class SkippedUpdate:
     reason: str  # the loss's message
 
 
+def refused_on_any_rank(loss_fn, rank: int, world: int):
+    """``loss_fn`` for rank ``rank`` of ``world`` data-parallel ranks: it refuses (`gepo.LossInputError`) on every
+    rank when it refuses on any. The ranks agree by one all-reduce of a (world,) flag vector after the loss and
+    before ``backward``: a rank that went on into ``backward`` alone would wait forever in DDP's gradient
+    all-reduce for the rank that refused."""
+    def agreed(batch, config):
+        refused, out = None, None
+        try:
+            out = loss_fn(batch, config)
+        except LossInputError as exc:
+            refused = exc
+        flags = torch.zeros(world, device=batch.logprobs.device)  # on the model's device: NCCL needs it there
+        flags[rank] = refused is not None
+        torch.distributed.all_reduce(flags)  # the sum of one-hot flags: which ranks refused
+        if refused is not None:
+            raise refused
+        if flags.any():
+            others = flags.nonzero().flatten().tolist()
+            raise LossInputError(f"learner rank(s) {others} refused their share of this minibatch (their log says "
+                                 "why), so every rank skips it")
+        return out
+
+    return agreed
+
+
 def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, total_updates: int,
                    shard: tuple[int, int] = (0, 1), skipped: list[SkippedUpdate] | None = None) -> dict:
     """``forward_backward`` + ``optim_step`` on ``cfg.rl.updates_per_batch`` minibatches of whole groups.
@@ -66,12 +93,18 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
 
     ``shard = (rank, world)``: under data parallelism every rank is given the whole batch, makes the same
     minibatch and skip decisions, and runs ``forward_backward`` on its share of each minibatch's groups
-    (groups rank, rank + world, ...); the gradient all-reduce in ``optim_step`` averages the shares.
+    (groups rank, rank + world, ...); the gradient all-reduce in ``backward`` averages the shares. A minibatch
+    the loss refuses on any rank is skipped on every rank (`refused_on_any_rank`), and its `SkippedUpdate`
+    holds all of its rows, so the ranks keep identical weights and none waits for another.
     """
     rank, world = shard
     metrics: dict = {"optim/updates": 0}
     reason = NO_SIGNAL
     row_of = {id(d): i for i, d in enumerate(datums)}
+    loss_fn, loss_config = cfg.loss.name, loss_options(cfg)
+    if world > 1:
+        loss_fn, loss_config = resolve_loss(loss_fn, loss_config)
+        loss_fn = refused_on_any_rank(loss_fn, rank, world)
     if cfg.rl.drop_uniform_groups:
         datums = [d for group in group_rows(datums) if has_signal([group]) for d in group]
     for batch in minibatches(datums, cfg.rl.updates_per_batch):
@@ -81,14 +114,13 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
         if len(groups) < world:
             reason = TOO_FEW_GROUPS
             continue
-        if world > 1:
-            batch = [d for g in groups[rank::world] for d in g]
+        share = [d for g in groups[rank::world] for d in g]
         try:
-            out = training.forward_backward(batch, cfg.loss.name, loss_options(cfg),
+            out = training.forward_backward(share, loss_fn, loss_config,
                                             temperature=cfg.rollout.temperature or 1.0).result()
         except LossInputError as exc:
             # the learner outlives a batch its loss cannot take: no step on it (the loss refuses before backward,
-            # so no gradient of it was accumulated)
+            # on every rank, so no gradient of it was accumulated)
             log.warning("skipped a minibatch of %d rows without an update: %s", len(batch), exc)
             metrics["optim/bad_batches"] = metrics.get("optim/bad_batches", 0) + 1
             if skipped is not None:

@@ -25,7 +25,8 @@ from heterorl.transport.sockets import (
     TransportTimeout,
     is_loopback,
     make_keypair,
+    revoke_key,
 )
 
 __all__ = ["CurveConfig", "DelaySchedule", "LearnerServer", "TransportError", "TransportTimeout", "WorkerClient",
-           "WorkerInfo", "is_loopback", "make_keypair"]
+           "WorkerInfo", "is_loopback", "make_keypair", "revoke_key"]

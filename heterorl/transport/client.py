@@ -121,6 +121,7 @@ class WorkerClient(_Endpoint):
         self.idle_s = 0.0
         self.finished = threading.Event()  # the learner said the run is over (or refused this worker: `refused`)
         self.refused: str | None = None  # the learner's reason when it refused this worker
+        self.busy: str | None = None  # the learner's reason when it last could not take this worker (BYE_BUSY)
         self._ready: Ready | None = None
         self._version_held = version_held
         self._latest: tuple[int, dict] | None = None
@@ -137,7 +138,7 @@ class WorkerClient(_Endpoint):
         self._poller = zmq.Poller()
         self._weights: zmq.Socket | None = None
         self._fetch = _Fetch()
-        self._now = self._last_heard = time.monotonic()  # _now: when the I/O loop last woke up
+        self._now = self._last_heard = self._dialled_at = time.monotonic()  # _now: when the I/O loop last woke up
         self._last_hello = self._last_beat = 0.0
         self._handlers: dict[str, Callable] = {Ready.kind: self._on_ready, Ack.kind: self._on_ack,
                                                WeightsNotice.kind: self._on_notice, Bye.kind: self._on_bye}
@@ -155,6 +156,9 @@ class WorkerClient(_Endpoint):
                     raise TransportError(f"the learner at {self.address} refused worker {self.worker_id}: "
                                          f"{self.refused}")
                 left = deadline - time.monotonic()
+                if left <= 0 and self.busy:
+                    raise TransportTimeout(f"the learner at {self.address} could not take worker {self.worker_id} "
+                                           f"within {timeout_s} s: {self.busy}")
                 if left <= 0:
                     raise TransportTimeout(f"no answer from the learner at {self.address} within {timeout_s} s; "
                                            "check the address, the port, the firewall and the CURVE keys")
@@ -309,7 +313,7 @@ class WorkerClient(_Endpoint):
                     _receive(weights, self._on_weights)
                 if weights is not None:
                     self._fetch.check_timeout(weights, self, now)
-                self._keep_alive(control, now)
+                control = self._keep_alive(control, now)
                 self._drain_outbox(control)
         finally:
             if self.learner_alive:
@@ -320,8 +324,20 @@ class WorkerClient(_Endpoint):
             self._ctx.term()
             self._wakeup.close()
 
-    def _keep_alive(self, control: zmq.Socket, now: float) -> None:
-        """Hello while the learner is not known to be there; heartbeats while it is."""
+    def _keep_alive(self, control: zmq.Socket, now: float) -> zmq.Socket:
+        """Hello while the learner is not known to be there; heartbeats while it is; nothing once it ended the
+        run or refused this worker. Returns the control socket: with CURVE, a new one after
+        ``heartbeat_timeout_s`` without an answer, as a connection the learner's authenticator refused (a key it
+        did not allow yet, or no longer) is not tried again by ZeroMQ."""
+        if self.finished.is_set():
+            return control
+        if (self._curve is not None and not self.learner_alive
+                and min(now - self._last_heard, now - self._dialled_at) > self.config.heartbeat_timeout_s):
+            self._poller.unregister(control)
+            control.close(0)
+            control = self._connect(self.address, self.config.control_hwm)
+            self._dialled_at = now
+            self.stats["redialled"] += 1
         if self.learner_alive and now - self._last_heard > self.config.heartbeat_timeout_s:
             log.warning("learner silent for %.1f s; saying hello again", now - self._last_heard)
             with self._lock:
@@ -334,6 +350,7 @@ class WorkerClient(_Endpoint):
             self._last_beat = now
             beat = Heartbeat(self.worker_id, self._version_held, time.time(), self.busy_s, self.idle_s)
             _send(control, encode(beat), self.stats, "heartbeat")
+        return control
 
     def _decode(self, frames, channel: str) -> Message | None:
         try:
@@ -364,6 +381,7 @@ class WorkerClient(_Endpoint):
             first = self._ready is None
             self._ready = ready
             self.learner_alive = True
+            self.busy = None
             self._sent_session = len(self._outbox)  # a new session: credit counts restart from what is queued
             self._credit_limit = ready.credits
             self._starts_session, self._start_limit = 0, int(ready.settings.get("start_limit", -1))
@@ -388,13 +406,20 @@ class WorkerClient(_Endpoint):
             self._fetch.start(self._weights, self, self._now)
 
     def _on_bye(self, bye: Bye) -> None:
-        """The run is over (leave), this worker is refused (stop), or the learner is stopping before the end of
-        the run: then it is taken for gone and hello goes out again, so a restarted learner gets this worker
-        back (the rollout worker gives up after ``runtime.learner_timeout_s``)."""
-        log.info("learner said bye to %s: %s", self.worker_id, bye.reason)
+        """The run is over (leave), this worker is refused (stop), the learner cannot take it now (busy: hello
+        again after ``hello_interval_s``), or the learner is stopping before the end of the run: then it is taken
+        for gone and hello goes out again at once, so a restarted learner gets this worker back (the rollout
+        worker gives up after ``runtime.learner_timeout_s``)."""
+        if bye.busy and self.busy is None:
+            log.warning("the learner cannot take %s now (it will keep asking): %s", self.worker_id, bye.reason)
+        elif not bye.busy:
+            log.info("learner said bye to %s: %s", self.worker_id, bye.reason)
         self.rejections.append(bye.reason)
         with self._lock:
-            if bye.ends_run or bye.refuses:
+            if bye.busy:
+                self.busy = bye.reason
+                self.learner_alive = False
+            elif bye.ends_run or bye.refuses:
                 self.refused = bye.reason if bye.refuses else None
                 self.finished.set()
             else:

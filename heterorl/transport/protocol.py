@@ -290,6 +290,17 @@ class Trajectory(Message):
     received_at: float = 0.0
     stop_reason: str = "stop"
 
+    @property
+    def key(self) -> str:
+        """The trajectory's id in its sampler's namespace: ids are chosen by workers, so the learner tells one
+        worker's ids from another's by this key (docs/RELIABILITY.md, "Ids"); `|` cannot occur in an id."""
+        return f"{self.sampler_id}|{self.trajectory_id}"
+
+    @property
+    def group_key(self) -> str:
+        """The group's id in its sampler's namespace (see `key`)."""
+        return f"{self.sampler_id}|{self.group_id}"
+
     def to_wire(self):
         body = super().to_wire()
         body["prompt_tokens"] = _le(self.prompt_tokens, "<i4")
@@ -338,6 +349,7 @@ class Trajectory(Message):
 
     @property
     def nbytes(self) -> int:
+        """The bytes of its arrays (what holding it costs, to a few hundred bytes)."""
         return 4 * (len(self.prompt_tokens) + 3 * len(self.completion_tokens))
 
 
@@ -651,6 +663,8 @@ BYE_RUN_FINISHED = "run finished"  # the run is over: the worker leaves
 BYE_LEARNER_STOPPING = "learner stopping"  # the learner exits before the run is over (an error, an interrupt, a
 #   restart): the worker keeps saying hello until runtime.learner_timeout_s, so a restarted learner gets it back
 BYE_REFUSED = "refused: "  # prefix: this worker may not join (e.g. its id belongs to another key); it stops
+BYE_BUSY = "busy: "  # prefix: the learner cannot take this worker now (its registry is full); it says hello again
+#   every transport.hello_interval_s until runtime.learner_timeout_s, and names the reason if it gives up
 
 
 @dataclass
@@ -669,6 +683,10 @@ class Bye(Message):
     @property
     def refuses(self) -> bool:
         return self.reason.startswith(BYE_REFUSED)
+
+    @property
+    def busy(self) -> bool:
+        return self.reason.startswith(BYE_BUSY)
 
     @classmethod
     def from_wire(cls, body, limits, data=()):

@@ -7,6 +7,14 @@ buffer. Buffered + in-flight trajectories per worker therefore never exceed ``cr
 slows its workers instead of dropping data or growing memory. Credit limits are cumulative, so a lost ack costs
 nothing: the next one carries a newer limit.
 
+A group's members are held, on their worker's credit, until the group is complete; only whole groups reach the
+learner's queue. Each worker's incomplete groups are bounded (``open_groups_per_worker``, their bytes by
+``open_group_bytes_per_worker``) and dropped after ``group_timeout_s``; ids are namespaced by their worker
+(`Trajectory.key`), so no peer can make the learner take another worker's ids for duplicates. The registry
+forgets a worker silent for ``worker_expiry_s`` (or the one silent longest, when full and a new worker says
+hello); the allowed CURVE keys are re-read every ``keys_reload_s``, and a removed key's workers are refused at
+once (docs/RELIABILITY.md).
+
 Weights are pulled: a ``weights_notice`` on the control channel (held back per worker by its weights link, in a
 `DelayQueue`) says a version is out; the worker asks for the header of the newest version released to it, then
 for its chunks. A worker that joins late or misses notices always gets the newest whole version, never a diff.
@@ -29,10 +37,11 @@ from heterorl.config import TransportConfig
 from heterorl.delay.queue import DelayQueue
 from heterorl.errors import ConfigError, HeteroRLError
 from heterorl.transport.protocol import (
-    DEFAULT_LIMITS,
-    Ack,
+    BYE_BUSY,
     BYE_LEARNER_STOPPING,
     BYE_REFUSED,
+    DEFAULT_LIMITS,
+    Ack,
     Bye,
     Heartbeat,
     Hello,
@@ -66,19 +75,31 @@ log = logging.getLogger("heterorl.transport")
 
 GROUP_REJECTED = "group_rejected"  # the reason a member is refused for when another member of its group was refused
 _POISONED_GROUPS_KEPT = 64  # per worker: a worker sends a group's members back to back, so a few recent ones suffice
+_TOTALS = ("trajectories", "duplicates", "busy_s", "idle_s")  # per-worker counters `fleet_totals` sums
 
 
 class _RateLimitedLog:
-    """Log the first few rejections of each reason, then every 1,000th (a flood must not flood the log)."""
+    """Log the first few events of each reason, then every 1,000th (a flood must not flood the log)."""
 
-    def __init__(self) -> None:
+    def __init__(self, what: str = "rejected message", level: int = logging.WARNING) -> None:
         self.counts: Counter = Counter()
+        self.what, self.level = what, level
 
     def __call__(self, reason: str, message: str) -> None:
         self.counts[reason] += 1
         n = self.counts[reason]
         if n <= 5 or n % 1000 == 0:
-            log.warning("rejected message (%s, #%d): %s", reason, n, message)
+            log.log(self.level, "%s (%s, #%d): %s", self.what, reason, n, message)
+
+
+@dataclass
+class _OpenGroup:
+    """The members of one of a worker's groups that arrived so far (the group is incomplete)."""
+
+    size: int
+    first_s: float  # when its first member arrived (time.monotonic)
+    members: list = field(default_factory=list)
+    nbytes: int = 0
 
 
 @dataclass
@@ -110,9 +131,13 @@ class WorkerInfo:
     starts_granted_session: int = 0  # admission permits granted this session (cumulative)
     last_start_limit_sent: int = -2
     poisoned_groups: OrderedDict = field(default_factory=OrderedDict)  # recent group ids with a rejected member
+    open_groups: OrderedDict = field(default_factory=OrderedDict)  # group id → _OpenGroup, oldest first
+    open_bytes: int = 0  # the bytes of the members held in open_groups
+    rate_tokens: float = 0.0  # transport.max_trajectories_per_s: trajectories it may still send (a token bucket)
+    rate_refilled: float = 0.0
 
-    def credit_limit(self, window: int) -> int:
-        return self.received_session + max(0, window - self.buffered)
+    def credit_limit(self, window: int, rate_room: float = float("inf")) -> int:
+        return self.received_session + int(max(0, min(window - self.buffered, rate_room)))
 
 
 class LearnerServer(_Endpoint):
@@ -122,12 +147,14 @@ class LearnerServer(_Endpoint):
                  limits: Limits = DEFAULT_LIMITS, weights_address: str | None = None,
                  weights_delay: Callable[[str], DelaySchedule | None] | None = None,
                  settings: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic,
-                 contract: TrajectoryContract | None = None, published_before: int = -1) -> None:
+                 contract: TrajectoryContract | None = None, published_before: int = -1,
+                 group_timeout_s: float = 600.0) -> None:
         """``contract``: what every trajectory must satisfy to be buffered (`set_contract`); None checks only
         that frames are well formed. ``published_before``: the newest version an earlier learner of this run
         published (a resumed learner's, docs/RELIABILITY.md "Crash and resume"): workers may hold it, so the
         contract takes trajectories stamped up to it before this server publishes anything, and `publish` goes
-        above it."""
+        above it. ``group_timeout_s``: an incomplete group is dropped this long after its first member arrived
+        (the learner passes ``buffer.partial_group_timeout_s``)."""
         self.config = config or TransportConfig()
         self.config.validate()
         _require_security(address, curve, self.config, (
@@ -146,7 +173,14 @@ class LearnerServer(_Endpoint):
         self._buffer: deque[Trajectory] = deque()
         self._workers: dict[str, WorkerInfo] = {}
         self._by_routing: dict[bytes, str] = {}
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._seen: OrderedDict[str, None] = OrderedDict()  # `Trajectory.key`s taken (dedup_window newest)
+        self._group_timeout_s = group_timeout_s
+        self._held = 0  # members held in the workers' open groups
+        self._departed: Counter = Counter()  # `_TOTALS` of the workers removed from the registry
+        self._auth: ThreadAuthenticator | None = None
+        self._allowed_keys: set[str] | None = None  # z85 public keys allowed in (CURVE only)
+        self._keys_signature: list | None = None
+        self._keys_checked = 0.0
         self._versions: OrderedDict[int, PackedWeights] = OrderedDict()
         self._retired: deque[PackedWeights] = deque(maxlen=2)  # dropped versions whose buffers publish reuses
         self._publish_times: dict[int, float] = {}
@@ -157,6 +191,7 @@ class LearnerServer(_Endpoint):
         self._starts_ahead = 1
         self.stats: Counter = Counter()
         self._reject_log = _RateLimitedLog()
+        self._removal_log = _RateLimitedLog("worker removed from the registry", logging.INFO)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -182,15 +217,16 @@ class LearnerServer(_Endpoint):
             taken = [self._buffer.popleft() for _ in range(min(max_items, len(self._buffer)))]
             for sampler_id, count in Counter(traj.sampler_id for traj in taken).items():
                 worker = self._workers.get(sampler_id)
-                if worker is not None:
-                    worker.buffered -= count
+                if worker is not None:  # (not one removed from the registry since, whose id came back)
+                    worker.buffered = max(0, worker.buffered - count)
         if taken:
             self._wakeup.wake()  # the freed credits go out now, not at the next poll timeout
         return taken
 
     def buffered(self) -> int:
+        """Trajectories accepted and not yet taken: queued, or held until their group is complete."""
         with self._lock:
-            return len(self._buffer)
+            return len(self._buffer) + self._held
 
     def publish(self, version: int, state: dict) -> None:
         """Make ``state`` available as ``version`` (strictly increasing); workers are notified after their delay.
@@ -238,8 +274,18 @@ class LearnerServer(_Endpoint):
         """A snapshot of the worker registry."""
         with self._lock:
             return [WorkerInfo(**{k: getattr(w, k) for k in WorkerInfo.__dataclass_fields__
-                                  if k not in ("pending_notices", "acks", "rejects", "poisoned_groups")})
+                                  if k not in ("pending_notices", "acks", "rejects", "poisoned_groups", "open_groups")})
                     for w in self._workers.values()]
+
+    def fleet_totals(self) -> dict[str, float]:
+        """Over every worker this server has known, those removed from the registry included: trajectories
+        accepted, duplicates, seconds generating (busy_s) and waiting (idle_s)."""
+        with self._lock:
+            totals = Counter(self._departed)
+            for worker in self._workers.values():
+                for name in _TOTALS:
+                    totals[name] += getattr(worker, name)
+            return {name: totals[name] for name in _TOTALS}
 
     def close(self, reason: str = BYE_LEARNER_STOPPING) -> None:
         """Say bye to every live worker with ``reason`` and stop the I/O thread. `BYE_RUN_FINISHED` ends the
@@ -257,15 +303,22 @@ class LearnerServer(_Endpoint):
         """A ROUTER bound to ``address`` (port 0: any free one), ROUTER_MANDATORY so that a send to a vanished
         worker is an error we count, not a silent drop; CURVE server when keys are given."""
         sock = _socket(ctx, zmq.ROUTER, hwm, self.config, self.limits)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if self._curve is not None:
-            public, secret = self._curve.keypair()
-            sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
-        if address.endswith(":0"):
-            port = sock.bind_to_random_port(address.rsplit(":", 1)[0])
-            address = f"{address.rsplit(':', 1)[0]}:{port}"
-        else:
-            sock.bind(address)
+        try:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if self._curve is not None:
+                public, secret = self._curve.keypair()
+                sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+            if address.endswith(":0"):
+                port = sock.bind_to_random_port(address.rsplit(":", 1)[0])
+                address = f"{address.rsplit(':', 1)[0]}:{port}"
+            else:
+                sock.bind(address)
+        except BaseException as exc:
+            sock.close(0)  # left open, it would hold up ctx.term() in `_run`, and the constructor with it
+            if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EADDRINUSE:
+                raise TransportError(f"{address} is in use by another process: choose another port (the weights "
+                                     "channel takes the control port + 1) or stop the process that holds it") from None
+            raise
         return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT) or address
 
     def _open(self, ctx: zmq.Context) -> tuple[ThreadAuthenticator | None, zmq.Socket, zmq.Socket]:
@@ -277,9 +330,9 @@ class LearnerServer(_Endpoint):
                 if not allowed or not Path(allowed).is_dir():
                     raise ConfigError(f"allowed_keys_dir {allowed!r} is not a folder of worker public keys "
                                       "(*.key files made by `heterorl keys`)")
-                auth = ThreadAuthenticator(ctx, log=logging.getLogger("heterorl.auth"))
+                auth = self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("heterorl.auth"))
                 auth.start()
-                auth.configure_curve(domain="*", location=str(allowed))
+                self._reload_keys()
             # control + trajectories: ROUTER ↔ a DEALER per worker; hello/ready, heartbeats, trajectories up, acks
             # (credit) down. HWM control_hwm messages each way; a worker silent for heartbeat_timeout_s is dead.
             control, self.control_endpoint = self._bind(ctx, self._address, self.config.control_hwm)
@@ -361,6 +414,11 @@ class LearnerServer(_Endpoint):
             return
         user_id = frames[1].get("User-Id") if self._curve is not None else None
         with self._lock:
+            if user_id is not None and user_id not in self._allowed_keys:
+                self._reject("revoked_key", f"{message.kind} from a key no longer in the allowed folder")
+                if isinstance(message, Hello):
+                    self._refuse(sock, routing_id, "this worker's key was removed from the learner's allowed keys")
+                return
             if isinstance(message, Hello):
                 self._on_hello(sock, routing_id, message, user_id)
                 return
@@ -395,15 +453,22 @@ class LearnerServer(_Endpoint):
         now = time.monotonic()
         if worker is not None and user_id is not None and worker.public_key not in (None, user_id):
             self._reject("forged_id", f"worker id {hello.worker_id!r} belongs to another key")
-            refusal = Bye("learner", f"{BYE_REFUSED}worker id taken by another key")
-            _send(sock, [routing_id, *encode(refusal)], self.stats, "bye")
+            self._refuse(sock, routing_id, "worker id taken by another key")
             return
-        if worker is None and len(self._workers) >= self.config.max_workers:
-            self._reject("too_many_workers", f"hello from {hello.worker_id!r}: registry full ({self.config.max_workers})")
+        previous = self._by_routing.get(routing_id)
+        if previous is not None and previous != hello.worker_id:  # one connection, one worker
+            self._evict(self._workers[previous], f"its connection said hello as {hello.worker_id!r}", "replaced")
+        if worker is None and len(self._workers) >= self.config.max_workers and not self._make_room():
+            self._reject("registry_full", f"hello from {hello.worker_id!r}: {len(self._workers)} live workers")
+            busy = Bye("learner", f"{BYE_BUSY}the learner's registry is full ({len(self._workers)} live workers, "
+                       "transport.max_workers); a place frees when a worker has been silent for "
+                       f"transport.heartbeat_timeout_s ({self.config.heartbeat_timeout_s:g} s)")
+            _send(sock, [routing_id, *encode(busy)], self.stats, "bye")
             return
         if worker is None:
             worker = WorkerInfo(worker_id=hello.worker_id, host=hello.host, pid=hello.pid, routing_id=routing_id,
-                                public_key=user_id, joined_at=now, last_seen=now)
+                                public_key=user_id, joined_at=now, last_seen=now,
+                                rate_tokens=self.config.credits_per_worker, rate_refilled=now)
             self._workers[hello.worker_id] = worker
             log.info("worker %s joined from %s (pid %d)", hello.worker_id, hello.host, hello.pid)
         else:
@@ -411,6 +476,8 @@ class LearnerServer(_Endpoint):
                 self._by_routing.pop(worker.routing_id, None)
                 log.info("worker %s rejoined from %s (pid %d)", hello.worker_id, hello.host, hello.pid)
             self._reclaim_starts(worker)  # a new session: permits the old one never used go back to the fleet
+            for group_id in list(worker.open_groups):  # its earlier life will not complete them
+                self._discard_open(worker, group_id, "group_abandoned", "its worker said hello again")
             worker.routing_id, worker.host, worker.pid = routing_id, hello.host, hello.pid
         self._by_routing[routing_id] = hello.worker_id
         worker.last_seen, worker.alive, worker.version_held = now, True, hello.version_held
@@ -420,7 +487,7 @@ class LearnerServer(_Endpoint):
         worker.pending_notices.clear()
         # a (re)joining worker gets the newest whole version this server holds (none before its first publish)
         worker.released_version = max(self._versions, default=-1)
-        worker.last_credit_sent = worker.credit_limit(self.config.credits_per_worker)
+        worker.last_credit_sent = self._credit_limit(worker, now)
         ready = Ready(worker_id=hello.worker_id, credits=worker.last_credit_sent,
                       newest_version=worker.released_version,
                       heartbeat_interval_s=self.config.heartbeat_interval_s,
@@ -428,31 +495,68 @@ class LearnerServer(_Endpoint):
                                 "start_limit": -1 if self._admission_cap is None else 0})
         _send(sock, [routing_id, *encode(ready)], self.stats, "ready")
 
+    def _refuse(self, sock: zmq.Socket, routing_id: bytes, why: str) -> None:
+        """Tell a peer it may not join (`BYE_REFUSED`): a rollout worker stops with ``why``."""
+        _send(sock, [routing_id, *encode(Bye("learner", f"{BYE_REFUSED}{why}"))], self.stats, "bye")
+
+    def _make_room(self) -> bool:
+        """Registry full: remove the worker silent longest among those taken for dead; False when all live."""
+        dead = [w for w in self._workers.values() if not w.alive]
+        if not dead:
+            return False
+        oldest = min(dead, key=lambda w: w.last_seen)
+        self._evict(oldest, f"the registry is full and it has been silent for "
+                            f"{time.monotonic() - oldest.last_seen:.0f} s", "made_room")
+        return True
+
+    def _evict(self, worker: WorkerInfo, why: str, reason: str) -> None:
+        """Remove ``worker`` from the registry: its incomplete groups are dropped, its unused permits go back
+        to the fleet, its counters into `fleet_totals`; its id is free again (and no longer bound to its key)."""
+        for group_id in list(worker.open_groups):
+            self._discard_open(worker, group_id, "worker_removed", why)
+        self._reclaim_starts(worker)
+        for name in _TOTALS:
+            self._departed[name] += getattr(worker, name)
+        del self._workers[worker.worker_id]
+        if self._by_routing.get(worker.routing_id) == worker.worker_id:
+            del self._by_routing[worker.routing_id]
+        self._delay_links.pop(worker.worker_id, None)
+        self.stats["workers_removed"] += 1
+        self.stats[f"workers_removed/{reason}"] += 1
+        self._removal_log(reason, f"{worker.worker_id}: {why}")
+
+    def _credit_limit(self, worker: WorkerInfo, now: float) -> int:
+        """The worker's cumulative credit: room in its window, and in its rate bucket when rates are limited."""
+        window = self.config.credits_per_worker
+        if not self.config.max_trajectories_per_s:
+            return worker.credit_limit(window)
+        return worker.credit_limit(window, self._rate_room(worker, now))
+
+    def _rate_room(self, worker: WorkerInfo, now: float) -> float:
+        """Trajectories ``worker`` may send now under ``max_trajectories_per_s`` (a bucket of
+        ``credits_per_worker``, refilled at that rate)."""
+        worker.rate_tokens = min(float(self.config.credits_per_worker), worker.rate_tokens
+                                 + self.config.max_trajectories_per_s * max(0.0, now - worker.rate_refilled))
+        worker.rate_refilled = now
+        return worker.rate_tokens
+
     def _on_batch(self, worker: WorkerInfo, batch: TrajectoryBatch, received_at: float) -> None:
-        """Take in a batch: in bulk when every member is new, within credit, the worker's own and within the
-        contract, else one by one (which names each refusal)."""
+        """Take in a batch: its checks in bulk when every member is new, within credit (and rate), the worker's
+        own and within the contract, else one by one (which names each refusal)."""
         trajectories = batch.trajectories
-        ids = [traj.trajectory_id for traj in trajectories]
+        keys = [traj.key for traj in trajectories]
         breaches = self._breaches(worker, batch)
-        if (breaches or worker.buffered + len(ids) > self.config.credits_per_worker
-                or not self._seen.keys().isdisjoint(ids) or len(set(ids)) != len(ids)
-                or any(traj.sampler_id != worker.worker_id for traj in trajectories)):
+        if (breaches or worker.buffered + len(keys) > self.config.credits_per_worker
+                or not self._seen.keys().isdisjoint(keys) or len(set(keys)) != len(keys)
+                or any(traj.sampler_id != worker.worker_id for traj in trajectories)
+                or (self.config.max_trajectories_per_s and self._rate_room(worker, time.monotonic()) < len(keys))):
             for index, traj in enumerate(trajectories):
                 self._on_trajectory(worker, traj, received_at, breaches.get(index))
             return
-        for traj in trajectories:
+        worker.received_session += len(keys)
+        for traj, key in zip(trajectories, keys):
             traj.received_at = received_at
-            if traj.group_id != worker.last_group_id:
-                self._count_group(worker, traj.group_id)
-        self._seen.update(dict.fromkeys(ids))
-        while len(self._seen) > self.config.dedup_window:
-            self._seen.popitem(last=False)
-        self._buffer.extend(trajectories)
-        worker.received_session += len(ids)
-        worker.buffered += len(ids)
-        worker.trajectories += len(ids)
-        worker.acks += ids
-        self.stats["accepted"] += len(ids)
+            self._take(worker, traj, key)
 
     def _breaches(self, worker: WorkerInfo, batch: TrajectoryBatch) -> dict[int, tuple[str, str]]:
         """{index: (reason, message)} of the members of ``batch`` to refuse: those that break the contract, and
@@ -486,39 +590,118 @@ class LearnerServer(_Endpoint):
 
     def _on_trajectory(self, worker: WorkerInfo, traj: Trajectory, received_at: float,
                        breach: tuple[str, str] | None = None) -> None:
-        """Take in one trajectory, or refuse it: forged, beyond credit, or ``breach`` = (reason, message) of the
-        contract it breaks. A duplicate is acknowledged again and buffered once."""
+        """Take in one trajectory, or refuse it: forged, beyond credit or rate, or ``breach`` = (reason, message)
+        of the contract it breaks. A duplicate is acknowledged again and taken once."""
         worker.received_session += 1
         if traj.sampler_id != worker.worker_id:
             self._reject("forged_id", f"trajectory names sampler {traj.sampler_id!r} on {worker.worker_id}'s link",
                          worker, traj.trajectory_id)
             return
-        if traj.trajectory_id in self._seen:
+        key = traj.key
+        if key in self._seen:
             worker.duplicates += 1
             self.stats["duplicates"] += 1
-            worker.acks.append(traj.trajectory_id)  # delivered once already: acknowledge, do not buffer again
+            worker.acks.append(traj.trajectory_id)  # delivered once already: acknowledge, do not take again
             return
         if breach is not None:
-            if traj.group_id != worker.last_group_id:  # its group used a start permit, and will never be trained
-                self._count_group(worker, traj.group_id)
-                self._starts_refused += 1
             reason, message = breach
-            self._reject(reason, f"{message} (from {worker.worker_id})", worker, traj.trajectory_id)
+            self._refuse_member(worker, traj, reason, f"{message} (from {worker.worker_id})")
             return
         if worker.buffered >= self.config.credits_per_worker:
             self._reject("no_credit", f"{worker.worker_id} sent beyond its credit", worker, traj.trajectory_id)
             return
+        if self.config.max_trajectories_per_s and self._rate_room(worker, time.monotonic()) < 1:
+            self._reject("rate_limited", f"{worker.worker_id} sent beyond transport.max_trajectories_per_s "
+                         f"({self.config.max_trajectories_per_s:g})", worker, traj.trajectory_id)
+            return
+        traj.received_at = received_at
+        self._take(worker, traj, key)
+
+    def _take(self, worker: WorkerInfo, traj: Trajectory, key: str) -> None:
+        """Accept ``traj`` (new, within credit and the contract): hold it with the members of its group that
+        arrived before it, and queue the group for the learner when it is complete; or refuse it, with its
+        group, when it would take its worker past its bounds on incomplete groups."""
+        groups, config = worker.open_groups, self.config
+        group = groups.get(traj.group_id)
+        nbytes = traj.nbytes
+        if traj.group_size > 1 and (group is None or group.size != traj.group_size
+                                    or worker.open_bytes + nbytes > config.open_group_bytes_per_worker):
+            refusal = self._open_group_refusal(worker, traj, group, nbytes)
+            if refusal is not None:
+                self._refuse_member(worker, traj, *refusal)
+                return
         if traj.group_id != worker.last_group_id:
             self._count_group(worker, traj.group_id)
-        traj.received_at = received_at
-        self._seen[traj.trajectory_id] = None
-        if len(self._seen) > self.config.dedup_window:
+        self._seen[key] = None
+        if len(self._seen) > config.dedup_window:
             self._seen.popitem(last=False)
-        self._buffer.append(traj)
         worker.buffered += 1
         worker.trajectories += 1
         worker.acks.append(traj.trajectory_id)
         self.stats["accepted"] += 1
+        if config.max_trajectories_per_s:
+            worker.rate_tokens -= 1
+        if traj.group_size == 1:
+            self._buffer.append(traj)
+            return
+        if group is None:
+            group = groups[traj.group_id] = _OpenGroup(traj.group_size, time.monotonic())
+        group.members.append(traj)
+        group.nbytes += nbytes
+        worker.open_bytes += nbytes
+        self._held += 1
+        if len(group.members) == group.size:
+            del groups[traj.group_id]
+            worker.open_bytes -= group.nbytes
+            self._held -= group.size
+            self._buffer.extend(group.members)
+
+    def _open_group_refusal(self, worker: WorkerInfo, traj: Trajectory, group: _OpenGroup | None,
+                            nbytes: int) -> tuple[str, str] | None:
+        """(reason, message) when holding ``traj`` would break a bound on ``worker``'s incomplete groups."""
+        config = self.config
+        if worker.poisoned_groups and traj.group_id in worker.poisoned_groups:
+            return GROUP_REJECTED, f"group {traj.group_id} has a member that was rejected"
+        if group is None and len(worker.open_groups) >= config.open_groups_per_worker:
+            return "open_groups_bound", (
+                f"{worker.worker_id} already has {len(worker.open_groups)} incomplete groups at the learner "
+                f"(transport.open_groups_per_worker); send each group's members together")
+        if group is not None and group.size != traj.group_size:
+            return "group_inconsistent", (f"group {traj.group_id} has group_size {group.size}, this member "
+                                          f"{traj.group_size}")
+        if worker.open_bytes + nbytes > config.open_group_bytes_per_worker:
+            return "open_bytes_bound", (
+                f"{worker.worker_id}'s incomplete groups would hold {worker.open_bytes + nbytes} bytes > "
+                f"{config.open_group_bytes_per_worker} (transport.open_group_bytes_per_worker)")
+        return None
+
+    def _refuse_member(self, worker: WorkerInfo, traj: Trajectory, reason: str, message: str) -> None:
+        """Refuse ``traj`` and, with it, its group: the members held so far are dropped, later ones refused
+        (`GROUP_REJECTED`). A refused group still counts as a group its worker started (an admission permit),
+        and widens the fleet's admission cap by one, as it will never be trained."""
+        poisoned = worker.poisoned_groups
+        poisoned[traj.group_id] = None
+        while len(poisoned) > _POISONED_GROUPS_KEPT:
+            poisoned.popitem(last=False)
+        if traj.group_id in worker.open_groups:
+            self._discard_open(worker, traj.group_id, GROUP_REJECTED, f"its member {traj.trajectory_id} was refused")
+        elif traj.group_id != worker.last_group_id:
+            self._count_group(worker, traj.group_id)
+            self._starts_refused += 1
+        self._reject(reason, message, worker, traj.trajectory_id)
+
+    def _discard_open(self, worker: WorkerInfo, group_id: str, reason: str, why: str) -> None:
+        """Drop ``worker``'s incomplete group ``group_id``: its members free their credit and are never trained
+        (counted in ``stats["dropped_groups/<reason>"]`` and told to the worker)."""
+        group = worker.open_groups.pop(group_id)
+        worker.open_bytes -= group.nbytes
+        self._held -= len(group.members)
+        worker.buffered = max(0, worker.buffered - len(group.members))
+        self._starts_refused += 1  # started (and counted), never trained: the admission cap widens
+        self.stats["dropped_groups"] += 1
+        self.stats[f"dropped_groups/{reason}"] += 1
+        worker.rejects.append(f"{group_id}: {reason}: {len(group.members)} of its {group.size} members dropped "
+                              f"unused: {why}"[:256])
 
     def _on_weights(self, sock: zmq.Socket, frames: list) -> None:
         routing_id = frames[0].bytes
@@ -533,7 +716,8 @@ class LearnerServer(_Endpoint):
         user_id = frames[1].get("User-Id") if self._curve is not None else None
         with self._lock:
             worker = self._workers.get(request.worker_id)
-            if worker is None or (user_id is not None and worker.public_key not in (None, user_id)):
+            if worker is None or (user_id is not None and (worker.public_key not in (None, user_id)
+                                                           or user_id not in self._allowed_keys)):
                 self._reject("unknown_peer", f"weights request for unknown worker {request.worker_id!r}")
                 return
             released = self._versions.get(worker.released_version)
@@ -618,21 +802,22 @@ class LearnerServer(_Endpoint):
         return released
 
     def _housekeeping(self, sock: zmq.Socket, now: float, beat: bool) -> None:
-        window = self.config.credits_per_worker
         clock_now = self._clock()
         outgoing = []
         with self._lock:
-            for worker in self._workers.values():
-                if worker.alive and now - worker.last_seen > self.config.heartbeat_timeout_s:
-                    worker.alive = False
-                    self._reclaim_starts(worker)
-                    log.warning("worker %s silent for %.1f s: marked dead", worker.worker_id, now - worker.last_seen)
+            if self._auth is not None and now - self._keys_checked >= self.config.keys_reload_s:
+                self._keys_checked = now
+                if self._reload_keys():
+                    self._revoke(sock)
+            for worker in list(self._workers.values()):
+                if not self._check_alive(worker, now):
+                    continue
                 released = self._release_notices(worker, clock_now)
                 if not worker.alive:
                     continue
                 if released:
                     outgoing.append((worker.routing_id, WeightsNotice(worker.released_version)))
-                limit = worker.credit_limit(window)
+                limit = self._credit_limit(worker, now)
                 start_limit = self._grant_starts(worker)
                 if (worker.acks or worker.rejects or limit != worker.last_credit_sent
                         or start_limit != worker.last_start_limit_sent or beat):
@@ -643,3 +828,51 @@ class LearnerServer(_Endpoint):
                 self._trim_versions()  # released notices may free versions no worker can still be given
         for routing_id, message in outgoing:
             _send(sock, [routing_id, *encode(message)], self.stats, message.kind)
+
+    def _check_alive(self, worker: WorkerInfo, now: float) -> bool:
+        """Time out what ``worker`` holds: itself (dead after ``heartbeat_timeout_s`` of silence, removed from
+        the registry after ``worker_expiry_s``) and its incomplete groups (after ``group_timeout_s``). False
+        when it was removed."""
+        silent = now - worker.last_seen
+        if worker.alive and silent > self.config.heartbeat_timeout_s:
+            worker.alive = False
+            self._reclaim_starts(worker)
+            log.warning("worker %s silent for %.1f s: marked dead", worker.worker_id, silent)
+        if not worker.alive and silent > self.config.worker_expiry_s:
+            self._evict(worker, f"silent for {silent:.0f} s (transport.worker_expiry_s)", "expired")
+            return False
+        groups = worker.open_groups
+        while groups:
+            group_id, group = next(iter(groups.items()))
+            if now - group.first_s <= self._group_timeout_s:
+                break
+            self._discard_open(worker, group_id, "group_expired", f"incomplete after {self._group_timeout_s:g} s "
+                               "(buffer.partial_group_timeout_s)")
+        return True
+
+    def _reload_keys(self) -> bool:
+        """(Re)read the allowed-keys folder when its *.key files changed: the authenticator then refuses new
+        connections by a removed key, and `_allowed_keys` the live ones (`_revoke`). A folder that cannot be
+        read leaves the keys read last in force (the authenticator logs why). True when the keys changed."""
+        folder = Path(self._curve.allowed_keys_dir)
+        try:
+            signature = sorted((path.name, path.stat().st_mtime_ns, path.stat().st_size)
+                               for path in folder.glob("*.key"))
+        except OSError:
+            signature = None
+        if signature == self._keys_signature and self._allowed_keys is not None:
+            return False
+        self._keys_signature = signature
+        self._auth.configure_curve(domain="*", location=str(folder))
+        keys = {key.decode("ascii") for key in self._auth.certs.get("*", {})}
+        changed = keys != self._allowed_keys
+        self._allowed_keys = keys
+        return changed
+
+    def _revoke(self, sock: zmq.Socket) -> None:
+        """Refuse, and remove from the registry, every worker whose key is no longer allowed."""
+        for worker in [w for w in self._workers.values() if w.public_key not in self._allowed_keys]:
+            self.stats["revoked"] += 1
+            if worker.alive:
+                self._refuse(sock, worker.routing_id, "this worker's key was removed from the learner's allowed keys")
+            self._evict(worker, "its key was removed from the allowed keys", "revoked")

@@ -94,6 +94,26 @@ def make_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
     return Path(public), Path(secret)
 
 
+REVOKED = "revoked"  # the subfolder of an allowed-keys folder where `revoke_key` moves a key
+
+
+def revoke_key(allowed_dir: str | Path, name: str) -> Path:
+    """Take worker ``name``'s public key out of a learner's allowed-keys folder (into its ``revoked/``
+    subfolder, kept as a record): a running learner refuses it within ``transport.keys_reload_s``, its live
+    connections included. Returns where the key went."""
+    folder = Path(allowed_dir)
+    if not folder.is_dir():
+        raise ConfigError(f"{folder} is not a folder: give --allow-keys the learner's folder of allowed *.key files")
+    key = folder / f"{name}.key"
+    if "/" in name or not key.is_file():
+        present = sorted(path.stem for path in folder.glob("*.key"))
+        raise ConfigError(f"no key {name!r} in {folder} (allowed: {', '.join(present) or 'none'})")
+    (folder / REVOKED).mkdir(exist_ok=True)
+    target = folder / REVOKED / key.name
+    os.replace(key, target)
+    return target
+
+
 def _host_of(address: str) -> str:
     if "://" not in address:
         raise ConfigError(f"address {address!r} must look like tcp://HOST:PORT")

@@ -9,14 +9,14 @@ from heterorl.loops.sft import run_sft
 from heterorl.loops.sync_rl import rollout_datums, run_sync_rl
 from heterorl.policies import load_policy
 from heterorl.runs import read_metrics
-from heterorl.tasks import make_task
+from heterorl.tasks import make_task_from
 from heterorl.training.evaluation import evaluate
 from heterorl.training.session import Datum, TrainingClient
 from heterorl.training.step import minibatches, optimize_batch
 
 
 def _maze(cfg):
-    return make_task(cfg.task.name, dict(cfg.task.options))
+    return make_task_from(cfg.task)
 
 
 @pytest.mark.parametrize("config, base", [("maze_sft.yaml", SFT_BASE), ("maze4_sft.yaml", "maze4-sft-base")])

@@ -34,12 +34,16 @@ def test_only_complete_groups_are_handed_out():
     assert ids(buffer.take(1, current_version=1)) == ["a"]
 
 
-def test_a_group_mixing_sizes_or_samplers_refuses_the_newcomer():
+def test_a_group_mixing_sizes_refuses_the_newcomer_and_samplers_never_share_a_group():
     buffer = GroupBuffer()
     buffer.add(member("a", 0, 1, size=2), 0.0)
     assert buffer.add(member("a", 1, 1, size=3), 0.0) is None
-    assert buffer.add(member("a", 1, 1, sampler="w9"), 0.0) is None
-    assert buffer.counters["inconsistent"] == 2 and len(buffer) == 0
+    assert buffer.counters["inconsistent"] == 1 and len(buffer) == 0
+    # group ids are the workers' own: "a" from another sampler is another group, and completes on its own
+    assert buffer.add(member("a", 1, 1, sampler="w9", size=2), 0.0) is None
+    assert buffer.add(member("a", 2, 1, sampler="w9", size=2), 0.0).trajectories[0].sampler_id == "w9"
+    assert buffer.add(member("a", 1, 1, size=2), 0.0).trajectories[0].sampler_id != "w9"
+    assert len(buffer) == 2 and buffer.counters["inconsistent"] == 1
 
 
 def test_window_discards_stale_groups_takes_the_newest_and_blocks_when_none_is_fresh():

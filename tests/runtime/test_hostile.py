@@ -15,24 +15,17 @@ from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy
 from heterorl.runtime.learner import SKIPPED_BATCHES, Learner, learner_settings, trajectory_contract
 from heterorl.runtime.worker import RolloutWorker, WorkerOptions, stamp_groups
-from heterorl.tasks import make_task
+from heterorl.tasks import make_task_from
 from heterorl.training.session import TrainingClient
 from heterorl.transport import LearnerServer, TransportTimeout, WorkerClient
 from heterorl.transport.protocol import TrajectoryBatch, TrajectoryContract
-from tests.conftest import trajectory
+from tests.conftest import maze_run, trajectory, wait_until
 
-CONFIG = """
-seed: 0
-task:
-  name: maze
-  options: {{size: 5, wall_density: 0.3, min_path_len: 3, eval_size: 8, eval_seed: 12345}}
-rollout: {{group_size: 4, max_tokens: 24}}
-loss: {{name: gepo}}
-rl: {{base: maze-sft-base, steps: 3, prompts_per_step: 4, eval_every: 100}}
-runtime: {{workers: 2, fleet_wait_s: 0, checkpoint_every: 0}}
-logging: {{run_dir: {run_dir}, wandb_mode: disabled, progress: false}}
-"""
 VOCAB, CONTEXT = 12, 256  # maze-sft-base: 12 token ids, 256 positions
+
+
+def hostile_run(run_dir) -> str:
+    return maze_run(run_dir, 3, eval_size=8, eval_every=100, runtime={"fleet_wait_s": 0, "checkpoint_every": 0})
 
 
 def member(worker: str, group: str, j: int, **fields):
@@ -71,13 +64,6 @@ POISONS = {
 FITS = [long_member("h-fits", j, CONTEXT - 6, 6) for j in range(4)]
 
 
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def send(client: WorkerClient, group: list, stop: threading.Event | None = None) -> None:
     """Send ``group`` whole, waiting out back-pressure (until ``stop``)."""
     while group and not (stop is not None and stop.is_set()):
@@ -92,9 +78,9 @@ def test_a_hostile_worker_cannot_stop_the_learner_and_is_told_why(tmp_path):
     """Each poison passes the wire decoder and would kill the learner or exhaust its memory if it reached the
     model; the learner refuses it at intake, with the rest of its group, tells the sender why, counts it, and
     finishes its steps on the honest worker's data, which it all trains on."""
-    (tmp_path / "run.yaml").write_text(CONFIG.format(run_dir=tmp_path / "run"))
+    (tmp_path / "run.yaml").write_text(hostile_run(tmp_path / "run"))
     cfg = load_config(tmp_path / "run.yaml")
-    task = make_task(cfg.task.name, dict(cfg.task.options))
+    task = make_task_from(cfg.task)
     model, tokenizer = load_policy("maze-sft-base")
     training = TrainingClient(model, tokenizer, seed=0)
     contract = trajectory_contract(cfg, training.model)
@@ -122,7 +108,7 @@ def test_a_hostile_worker_cannot_stop_the_learner_and_is_told_why(tmp_path):
             version = got[0] if got else version
             group = [member("honest", f"honest-{n}", j, version=version) for j in range(4)]
             send(client, group, stop)
-            honest_sent.update(t.trajectory_id for t in group)
+            honest_sent.update(t.key for t in group)
             n += 1
             if n == 1:
                 poison_done.wait(60)
@@ -176,14 +162,14 @@ def test_a_hostile_worker_cannot_stop_the_learner_and_is_told_why(tmp_path):
     # the honest worker was told nothing, stated the same contract, and its data is what was trained
     assert outcome["honest_refused"] == [] and outcome["honest_contract"] == contract
     trained = learner._trained
-    assert len(trained) == 48 and trained <= honest_sent | {t.trajectory_id for t in FITS}
+    assert len(trained) == 48 and trained <= honest_sent | {t.key for t in FITS}
     assert len(trained & honest_sent) >= 44
 
 
 def test_a_batch_whose_loss_is_not_finite_is_skipped_and_kept_for_inspection(tmp_path):
     """Without a contract a log-prob of -1e30 reaches the loss, which refuses the batch as not finite: the learner
     runs no update on it, names it in ``skipped_batches.jsonl`` and finishes its steps."""
-    (tmp_path / "run.yaml").write_text(CONFIG.format(run_dir=tmp_path / "run"))
+    (tmp_path / "run.yaml").write_text(hostile_run(tmp_path / "run"))
     cfg = load_config(tmp_path / "run.yaml")
     model, tokenizer = load_policy("maze-sft-base")
     server = LearnerServer("tcp://127.0.0.1:0", cfg.transport, settings=learner_settings(cfg))
@@ -193,7 +179,7 @@ def test_a_batch_whose_loss_is_not_finite_is_skipped_and_kept_for_inspection(tmp
         def log(self, step, metrics):
             records.append(metrics)
 
-    learner = Learner(cfg, TrainingClient(model, tokenizer, seed=0), make_task(cfg.task.name, dict(cfg.task.options)),
+    learner = Learner(cfg, TrainingClient(model, tokenizer, seed=0), make_task_from(cfg.task),
                       server, tmp_path / "run", logger=Logger())
     stop = threading.Event()
     bad = [member("w", "w-bad", j, behaviour_logprobs=np.full(2, -1e30, np.float32)) for j in range(4)]
@@ -227,9 +213,9 @@ def test_an_honest_worker_keeps_the_contract_the_learner_states(tmp_path):
     """The rollout worker clips behaviour log-probs at the floor, caps each call's ``max_tokens`` so that prompt
     + completion fit the learner's context (and stops when a prompt alone does not), and refuses a policy with
     more token ids than the learner's model takes."""
-    (tmp_path / "run.yaml").write_text(CONFIG.format(run_dir=tmp_path / "run"))
+    (tmp_path / "run.yaml").write_text(hostile_run(tmp_path / "run"))
     cfg = load_config(tmp_path / "run.yaml")
-    task = make_task(cfg.task.name, dict(cfg.task.options))
+    task = make_task_from(cfg.task)
     problem = task.sample_train(random.Random(0))
     sample = SampleOutput(tokens=[2, 3, 4], logprobs=[-0.5, -1e30, float("-inf")], stop_reason="stop")
     (group,) = stamp_groups(task, "w", 0, 0, [problem], [[5, 6, 7]], [[sample]], 1.0, 2.0)

@@ -13,41 +13,19 @@ import pytest
 import zmq
 
 from heterorl.runs import read_metrics
-from tests.conftest import ENV, REPO, run_cli, trajectory
-
-SMALL = """
-seed: 0
-task:
-  name: maze
-  options: {{size: 5, wall_density: 0.3, min_path_len: 3, eval_size: 32, eval_seed: 12345}}
-rollout: {{group_size: 4, max_tokens: 24}}
-loss: {{name: gepo}}
-rl: {{base: maze-sft-base, steps: {steps}, prompts_per_step: 4, eval_every: 3}}
-runtime: {{workers: 2, groups_per_call: 2, checkpoint_every: 2}}
-transport: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: 3.0}}
-logging: {{run_dir: {run_dir}, wandb_mode: disabled, progress: false}}
-"""
+from tests.conftest import ENV, REPO, maze_run, run_cli, trajectory, wait_until
 
 
 def write_config(tmp_path: Path, steps: int = 6, extra: str = "") -> Path:
     path = tmp_path / "run.yaml"
-    path.write_text(SMALL.format(steps=steps, run_dir=tmp_path / "run") + extra)
+    path.write_text(maze_run(tmp_path / "run", steps, eval_size=32, eval_every=3, runtime={"checkpoint_every": 2},
+                             transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0}) + extra)
     return path
 
 
 def spawn(*args, log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "heterorl.cli", *args], stdout=log.open("w"),
                             stderr=subprocess.STDOUT, env=ENV, cwd=REPO)
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def learner_step(run_dir: Path) -> int:
@@ -123,10 +101,10 @@ def test_kill_minus_nine_learner_resumes_and_workers_reconnect(tmp_path):
     learner = spawn("learner", "--config", str(config), log=tmp_path / "learner1.log")
     workers = []
     try:
-        address = wait_for(lambda: endpoint(run), 120, "the learner to listen")
+        address = wait_until(lambda: endpoint(run), 120, "the learner to listen")
         workers = [spawn("rollout", "--connect", address, "--worker-id", f"w{i}", log=tmp_path / f"w{i}.log")
                    for i in range(2)]
-        wait_for(lambda: learner_step(run) >= 2, 240, "the first checkpoint")
+        wait_until(lambda: learner_step(run) >= 2, 240, "the first checkpoint")
         learner.send_signal(signal.SIGKILL)
         learner.wait(30)
         before = learner_step(run)
@@ -160,11 +138,11 @@ def test_a_killed_worker_does_not_stop_the_run_and_garbage_is_counted(tmp_path):
     learner = spawn("learner", "--config", str(config), log=tmp_path / "learner.log")
     workers = {}
     try:
-        address = wait_for(lambda: endpoint(run), 120, "the learner to listen")
+        address = wait_until(lambda: endpoint(run), 120, "the learner to listen")
         for name in ("w0", "w1"):
             workers[name] = spawn("rollout", "--connect", address, "--worker-id", name, log=tmp_path / f"{name}.log")
         log = tmp_path / "learner.log"
-        wait_for(lambda: learner_step(run) >= 2 and "worker w0 joined" in log.read_text(), 240, "two steps and w0")
+        wait_until(lambda: learner_step(run) >= 2 and "worker w0 joined" in log.read_text(), 240, "two steps and w0")
         workers["w1"].send_signal(signal.SIGSTOP)
         workers["w0"].send_signal(signal.SIGKILL)
         workers["w0-again"] = spawn("rollout", "--connect", address, "--worker-id", "w0",
@@ -178,7 +156,7 @@ def test_a_killed_worker_does_not_stop_the_run_and_garbage_is_counted(tmp_path):
             raw.send(os.urandom(64) if i % 2 else b"\x82\xa1v\x01\xa4kind\xaatrajectory")
         raw.close()
         ctx.term()
-        wait_for(lambda: "worker w0 rejoined" in log.read_text(), 240, "w0 to rejoin")
+        wait_until(lambda: "worker w0 rejoined" in log.read_text(), 240, "w0 to rejoin")
         workers["w1"].send_signal(signal.SIGCONT)
         assert learner.poll() is None and learner_step(run) < 10  # the run went on without w0 and takes it back
         assert learner.wait(400) == 0, (tmp_path / "learner.log").read_text()[-3000:]
@@ -197,13 +175,13 @@ def test_a_worker_with_a_skewed_clock_does_not_corrupt_staleness(tmp_path):
     from heterorl.config import load_config
     from heterorl.policies import load_policy
     from heterorl.runtime.learner import Learner, learner_settings
-    from heterorl.tasks import make_task
+    from heterorl.tasks import make_task_from
     from heterorl.training.session import TrainingClient
     from heterorl.transport import LearnerServer, WorkerClient
 
     # one hand-made worker, not the two the config names: start on its first data
     cfg = load_config(write_config(tmp_path, steps=2), overrides=["runtime.fleet_wait_s=0"])
-    task = make_task(cfg.task.name, dict(cfg.task.options))
+    task = make_task_from(cfg.task)
     model, tokenizer = load_policy("maze-sft-base")
     training = TrainingClient(model, tokenizer, seed=0)
     server = LearnerServer("tcp://127.0.0.1:0", cfg.transport, settings=learner_settings(cfg))
@@ -259,7 +237,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
     run = tmp_path / "run"
     try:
-        wait_for(lambda: (run / "logs" / "worker-1.log").exists() and endpoint(run), 120, "the fleet to start")
+        wait_until(lambda: (run / "logs" / "worker-1.log").exists() and endpoint(run), 120, "the fleet to start")
         time.sleep(2)
         pids = [int(pid) for pattern in (str(run / "train_config.yaml"), endpoint(run)) for pid in subprocess.run(
             ["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()]

@@ -22,7 +22,7 @@ from heterorl.runs import read_metrics
 from heterorl.runtime.launch import keep_metrics_until, serve_learner
 from heterorl.runtime.learner import PUBLISHED, Learner, read_checkpoint
 from heterorl.runtime.worker import new_session, stamp_groups
-from heterorl.tasks import make_task
+from heterorl.tasks import make_task, make_task_from
 from heterorl.training.session import AdamParams, Datum, TrainingClient
 from heterorl.transport import LearnerServer, TransportError, WorkerClient
 from heterorl.transport.protocol import (
@@ -35,31 +35,26 @@ from heterorl.transport.protocol import (
     decode,
     encode,
 )
-from tests.conftest import run_cli, trajectory
-from tests.runtime.test_processes import endpoint, spawn, wait_for
+from tests.conftest import maze_run, run_cli, trajectory, wait_until
+from tests.runtime.test_processes import endpoint, spawn
 
-CONFIG = """
-seed: 0
-task:
-  name: maze
-  options: {{size: 5, wall_density: 0.3, min_path_len: 3, eval_size: 8, eval_seed: 12345}}
-rollout: {{group_size: 4, max_tokens: 24}}
-loss: {{name: gepo}}
-rl: {{base: maze-sft-base, steps: {steps}, prompts_per_step: 4, eval_every: 100}}
-runtime: {{workers: 2, groups_per_call: 2, checkpoint_every: 3, learner_timeout_s: 120}}
-buffer: {{policy: admission, max_staleness_steps: 1}}
-transport: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: 3.0}}
-logging: {{run_dir: {run_dir}, wandb_mode: disabled, progress: false, save_policy: false}}
-"""
 # a step takes about 0.1 s: the run goes on long after the last kill, which cannot come after its end however
 # late the test sees the step it waits for
 STEPS, GROUPS_PER_STEP = 24, 4
 FAST = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0, hello_interval_s=0.1)
 
 
+def resume_run(run_dir, steps: int) -> str:
+    return maze_run(run_dir, steps, eval_size=8, eval_every=100,
+                    runtime={"checkpoint_every": 3, "learner_timeout_s": 120},
+                    buffer={"policy": "admission", "max_staleness_steps": 1},
+                    transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0},
+                    logging={"save_policy": False})
+
+
 def write_config(tmp_path, steps: int = STEPS):
     path = tmp_path / "run.yaml"
-    path.write_text(CONFIG.format(steps=steps, run_dir=tmp_path / "run"))
+    path.write_text(resume_run(tmp_path / "run", steps))
     return path
 
 
@@ -112,11 +107,11 @@ def test_a_learner_killed_between_checkpoints_resumes_and_its_workers_carry_on(t
 
     kills = []
     try:
-        address = wait_for(lambda: endpoint(run), 120, "the learner to listen")
+        address = wait_until(lambda: endpoint(run), 120, "the learner to listen")
         restart("w0")
         restart("w1")
         for at_step, stop, restart_w1 in SCHEDULE:
-            wait_for(lambda: last_step(run) >= at_step, 240, f"step {at_step}")
+            wait_until(lambda: last_step(run) >= at_step, 240, f"step {at_step}")
             if stop is not None:
                 learners[-1].send_signal(stop)
                 assert learners[-1].wait(30) == (130 if stop == signal.SIGINT else -stop)
@@ -127,7 +122,7 @@ def test_a_learner_killed_between_checkpoints_resumes_and_its_workers_carry_on(t
                 log = tmp_path / f"learner-{len(learners)}.log"
                 learners.append(spawn("learner", "--config", str(config), "--resume", log=log))
                 # it drops the metrics after its checkpoint before it listens: the next wait reads its own steps
-                wait_for(lambda: "learner listening" in log.read_text(), 120, "the resumed learner to listen")
+                wait_until(lambda: "learner listening" in log.read_text(), 120, "the resumed learner to listen")
         assert learners[-1].wait(300) == 0, log.read_text()[-3000:]
         for name, worker in workers.items():
             assert worker.wait(60) == 0, name  # they left on the final bye, not on a restart's
@@ -154,7 +149,8 @@ def test_a_learner_killed_between_checkpoints_resumes_and_its_workers_carry_on(t
     trained_groups = {tid.rsplit("-", 1)[0] for tid in state["trained_ids"]}
     # every step took 4 whole groups, each counted once: no group (nor any of its trajectories) trained twice
     assert state["step"] == STEPS and state["groups_trained"] == len(trained_groups) == STEPS * GROUPS_PER_STEP
-    sessions = {tid.split("-")[1] for tid in state["trained_ids"] if tid.startswith("w1-")}
+    assert all(key.startswith(("w0|w0-", "w1|w1-")) for key in state["trained_ids"])  # namespaced by worker
+    sessions = {key.split("-")[1] for key in state["trained_ids"] if key.startswith("w1|")}
     assert len(sessions) >= 2  # w1's lives stamped ids of their own
     for name in ("w0", "w1"):
         assert "ended the run" in (tmp_path / f"{name}-{lives[name]}.log").read_text()
@@ -182,8 +178,8 @@ class _Publisher:
 
 @pytest.fixture
 def learner_parts(tmp_path):
-    cfg = load_config(text=CONFIG.format(steps=STEPS, run_dir=tmp_path / "run"))
-    task = make_task(cfg.task.name, dict(cfg.task.options))
+    cfg = load_config(text=resume_run(tmp_path / "run", STEPS))
+    task = make_task_from(cfg.task)
 
     def make() -> tuple[Learner, TrainingClient]:
         model, tokenizer = load_policy("maze-sft-base")
@@ -257,7 +253,7 @@ def test_a_damaged_checkpoint_is_an_error_naming_it_and_the_good_one(learner_par
     folder = _two_checkpoints(learner_parts, tmp_path)
     name, spoil, what = DAMAGE[damage]
     spoil(folder / name)
-    (tmp_path / "run.yaml").write_text(CONFIG.format(steps=STEPS, run_dir=tmp_path / "run"))
+    (tmp_path / "run.yaml").write_text(resume_run(tmp_path / "run", STEPS))
     out = run_cli("learner", "--config", str(tmp_path / "run.yaml"), "--resume", timeout=300)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "Traceback" not in out.stderr and out.stderr.startswith("heterorl: error: cannot resume"), out.stderr
@@ -291,7 +287,7 @@ def test_a_garbage_record_of_the_newest_version_is_an_error_naming_it(learner_pa
 
 def test_a_learner_without_resume_refuses_a_run_that_has_a_checkpoint(learner_parts, tmp_path):
     _two_checkpoints(learner_parts, tmp_path)
-    cfg = load_config(text=CONFIG.format(steps=STEPS, run_dir=tmp_path / "run"))
+    cfg = load_config(text=resume_run(tmp_path / "run", STEPS))
     with pytest.raises(HeteroRLError, match="already holds a run: pass --resume"):
         serve_learner(cfg, "tcp://127.0.0.1:0")
 
@@ -330,7 +326,7 @@ def test_a_stopping_learner_is_waited_for_and_a_finished_run_ends_the_worker():
     try:
         client.wait_ready(10)
         server.close(BYE_LEARNER_STOPPING)
-        wait_for(lambda: not client.learner_alive, 10, "the worker to take the learner for gone")
+        wait_until(lambda: not client.learner_alive, 10, "the worker to take the learner for gone")
         assert not client.finished.is_set() and client.refused is None
         restarted = LearnerServer(address, FAST, weights_address=server.weights_endpoint)
         client.wait_ready(10)  # it kept saying hello: the restarted learner has it back
@@ -373,7 +369,7 @@ def test_a_resumed_server_takes_the_versions_its_predecessor_published():
         assert ready.newest_version == -1  # nothing to fetch before the first publish
         client.send_many([trajectory(trajectory_id=f"w0-a-{v}-0", group_id=f"w0-a-{v}", sampler_id="w0",
                                      group_size=1, version=v) for v in (7, 8)], 5)
-        wait_for(lambda: server.stats["accepted"] + server.stats["rejected"] >= 2, 10, "both trajectories")
+        wait_until(lambda: server.stats["accepted"] + server.stats["rejected"] >= 2, 10, "both trajectories")
         assert server.stats["accepted"] == 1 and server.stats["rejected/version_ahead"] == 1
         with pytest.raises(TransportError, match="not newer than 7"):
             server.publish(7, {"w": torch.zeros(2)})

@@ -11,24 +11,16 @@ import pytest
 from heterorl.config import load_config
 from heterorl.runs import read_metrics, setup_run
 from heterorl.runtime.simulate import Simulation, durations
+from tests.conftest import REPO, maze_run
 
-REPO = Path(__file__).resolve().parents[2]
 
-RUN = """
-seed: 0
-task:
-  name: maze
-  options: {{size: 5, wall_density: 0.3, min_path_len: 3, eval_size: 16, eval_seed: 12345}}
-rollout: {{group_size: 4, max_tokens: 24}}
-loss: {{name: gepo}}
-rl: {{base: maze-sft-base, steps: {steps}, prompts_per_step: 4, eval_every: {steps}}}
-runtime: {{workers: 2, groups_per_call: 2, checkpoint_every: 0}}
-logging: {{run_dir: {run_dir}, wandb_mode: disabled, progress: false, save_policy: false}}
-"""
+def small_run(run_dir, steps: int) -> str:
+    return maze_run(run_dir, steps, eval_size=16, eval_every=steps, runtime={"checkpoint_every": 0},
+                    logging={"save_policy": False})
 
 
 def simulate(tmp_path: Path, steps: int, *overrides: str, name: str = "run"):
-    cfg = load_config(text=RUN.format(steps=steps, run_dir=tmp_path / name),
+    cfg = load_config(text=small_run(tmp_path / name, steps),
                       overrides=["runtime.execution=simulated", *overrides])
     task, training, logger, run_dir = setup_run(cfg, name, cfg.rl.base)
     try:
@@ -111,7 +103,7 @@ def test_live_and_simulated_staleness_agree(tmp_path):
     """One small cell run live (processes, ZeroMQ, real delays) and simulated with the durations the live run
     measured: the staleness distributions agree."""
     config = tmp_path / "run.yaml"
-    config.write_text(RUN.format(steps=16, run_dir=tmp_path / "live")
+    config.write_text(small_run(tmp_path / "live", 16)
                       + "buffer: {max_staleness_steps: 16}\ndelay: {down: {kind: constant, constant_s: 1.5}}\n")
     out = subprocess.run([sys.executable, "-m", "heterorl.cli", "train", "--config", str(config)], cwd=REPO,
                          capture_output=True, text=True, timeout=600)

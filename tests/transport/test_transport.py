@@ -35,10 +35,11 @@ from tests.conftest import ENV, trajectory
 FAST = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0, credits_per_worker=8, linger_ms=0)
 
 
-def traj(worker: str, i: int, n: int = 3) -> Trajectory:
-    """Trajectory ``i`` of ``worker``: groups of 4, ``n`` completion tokens, version 0."""
-    return trajectory(trajectory_id=f"{worker}-{i}", group_id=f"{worker}-g{i // 4}", sampler_id=worker, group_size=4,
-                      completion_len=n, version=0, reward=float(i % 2), sent_at=0.0)
+def traj(worker: str, i: int, n: int = 3, size: int = 1) -> Trajectory:
+    """Trajectory ``i`` of ``worker``: in groups of ``size`` (the learner passes a group on once it is whole:
+    by default each trajectory is one), ``n`` completion tokens, version 0."""
+    return trajectory(trajectory_id=f"{worker}-{i}", group_id=f"{worker}-g{i // size}", sampler_id=worker,
+                      group_size=size, completion_len=n, version=0, reward=float(i % 2), sent_at=0.0)
 
 
 def wait_for(predicate, timeout_s: float, step_s: float = 0.02):

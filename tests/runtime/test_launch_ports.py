@@ -1,0 +1,72 @@
+"""A learner port another process holds is refused at once, in one line naming the address and the fix, before
+anything loads or is written (not after the model loads and the server waits out its start-up)."""
+
+import json
+import socket
+import time
+
+import pytest
+
+from heterorl.config import load_config
+from heterorl.errors import HeteroRLError
+from heterorl.runtime.launch import ENDPOINTS, refuse_busy_ports
+from tests.conftest import run_cli
+
+QUICK_S = 20  # the CLI starts in ~3 s (importing torch); the bind used to fail only after ~40 s
+
+
+@pytest.fixture()
+def busy_port():
+    """A port a listening socket holds, whose port - 1 is free (so it can be the weights port of a learner)."""
+    while True:
+        with socket.socket() as below:
+            below.bind(("127.0.0.1", 0))
+            port = below.getsockname()[1] + 1
+        with socket.socket() as holder:
+            try:
+                holder.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            holder.listen()
+            yield port
+            return
+
+
+def _refused_quickly(tmp_path, *args: str) -> str:
+    start = time.monotonic()
+    result = run_cli(*args, "rl.steps=2", f"logging.run_dir={tmp_path / 'run'}", timeout=120)
+    took = time.monotonic() - start
+    assert result.returncode == 2, result.stderr
+    assert took < QUICK_S, f"took {took:.1f} s"
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+    [line] = result.stderr.splitlines()
+    return line
+
+
+@pytest.mark.parametrize("channel, below", [("control", 0), ("weights", 1)])
+def test_learner_refuses_a_busy_port_at_once(tmp_path, busy_port, channel, below):
+    line = _refused_quickly(tmp_path, "learner", "--config", "demo.yaml",
+                            "--bind", f"tcp://127.0.0.1:{busy_port - below}")
+    assert line == (f"heterorl: error: tcp://127.0.0.1:{busy_port} (the learner's {channel} channel) is in use by "
+                    "another process: choose another port (--bind, or runtime.address; the weights channel takes "
+                    "port + 1, and port 0 picks free ones) or stop the process that holds it")
+
+
+def test_train_refuses_a_busy_runtime_address_at_once(tmp_path, busy_port):
+    line = _refused_quickly(tmp_path, "train", "--config", "demo.yaml", f"runtime.address=tcp://127.0.0.1:{busy_port}")
+    assert line.startswith(f"heterorl: error: tcp://127.0.0.1:{busy_port} (the learner's control channel) is in use")
+
+
+def test_ports_picked_at_bind_time_are_left_to_the_bind(tmp_path):
+    cfg = load_config(None, [f"logging.run_dir={tmp_path}"])
+    refuse_busy_ports(cfg, "tcp://127.0.0.1:0", resume=False)  # free ports are picked
+    refuse_busy_ports(cfg, f"ipc://{tmp_path}/learner", resume=False)  # no port
+
+
+def test_a_resumed_learner_checks_the_addresses_its_workers_dial(tmp_path, busy_port):
+    cfg = load_config(None, [f"logging.run_dir={tmp_path}"])
+    (tmp_path / ENDPOINTS).write_text(json.dumps({"control": f"tcp://127.0.0.1:{busy_port - 1}",
+                                                  "weights": f"tcp://127.0.0.1:{busy_port}"}))
+    refuse_busy_ports(cfg, "tcp://127.0.0.1:0", resume=False)
+    with pytest.raises(HeteroRLError, match=f"tcp://127.0.0.1:{busy_port} \\(the learner's weights channel\\)"):
+        refuse_busy_ports(cfg, "tcp://127.0.0.1:0", resume=True)
