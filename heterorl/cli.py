@@ -362,7 +362,9 @@ def _print_runtime_summary(summary: dict, run_dir: Path) -> None:
     clock = " of virtual time" if simulated else ""
     print(f"\nchange: {100 * (summary['final_success'] - summary['base_success']):+.1f} points in "
           f"{summary['minutes']:.1f} min; staleness mean {summary['staleness_mean']:.2f} versions "
-          f"(max {summary['staleness_max']}); {summary['tokens_per_s']:.0f} tokens/s{clock} trained; "
+          f"(p50 {summary['staleness_p50']:g}, p95 {summary['staleness_p95']:g}, max {summary['staleness_max']}"
+          f"{', a fixed lag' if summary.get('fixed_lag_steps') is not None else ''}); "
+          f"{summary['tokens_per_s']:.0f} tokens/s{clock} trained; "
           f"learner idle {summary['learner_idle_frac']:.0%}, workers idle {summary['worker_idle_frac']:.0%}{clock}"
           + _without_update(summary.get("steps_without_update", 0)))
     print(f"logs:   {run_dir / 'metrics.jsonl'}" + ("" if simulated else f" and {run_dir / 'logs'}/"))

@@ -346,12 +346,21 @@ class DelaysConfig:
     down: DelayConfig = field(default_factory=DelayConfig)  # weights, learner → worker
     time_scale: float = 1.0  # simulated seconds per real second: 100 lets 1,800 s of delay pass in 18 s
     seconds_per_step: Optional[float] = None  # stated mapping of seconds to learner steps, for reports
+    # a fixed staleness instead of delays (simulated execution): every batch is sampled by the policy exactly this
+    # many versions older than the learner's, from the first step on (versions before 0 are copies of the base)
+    fixed_lag_steps: Optional[int] = None
 
     def validate(self, key: str = "delay") -> None:
         _positive(self, key, "time_scale")
         _optional_positive(self, key, "seconds_per_step")
         self.up.validate(f"{key}.up")
         self.down.validate(f"{key}.down")
+        if self.fixed_lag_steps is not None:
+            if self.fixed_lag_steps < 0:
+                _fail(f"{key}.fixed_lag_steps", self.fixed_lag_steps, "must be >= 0 (0: on-policy), or null")
+            if self.up.kind != "none" or self.down.kind != "none":
+                _fail(f"{key}.fixed_lag_steps", self.fixed_lag_steps,
+                      f"sets the staleness itself: leave `{key}.up.kind` and `{key}.down.kind` at none")
 
 
 @dataclass
@@ -435,6 +444,9 @@ class Config:
             _fail("rl.prompts_per_step", self.rl.prompts_per_step,
                   f"in sync mode it must be a multiple of `runtime.workers` = {self.runtime.workers} (each worker "
                   "makes an equal share)")
+        if self.delay.fixed_lag_steps is not None and self.runtime.execution != "simulated":
+            _fail("delay.fixed_lag_steps", self.delay.fixed_lag_steps,
+                  "needs `runtime.execution=simulated` (a live fleet's staleness follows its delays)")
         if self.transport.credits_per_worker < self.rollout.group_size:
             _fail("transport.credits_per_worker", self.transport.credits_per_worker,
                   f"must be at least `rollout.group_size` = {self.rollout.group_size}: the learner holds a group's "

@@ -58,6 +58,8 @@ class LearnerResult(RunResult):
 
     staleness_mean: float  # versions, over every trained group
     staleness_max: int
+    staleness_p50: float  # the median and 95th percentile of the same (linear interpolation)
+    staleness_p95: float
     tokens_per_s: float  # completion tokens trained per second of wall (or virtual) time
     learner_idle_frac: float
     worker_idle_frac: float
@@ -73,6 +75,7 @@ class LearnerState:
     publish_wall_s: dict[str, float] = field(default_factory=dict)  # version → time.time() it was published
     staleness_sum: float = 0.0
     staleness_max: int = 0
+    staleness_counts: dict[str, int] = field(default_factory=dict)  # staleness in versions → groups trained
     groups_trained: int = 0
     tokens_trained: int = 0
     steps_without_update: int = 0
@@ -190,6 +193,14 @@ def group_datums(groups: list[Group]) -> list[Datum]:
                 policy_versions=t.policy_versions.tolist(),
             ))
     return datums
+
+
+def staleness_percentiles(counts: dict[int, int]) -> dict[str, float]:
+    """``staleness_p50`` and ``staleness_p95`` of the groups trained, from {staleness: groups} (0 when none)."""
+    if not counts:
+        return {"staleness_p50": 0.0, "staleness_p95": 0.0}
+    values = np.repeat(np.array(list(counts), dtype=float), list(counts.values()))
+    return {"staleness_p50": float(np.percentile(values, 50)), "staleness_p95": float(np.percentile(values, 95))}
 
 
 def _histogram(values: list[int]) -> list[int]:
@@ -422,6 +433,7 @@ class Learner:
         return self.recorder.result(
             LearnerResult, steps=state.step, minutes=state.elapsed_s / 60,
             staleness_mean=state.staleness_sum / max(state.groups_trained, 1), staleness_max=state.staleness_max,
+            **staleness_percentiles({int(k): n for k, n in state.staleness_counts.items()}),
             tokens_per_s=state.tokens_trained / max(state.elapsed_s, 1e-9),
             learner_idle_frac=state.idle_s / max(state.elapsed_s, 1e-9),
             worker_idle_frac=idle_fraction(fleet["idle_s"], fleet["busy_s"]))
@@ -453,6 +465,8 @@ class Learner:
         state.groups_trained += len(groups)
         state.staleness_sum += sum(staleness)
         state.staleness_max = max(state.staleness_max, max(staleness))
+        for gap in staleness:
+            state.staleness_counts[str(gap)] = state.staleness_counts.get(str(gap), 0) + 1
         state.elapsed_s = time.monotonic() - start
         metrics.update(self._step_metrics(groups, staleness, staleness_s, version))
         metrics.update({"learner/wait_s": waited, "learner/train_s": time.monotonic() - step_start})

@@ -11,6 +11,11 @@ The same run as the live system (`heterorl train`), with the same semantics:
   (`heterorl.training.step.optimize_batch`) and metrics;
 - sync mode waits for each new version, async mode never waits, as the live workers do.
 
+With ``delay.fixed_lag_steps`` = k the fleet and its delays are replaced by a fixed staleness: each step's batch
+is sampled (the workers' prompt shards and seeds, in turn) by the policy exactly k versions older than the
+learner's, from the first step on: versions before the first are copies of the base, so there is no ramp. The learner
+keeps the k + 1 newest versions for it.
+
 Only time is simulated. A learner step takes ``simulate.step_s`` virtual seconds; a worker samples a group in
 ``simulate.call_s / runtime.groups_per_call`` seconds times its throttle; messages take what their delay link
 draws. Events run in (virtual time, order) order, so a run is deterministic for a seed and as fast as the model
@@ -34,8 +39,15 @@ from heterorl.delay.links import DelayLink
 from heterorl.delay.queue import DelayQueue
 from heterorl.errors import HeteroRLError
 from heterorl.runs import StepRecorder, idle_fraction, setup_run
-from heterorl.runtime.buffer import GroupBuffer
-from heterorl.runtime.learner import LearnerResult, finish_learner_run, group_datums, held_out_success, step_metrics
+from heterorl.runtime.buffer import Group, GroupBuffer
+from heterorl.runtime.learner import (
+    LearnerResult,
+    finish_learner_run,
+    group_datums,
+    held_out_success,
+    staleness_percentiles,
+    step_metrics,
+)
 from heterorl.runtime.worker import sampling_params, shard_rng, stamp_groups
 from heterorl.tasks import Task
 from heterorl.training.session import SamplingClient, TrainingClient
@@ -129,6 +141,12 @@ class Simulation:
         return version
 
     def _forget_versions(self) -> None:
+        lag = self.cfg.delay.fixed_lag_steps
+        if lag is not None:  # the next batch is sampled by version (newest - lag); before the base, by the base
+            oldest = max(min(self._weights), max(self._weights) - lag)
+            for v in [v for v in self._weights if v < oldest]:
+                del self._weights[v]
+            return
         needed = {w.version for w in self.workers} | {v for w in self.workers for v in w.inbox}
         for v in [v for v in self._weights if v not in needed and v != max(self._weights)]:
             del self._weights[v]
@@ -218,10 +236,12 @@ class Simulation:
         self._now, self._idle_s = 0.0, 0.0
         version = self._publish(self._now)
         staleness_all: list[int] = []
+        lag, base = cfg.delay.fixed_lag_steps, version
         for step in range(1, cfg.rl.steps + 1):
-            groups = self._next_batch(step, version)
+            groups = self._next_batch(step, version) if lag is None else self._lagged_batch(version - lag)
             staleness = [version - g.oldest_version for g in groups]
-            staleness_s = [self._now - self._published_s[g.oldest_version] for g in groups]
+            staleness_s = [self._now - self._published_s.get(g.oldest_version, (g.oldest_version - base) * self.step_s)
+                           for g in groups]  # (a version before the base counts as published that many steps before)
             staleness_all += staleness
             metrics = optimize_batch(self.training, group_datums(groups), cfg, cfg.rl.steps * cfg.rl.updates_per_batch)
             self._tokens_trained += sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
@@ -235,6 +255,7 @@ class Simulation:
         return recorder.result(
             LearnerResult, steps=cfg.rl.steps, minutes=(time.monotonic() - wall_start) / 60,
             staleness_mean=float(np.mean(staleness_all)), staleness_max=int(max(staleness_all)),
+            **staleness_percentiles({int(v): n for v, n in zip(*np.unique(staleness_all, return_counts=True))}),
             tokens_per_s=self._tokens_trained / self._now, learner_idle_frac=self._idle_s / self._now,
             worker_idle_frac=idle_fraction(idle, busy))
 
@@ -253,6 +274,27 @@ class Simulation:
                                     f"worker waiting ({len(self.buffer)} groups buffered); check buffer and delays")
             self._idle_s += max(0.0, later - self._now)  # (an arrival held back by a full buffer is not "later")
             self._now = max(self._now, later)
+
+    def _lagged_batch(self, source: int) -> list[Group]:
+        """``delay.fixed_lag_steps``: the step's batch, sampled by version ``source`` (the base before the base
+        version) and stamped with it; each worker samples its share of the prompts in turn, from its own shard
+        and seeds."""
+        cfg = self.cfg
+        weights = max(source, min(self._weights))  # the oldest kept: the base until the lag is past it
+        if self._sampler.version != weights:
+            self._sampler.load_weights(weights, self._weights[weights])
+        groups, share = [], cfg.rl.prompts_per_step // len(self.workers)
+        for i, w in enumerate(self.workers):
+            n = share + (i < cfg.rl.prompts_per_step % len(self.workers))
+            problems = [self.task.sample_train(w.rng) for _ in range(n)]
+            prompts = [encode_text(self._sampler.tokenizer, p.prompt, "prompt") for p in problems]
+            sampled = self._sampler.sample(prompts, cfg.rollout.group_size,
+                                           sampling_params(cfg, w.worker_id, w.groups_sent)).result()
+            stamped = stamp_groups(self.task, w.worker_id, w.groups_sent, source, problems, prompts, sampled,
+                                   self._now, self._now)
+            w.groups_sent += n
+            groups += [Group(members[0].group_id, members, self._now) for members in stamped if members]
+        return groups
 
     def _step_metrics(self, groups: list, staleness: list[int], staleness_s: list[float], version: int) -> dict:
         busy, idle = sum(w.busy_s for w in self.workers), sum(w.idle_s for w in self.workers)
@@ -273,7 +315,8 @@ def simulate_run(cfg: Config, progress=None) -> LearnerResult:
     finally:
         logger.close()
     finish_learner_run(cfg, task, training, Path(run_dir), result,
-                       {"execution": "simulated", "step_s": durations(cfg)[0]})
+                       {"execution": "simulated", "step_s": durations(cfg)[0],
+                       "fixed_lag_steps": cfg.delay.fixed_lag_steps})
     return result
 
 

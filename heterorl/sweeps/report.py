@@ -88,6 +88,9 @@ class SummaryRow:
     degradation_pct: float | None  # 100 * (online last_mean - last_mean) / online last_mean, same loss
     gap_mean: float | None  # mean over seeds of best - last
     staleness_mean: float | None
+    staleness_p50: float | None  # the measured staleness's median, 95th percentile and maximum, over seeds (means;
+    staleness_p95: float | None  # the maximum: the largest); None for cells written before they were recorded
+    staleness_max: float | None
     is_weight_var: float | None  # mean over steps of is/weight_var, then over seeds
     kl_k3: float | None  # mean over steps of kl/k3, then over seeds
 
@@ -199,6 +202,10 @@ def _summarise(sweep: SweepResults, task: str, loss: str, delay: str) -> Summary
                          else 100.0 * (online_last - last_mean) / online_last),
         gap_mean=_mean([b - f for b, f in zip(best, last)]),
         staleness_mean=_mean([c.summary.get("staleness_mean") for c in cells]),
+        staleness_p50=_mean([c.summary.get("staleness_p50") for c in cells]),
+        staleness_p95=_mean([c.summary.get("staleness_p95") for c in cells]),
+        staleness_max=max((c.summary["staleness_max"] for c in cells if c.summary.get("staleness_max") is not None),
+                          default=None),
         is_weight_var=_mean([_metric_mean(c, "is/weight_var") for c in cells]),
         kl_k3=_mean([_metric_mean(c, "kl/k3") for c in cells]),
     )
@@ -212,18 +219,24 @@ def _pm(mean: float | None, std: float | None) -> str:
     return "n/a" if mean is None else f"{mean:.3f} ± {std:.3f}"
 
 
+def _staleness(row: SummaryRow) -> str:
+    """The measured staleness, mean / p50 / p95 / max versions (what the delay setting produced)."""
+    return " / ".join(_num(v, ".2f" if i == 0 else ".3g") for i, v in enumerate(
+        (row.staleness_mean, row.staleness_p50, row.staleness_p95, row.staleness_max)))
+
+
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:+.1f}%"
 
 
-_SUMMARY_HEADER = ["loss", "delay", "n", "best", "last", "degradation", "best-last", "staleness",
+_SUMMARY_HEADER = ["loss", "delay", "n", "best", "last", "degradation", "best-last", "staleness mean/p50/p95/max",
                    "IS weight var", "KL k3"]
 
 
 def _summary_cells(row: SummaryRow) -> list[str]:
     return [row.loss, row.delay, str(row.n_seeds), _pm(row.best_mean, row.best_std),
             _pm(row.last_mean, row.last_std), _pct(row.degradation_pct), _num(row.gap_mean, ".3f"),
-            _num(row.staleness_mean, ".2f"),
+            _staleness(row),
             _num(row.is_weight_var, ".3g"), _num(row.kl_k3, ".3g")]
 
 
@@ -234,8 +247,9 @@ def _footer(sweep: SweepResults) -> list[str]:
         f"degradation: (last_online - last) / last_online in percent, against the same loss at the online delay "
         f"{sweep.online_delay!r}; positive means worse than online; n/a when that cell is missing or its last "
         "success is 0.",
-        "best-last: mean over seeds of best minus last success. staleness: mean policy versions behind "
-        "(summary staleness_mean). IS weight var, KL k3: mean over the run's steps that ran an update of "
+        "best-last: mean over seeds of best minus last success. staleness: policy versions behind, as measured "
+        "over the groups trained (mean, median, 95th percentile: means over seeds; max: the largest), whatever "
+        "the delay setting's label says (a 'K' delay is a maximum tolerable delay; 'lagK' a fixed staleness). IS weight var, KL k3: mean over the run's steps that ran an update of "
         "is/weight_var and kl/k3 (a step without one, optim/updates 0, has no loss metrics), then over seeds.",
     ]
 
@@ -243,11 +257,11 @@ def _footer(sweep: SweepResults) -> list[str]:
 def compare_table(sweep: SweepResults) -> str:
     """A compact side-by-side table per (task, delay): losses as rows with base, best, last, staleness mean,
     IS weight variance and KL k3 (means over seeds; ± is the population std)."""
-    header = ["loss", "n", "base", "best", "last", "staleness", "IS weight var", "KL k3"]
+    header = ["loss", "n", "base", "best", "last", "staleness mean/p50/p95/max", "IS weight var", "KL k3"]
     blocks = [
         f"{task}, delay {delay}:\n" + format_table(header, [
             [r.loss, r.n_seeds, _num(r.base_mean, ".3f"), _pm(r.best_mean, r.best_std), _pm(r.last_mean, r.last_std),
-             _num(r.staleness_mean, ".2f"), _num(r.is_weight_var, ".3g"), _num(r.kl_k3, ".3g")]
+             _staleness(r), _num(r.is_weight_var, ".3g"), _num(r.kl_k3, ".3g")]
             for r in rows if r.delay == delay])
         for task, rows in summary_rows(sweep).items() for delay in sweep.delays
     ]

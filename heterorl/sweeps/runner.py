@@ -23,6 +23,8 @@ interrupted half-way is run again from the start. ``OUT/report/`` is rewritten a
 Delay presets, with S = seconds_per_step:
 
 ``"0"``         online: sync mode (workers wait for every new version), no delay;
+``"lagK"``      a fixed staleness of K versions (``delay.fixed_lag_steps``, simulated execution): every batch is
+                sampled by the policy exactly K versions old, from the first step (no ramp); "lag0" is on-policy;
 ``"K"`` (int)   max tolerable delay of K steps: async; each version reaches each worker after its own delay,
                 uniform in [0, K·S] s (a worker keeps the newest it has); the learner's window drops data
                 older than K versions;
@@ -89,6 +91,9 @@ def delay_overrides(label: str, seconds_per_step: float) -> dict[str, Any]:
     none = {"delay.up.kind": "none", "delay.down.kind": "none"}
     if label == "0":
         return {"runtime.mode": "sync", **none, "delay.seconds_per_step": seconds_per_step}
+    if label.startswith("lag") and label[3:].isdigit():
+        return {"runtime.mode": "sync", **none, "delay.fixed_lag_steps": int(label[3:]),
+                "delay.seconds_per_step": seconds_per_step}
     if label.isdigit():
         steps = int(label)
         return {"runtime.mode": "async", "buffer.policy": "window", "buffer.max_staleness_steps": steps,
@@ -100,7 +105,7 @@ def delay_overrides(label: str, seconds_per_step: float) -> dict[str, Any]:
         return {"runtime.mode": "async", "buffer.policy": "window", "buffer.max_staleness_steps": window,
                 "delay.up.kind": "none", "delay.down.kind": label, "delay.down.reorder": True,
                 **{f"delay.down.{k}": v for k, v in PAPER_DELAY.items()}, "delay.seconds_per_step": seconds_per_step}
-    raise ConfigError(f"delay {label!r}: not a preset (0, a number of steps, lognormal, weibull); give it as a "
+    raise ConfigError(f"delay {label!r}: not a preset (0, a number of steps, lagK, lognormal, weibull); give it as a "
                       f"mapping {{label: {{dotted.key: value}}}} in `delays` instead")
 
 
@@ -207,7 +212,7 @@ class SweepRunner:
     def write_spec(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         variants = list(dict.fromkeys(c.variant for c in self.cells))
-        online = "0" if "0" in self.delays else None
+        online = next((d for d in ("0", "lag0") if d in self.delays), None)  # the on-policy reference
         (self.out / "sweep.json").write_text(json.dumps({
             "name": self.spec.name, "mode": self.spec.mode, "losses": variants, "delays": list(self.delays),
             "seeds": list(self.spec.seeds), "online_delay": online, "seconds_per_step": self.spec.seconds_per_step,

@@ -74,6 +74,22 @@ def test_staleness_follows_the_weights_delay_and_stays_inside_the_window(tmp_pat
     assert bounded[-1]["buffer/dropped_stale"] > 0 or bounded[-1]["learner/idle_frac"] > 0
 
 
+def test_a_fixed_lag_trains_every_batch_exactly_k_versions_stale_from_the_first_step(tmp_path):
+    runs = {}
+    for k in (0, 3):
+        result, records = simulate(tmp_path, 4, "simulate.step_s=1", f"delay.fixed_lag_steps={k}", name=f"lag{k}")
+        steps = runs[k] = records[1:]
+        assert [(r["staleness/versions_mean"], r["staleness/versions_max"]) for r in steps] == [(k, k)] * 4
+        assert [r["staleness/seconds_mean"] for r in steps] == [float(k)] * 4  # k steps of 1 virtual second
+        assert (result.staleness_mean, result.staleness_p50, result.staleness_p95, result.staleness_max) == (k, k, k, k)
+    # the samples really come from the stamped version: on-policy, the sampler's log-probs are the learner's;
+    # 3 versions back, they differ once the learner has moved (from step 2: step 1 trains the base on the base)
+    on_policy = max(r["kl/k3"] for r in runs[0])
+    same = ("rollout/reward_mean", "loss/policy", "optim/grad_norm", "kl/k3")
+    assert on_policy < 1e-9 and [runs[3][0][m] for m in same] == [runs[0][0][m] for m in same]  # step 1: one base
+    assert all(r["kl/k3"] > 1e-4 for r in runs[3][1:])
+
+
 def test_sync_mode_is_on_policy_and_admission_bounds_staleness(tmp_path):
     _, sync = simulate(tmp_path, 4, "runtime.mode=sync", "delay.down.kind=constant", "delay.down.constant_s=2.5",
                        name="sync")

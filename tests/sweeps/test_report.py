@@ -26,7 +26,8 @@ def _write_cell(root, loss, delay, seed, best, last, *, kl=(0.01, 0.03)):
     cell.mkdir(parents=True)
     summary = {"cell": cell.name, "task": "maze", "loss": loss, "delay": delay, "seed": seed, "mode": "simulated",
                "status": "done", "base_success": BASE, "final_success": last, "best_success": best, "steps": 4,
-               "minutes": 0.1, "staleness_mean": int(delay) / 2 + seed, "staleness_max": int(delay)}
+               "minutes": 0.1, "staleness_mean": int(delay) / 2 + seed, "staleness_max": int(delay),
+               "staleness_p50": int(delay) / 2 + seed, "staleness_p95": 0.9 * int(delay)}
     is_var = 0.1 * (seed + 1)
     records = [{"step": 0, "eval/success": BASE},
                {"step": 1, "is/weight_var": is_var, "kl/k1": 0.5, "kl/k3": kl[0]},
@@ -105,7 +106,7 @@ def test_write_report_writes_tables_plots_and_missing_cells(sweep_dir):
 
     md = summary.read_text(encoding="utf-8")
     assert md.startswith("# Delay sweep `maze-test` (simulated)")
-    assert "| gepo | 8 | 2 | 0.800 ± 0.100 | 0.600 ± 0.000 | +25.0% | 0.200 | 4.50 | 0.25 | 0.02 |" in md
+    assert "| gepo | 8 | 2 | 0.800 ± 0.100 | 0.600 ± 0.000 | +25.0% | 0.200 | 4.50 / 4.5 / 7.2 / 8 | 0.25 | 0.02 |" in md
     assert "- `grpo__d16__s1`: running" in md
     assert "ddof=0" in md and "degradation: (last_online - last) / last_online" in md
     for name in pngs:
@@ -143,8 +144,8 @@ def test_one_delay_sweep_skips_vs_delay_plots_and_lists_absent_cells(tmp_path):
         load_sweep(root, seeds=[5])
     lines = compare_table(sweep).splitlines()
     assert lines[0] == "maze, delay 16:"
-    assert lines[3].split() == ["gepo", "1", "0.400", "0.600", "±", "0.000", "0.500", "±", "0.000", "8.00",
-                                "0.2", "0.02"]
+    assert lines[3].split() == ["gepo", "1", "0.400", "0.600", "±", "0.000", "0.500", "±", "0.000", "8.00", "/",
+                                "8", "/", "14.4", "/", "16", "0.2", "0.02"]
     assert lines[4].split()[:7] == ["grpo", "1", "0.400", "0.500", "±", "0.000", "0.300"]
 
 

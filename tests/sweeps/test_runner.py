@@ -55,6 +55,31 @@ def test_delay_presets_are_the_papers_settings():
         assert paper["buffer.max_staleness_steps"] == math.ceil(1920 / 28.125)
     with pytest.raises(ConfigError, match="not a preset"):
         delay_overrides("soon", 28.125)
+    lag = delay_overrides("lag32", 28.125)
+    assert lag["delay.fixed_lag_steps"] == 32 and lag["delay.down.kind"] == "none"
+
+
+def test_a_fixed_lag_needs_the_simulation_and_no_delays():
+    with pytest.raises(ConfigError, match="runtime.execution=simulated"):
+        load_config(None, ["delay.fixed_lag_steps=4"])
+    with pytest.raises(ConfigError, match="leave `delay.up.kind` and `delay.down.kind` at none"):
+        load_config(None, ["delay.fixed_lag_steps=4", "runtime.execution=simulated", "delay.down.kind=constant"])
+    with pytest.raises(ConfigError, match=">= 0"):
+        load_config(None, ["delay.fixed_lag_steps=-1", "runtime.execution=simulated"])
+
+
+def test_a_miniature_fixed_lag_sweep_measures_exactly_its_lag_at_every_step(tmp_path):
+    path = write_sweep(tmp_path, SWEEP.replace('["0", "4"]', '["lag0", "lag2"]').replace("[gepo, grpo]", "[gepo]"))
+    out = tmp_path / "out"
+    done = run_cli("sweep", str(path), "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    for k in (0, 2):
+        cell = out / "cells" / f"gepo__dlag{k}__s0"
+        steps = [json.loads(line) for line in (cell / "metrics.jsonl").read_text().splitlines()][1:]
+        assert [r["staleness/versions_mean"] for r in steps] == [k, k]  # from the first step: no ramp
+        summary = json.loads((cell / "summary.json").read_text())
+        assert (summary["staleness_p50"], summary["staleness_p95"], summary["staleness_max"]) == (k, k, k)
+    assert json.loads((out / "sweep.json").read_text())["online_delay"] == "lag0"
 
 
 def test_every_cell_resolves_to_a_valid_run_config(tmp_path):
