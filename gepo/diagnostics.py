@@ -5,6 +5,11 @@
                                                    mask; how often the loss intervened is is/clip_frac or
                                                    is/mask_frac
     is/ess                                         effective sample size normalised to [0, 1]: (Σw)² / (N·Σw²)
+    ratio/token_mean, _var, _max                   the token ratio p/q (learner over sampler) of every kept token,
+    ratio/seq_mean, _var, _max, _ess               the sequence ratio Π_t p/q of every row (its log clipped to
+                                                   ±50): the same quantities for
+                                                   every loss, whatever weight it uses (is/* is each loss's own,
+                                                   e.g. GEPO's group weight, GRPO's token ratio), so losses compare
     kl/k1, kl/k3                                   learner↔sampler KL(q‖p) per token, Schulman's estimators
     staleness/mean, staleness/max                  current_version − token version, when versions are given
 
@@ -37,6 +42,24 @@ def weight_metrics(log_weights: torch.Tensor, keep: torch.Tensor) -> dict[str, f
     }
 
 
+SEQ_LOG_RATIO_CLIP = 50.0
+
+
+def ratio_metrics(batch: LossBatch) -> dict[str, float]:
+    """The learner/sampler ratio p/q, per token and per sequence (Π over the row's kept tokens), in the same
+    terms for every loss: mean, variance and max (and the sequence ratio's normalised ESS)."""
+    delta = (batch.token("logprobs") - batch.token("behaviour_logprobs")).detach().double()  # log p − log q
+    delta = torch.where(batch.keep, delta, torch.zeros_like(delta))
+    rows = batch.keep.any(dim=1)
+    token = weight_metrics(delta, batch.keep)
+    # a long row's log ratio can pass ±700, where exp overflows even float64: clipped at ±50, a ratio beyond
+    # e^50 ≈ 5·10^21 reads as e^50 (and its variance stays finite)
+    sequence = weight_metrics(delta.sum(dim=1).clamp(-SEQ_LOG_RATIO_CLIP, SEQ_LOG_RATIO_CLIP), rows)
+    return {**{name.replace("is/weight_", "ratio/token_"): value for name, value in token.items() if name != "is/ess"},
+            **{name.replace("is/weight_", "ratio/seq_").replace("is/ess", "ratio/seq_ess"): value
+               for name, value in sequence.items()}}
+
+
 def kl_metrics(batch: LossBatch) -> dict[str, float]:
     """KL(q‖p) per token on the sampled tokens: k1 = mean(log q − log p); k3 = mean(ρ − 1 − log ρ), ρ = p/q.
 
@@ -64,6 +87,7 @@ def rl_metrics(batch: LossBatch, policy_loss: torch.Tensor, log_weights: torch.T
         "loss/policy": float(policy_loss.detach()),
         **weight_metrics(log_weights, keep),
         **{name: float(value) for name, value in fractions.items()},
+        **ratio_metrics(batch),
         **kl_metrics(batch),
         **staleness_metrics(batch),
     }

@@ -17,6 +17,7 @@ from typing import Sequence
 
 from heterorl.errors import HeteroRLError
 from heterorl.runs import format_table, read_metrics
+from heterorl.sweeps.stats import eval_auc, last_evals_mean, mean_ci, paired_ci
 
 _CELL_KEYS = ("task", "loss", "delay", "seed", "base_success", "best_success", "final_success")
 _PNG_DPI = 110
@@ -91,7 +92,7 @@ class SummaryRow:
     staleness_p50: float | None  # the measured staleness's median, 95th percentile and maximum, over seeds (means;
     staleness_p95: float | None  # the maximum: the largest); None for cells written before they were recorded
     staleness_max: float | None
-    is_weight_var: float | None  # mean over steps of is/weight_var, then over seeds
+    seq_ratio_var: float | None  # mean over steps of ratio/seq_var (the same quantity for every loss), then seeds
     kl_k3: float | None  # mean over steps of kl/k3, then over seeds
 
 
@@ -206,7 +207,7 @@ def _summarise(sweep: SweepResults, task: str, loss: str, delay: str) -> Summary
         staleness_p95=_mean([c.summary.get("staleness_p95") for c in cells]),
         staleness_max=max((c.summary["staleness_max"] for c in cells if c.summary.get("staleness_max") is not None),
                           default=None),
-        is_weight_var=_mean([_metric_mean(c, "is/weight_var") for c in cells]),
+        seq_ratio_var=_mean([_metric_mean(c, "ratio/seq_var") for c in cells]),
         kl_k3=_mean([_metric_mean(c, "kl/k3") for c in cells]),
     )
 
@@ -230,14 +231,14 @@ def _pct(value: float | None) -> str:
 
 
 _SUMMARY_HEADER = ["loss", "delay", "n", "best", "last", "degradation", "best-last", "staleness mean/p50/p95/max",
-                   "IS weight var", "KL k3"]
+                   "p/q seq var", "KL k3"]
 
 
 def _summary_cells(row: SummaryRow) -> list[str]:
     return [row.loss, row.delay, str(row.n_seeds), _pm(row.best_mean, row.best_std),
             _pm(row.last_mean, row.last_std), _pct(row.degradation_pct), _num(row.gap_mean, ".3f"),
             _staleness(row),
-            _num(row.is_weight_var, ".3g"), _num(row.kl_k3, ".3g")]
+            _num(row.seq_ratio_var, ".3g"), _num(row.kl_k3, ".3g")]
 
 
 def _footer(sweep: SweepResults) -> list[str]:
@@ -249,19 +250,21 @@ def _footer(sweep: SweepResults) -> list[str]:
         "success is 0.",
         "best-last: mean over seeds of best minus last success. staleness: policy versions behind, as measured "
         "over the groups trained (mean, median, 95th percentile: means over seeds; max: the largest), whatever "
-        "the delay setting's label says (a 'K' delay is a maximum tolerable delay; 'lagK' a fixed staleness). IS weight var, KL k3: mean over the run's steps that ran an update of "
-        "is/weight_var and kl/k3 (a step without one, optim/updates 0, has no loss metrics), then over seeds.",
+        "the delay setting's label says (a 'K' delay is a maximum tolerable delay; 'lagK' a fixed staleness). "
+        "p/q seq var, KL k3: mean over the run's steps that ran an update of ratio/seq_var (the variance of the "
+        "sequence ratio learner/sampler, the same quantity for every loss; each loss's own weight is is/weight_*) "
+        "and kl/k3 (a step without one, optim/updates 0, has no loss metrics), then over seeds.",
     ]
 
 
 def compare_table(sweep: SweepResults) -> str:
     """A compact side-by-side table per (task, delay): losses as rows with base, best, last, staleness mean,
-    IS weight variance and KL k3 (means over seeds; ± is the population std)."""
-    header = ["loss", "n", "base", "best", "last", "staleness mean/p50/p95/max", "IS weight var", "KL k3"]
+    sequence-ratio variance and KL k3 (means over seeds; ± is the population std)."""
+    header = ["loss", "n", "base", "best", "last", "staleness mean/p50/p95/max", "p/q seq var", "KL k3"]
     blocks = [
         f"{task}, delay {delay}:\n" + format_table(header, [
             [r.loss, r.n_seeds, _num(r.base_mean, ".3f"), _pm(r.best_mean, r.best_std), _pm(r.last_mean, r.last_std),
-             _staleness(r), _num(r.is_weight_var, ".3g"), _num(r.kl_k3, ".3g")]
+             _staleness(r), _num(r.seq_ratio_var, ".3g"), _num(r.kl_k3, ".3g")]
             for r in rows if r.delay == delay])
         for task, rows in summary_rows(sweep).items() for delay in sweep.delays
     ]
@@ -289,6 +292,7 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None,
 # the per-step metrics worth keeping with a report (the cells' own metrics.jsonl hold everything)
 EXPORTED = ("eval/success", "rollout/reward_mean", "rollout/completion_len", "loss/policy", "is/weight_mean",
             "is/weight_var", "is/weight_var_qweighted", "is/weight_max", "is/ess", "is/clip_frac", "is/mask_frac",
+            "ratio/seq_mean", "ratio/seq_var", "ratio/seq_max", "ratio/seq_ess", "ratio/token_var",
             "kl/k1", "kl/k3", "staleness/versions_mean", "staleness/versions_max", "staleness/seconds_mean",
             "optim/grad_norm", "learner/idle_frac", "buffer/dropped_stale", "sim/time_s")
 
@@ -330,10 +334,55 @@ def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str
     return "\n".join([line(header), line(["---"] * len(header)), *map(line, rows)])
 
 
+LAST_EVALS = 3  # the evals a run's last score averages
+_CI_HEADER = ["loss", "delay", "n", f"last {LAST_EVALS} evals [95% CI]", "AUC [95% CI]",
+              "vs same loss online [95% CI]", "vs grpo same delay [95% CI]"]
+
+
+def confidence_rows(sweep: SweepResults, task: str) -> list[list[str]]:
+    """Per (loss, delay) of ``task``: the mean over seeds of each run's last-`LAST_EVALS` eval mean and of its
+    eval AUC, with t intervals; and the paired difference of the last-evals score (same seeds) against the same
+    loss at the online delay and against grpo at the same delay ("—" where that reference is the row itself or
+    has no common seed)."""
+    def scores(loss: str, delay: str, score) -> dict[int, float]:
+        return {c.summary["seed"]: score(c.summary["history"]) for c in sweep.finished(task, loss, delay)
+                if len(c.summary.get("history", [])) > 1}
+
+    def last(history):
+        return last_evals_mean(history, LAST_EVALS)
+
+    def versus(mine: dict, loss: str, delay: str | None) -> str:
+        other = scores(loss, delay, last) if delay is not None else {}
+        return str(paired_ci(mine, other)) if set(mine) & set(other) else "—"
+
+    rows = []
+    for loss in sweep.losses:
+        for delay in sweep.delays:
+            mine = scores(loss, delay, last)
+            if not mine:
+                continue
+            online = sweep.online_delay if delay != sweep.online_delay else None
+            rows.append([loss, delay, str(len(mine)), str(mean_ci(list(mine.values()))),
+                         str(mean_ci(list(scores(loss, delay, eval_auc).values()))), versus(mine, loss, online),
+                         versus(mine, "grpo", delay) if loss != "grpo" else "—"])
+    return rows
+
+
+def _confidence_footer() -> str:
+    return (f"last {LAST_EVALS} evals: each run's mean held-out success over its last {LAST_EVALS} evaluations; AUC: "
+            "the area under its eval curve over the steps it spans (its mean success). Mean over seeds with a 95 % "
+            "Student-t interval; \"vs\": the paired difference of the last-evals score on the seeds both settings "
+            "ran (positive: this row is higher); an interval that excludes 0 decides the comparison at 95 %.")
+
+
 def _markdown_report(sweep: SweepResults, rows: dict[str, list[SummaryRow]], plots: list[Path]) -> str:
     parts = [f"# Delay sweep `{sweep.name}` ({sweep.mode})", "", _spec_line(sweep), ""]
     for task, task_rows in rows.items():
         parts += [f"## Task `{task}`", "", _markdown_table(_SUMMARY_HEADER, map(_summary_cells, task_rows)), ""]
+        confidence = confidence_rows(sweep, task)
+        if confidence:
+            parts += ["### Scores with 95 % confidence intervals", "", _markdown_table(_CI_HEADER, confidence), "",
+                      _confidence_footer(), ""]
     if not rows:
         parts += ["No finished cells yet.", ""]
     parts += [*(f"- {line}" for line in _footer(sweep)), "", "## Missing or unfinished cells", ""]
@@ -423,8 +472,8 @@ def _plot_final_vs_delay(sweep: SweepResults, task: str, rows: list[SummaryRow],
 
 def _plot_drift_vs_delay(sweep: SweepResults, task: str, rows: list[SummaryRow], path: Path) -> Path:
     fig, (ax_var, ax_kl) = _pyplot().subplots(1, 2, figsize=(11, 4))
-    _lines_vs_delay(ax_var, sweep, rows, "is_weight_var")
-    ax_var.set(title=f"{task}: importance-weight variance", ylabel="mean is/weight_var (symlog)")
+    _lines_vs_delay(ax_var, sweep, rows, "seq_ratio_var")
+    ax_var.set(title=f"{task}: variance of the sequence ratio p/q", ylabel="mean ratio/seq_var (symlog)")
     _lines_vs_delay(ax_kl, sweep, rows, "kl_k3")
     ax_kl.set(title=f"{task}: KL estimate (k3)", ylabel="mean kl/k3 (symlog)")
     for ax in (ax_var, ax_kl):  # the losses' drift spans orders of magnitude; 0 (on-policy) stays visible

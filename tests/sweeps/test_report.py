@@ -4,7 +4,14 @@ import math
 import pytest
 
 from heterorl.errors import HeteroRLError
-from heterorl.sweeps.report import compare_table, load_sweep, log_report_to_wandb, summary_rows, write_report
+from heterorl.sweeps.report import (
+    compare_table,
+    confidence_rows,
+    load_sweep,
+    log_report_to_wandb,
+    summary_rows,
+    write_report,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BASE = 0.4
@@ -27,11 +34,13 @@ def _write_cell(root, loss, delay, seed, best, last, *, kl=(0.01, 0.03)):
     summary = {"cell": cell.name, "task": "maze", "loss": loss, "delay": delay, "seed": seed, "mode": "simulated",
                "status": "done", "base_success": BASE, "final_success": last, "best_success": best, "steps": 4,
                "minutes": 0.1, "staleness_mean": int(delay) / 2 + seed, "staleness_max": int(delay),
-               "staleness_p50": int(delay) / 2 + seed, "staleness_p95": 0.9 * int(delay)}
+               "staleness_p50": int(delay) / 2 + seed, "staleness_p95": 0.9 * int(delay),
+               "history": [{"step": 0, "eval/success": BASE}, {"step": 2, "eval/success": best},
+                           {"step": 4, "eval/success": last}]}
     is_var = 0.1 * (seed + 1)
     records = [{"step": 0, "eval/success": BASE},
-               {"step": 1, "is/weight_var": is_var, "kl/k1": 0.5, "kl/k3": kl[0]},
-               {"step": 2, "eval/success": best, "is/weight_var": is_var + 0.2, "kl/k3": kl[1]},
+               {"step": 1, "ratio/seq_var": is_var, "kl/k1": 0.5, "kl/k3": kl[0]},
+               {"step": 2, "eval/success": best, "ratio/seq_var": is_var + 0.2, "kl/k3": kl[1]},
                {"step": 3, "rollout/reward_mean": 0.5},
                {"step": 4, "eval/success": last, **({"kl/k3": kl[2]} if len(kl) > 2 else {})}]
     (cell / "summary.json").write_text(json.dumps(summary))
@@ -77,7 +86,7 @@ def test_summary_rows_are_the_seed_statistics(sweep_dir):
     assert d8.degradation_pct == pytest.approx(25.0)
     assert d8.gap_mean == pytest.approx(0.2)
     assert d8.staleness_mean == pytest.approx(4.5)
-    assert d8.is_weight_var == pytest.approx(0.25)  # seeds' step means 0.2 and 0.3
+    assert d8.seq_ratio_var == pytest.approx(0.25)  # seeds' step means 0.2 and 0.3
     assert d8.kl_k3 == pytest.approx(0.02)
     assert rows["gepo", "16"].degradation_pct == pytest.approx(50.0)
     assert rows["gepo", "16"].gap_mean == pytest.approx(0.1)
@@ -121,7 +130,7 @@ def test_write_report_writes_tables_plots_and_missing_cells(sweep_dir):
     assert len(exported) == 5 * finished  # every logged step of every finished cell, nothing of the running one
     first = next(r for r in exported if r["cell"] == "gepo__d8__s1" and r["step"] == 1)
     assert first == {"cell": "gepo__d8__s1", "task": "maze", "loss": "gepo", "delay": "8", "seed": 1, "step": 1,
-                     "is/weight_var": 0.2, "kl/k1": 0.5, "kl/k3": 0.01}
+                     "ratio/seq_var": 0.2, "kl/k1": 0.5, "kl/k3": 0.01}
 
 
 def test_one_delay_sweep_skips_vs_delay_plots_and_lists_absent_cells(tmp_path):
@@ -161,3 +170,16 @@ def test_wandb_report_is_an_offline_run_in_the_sweep_group(sweep_dir):
     log_report_to_wandb(sweep_dir, project="heterorl-test", mode="offline")
     runs = list((sweep_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+def test_confidence_rows_by_hand(sweep_dir):
+    rows = {(r[0], r[1]): r[2:] for r in confidence_rows(load_sweep(sweep_dir), "maze")}
+    # gepo at 8: last-evals scores (0.7+0.6)/2 = 0.65 and (0.9+0.6)/2 = 0.75 -> 0.70 ± t(0.975,1)·0.05 = 0.6353;
+    # AUCs (1.1+1.3)/4 = 0.6 and (1.3+1.5)/4 = 0.7; against gepo online (0.75, 0.90): -0.10, -0.15 -> -0.125 ±
+    # 12.706·0.025; against grpo at 8 (0.45, 0.25): +0.20, +0.50 -> 0.35 ± 12.706·0.15
+    assert rows["gepo", "8"] == ["2", "0.700 [0.065, 1.335]", "0.650 [0.015, 1.285]", "-0.125 [-0.443, 0.193]",
+                                 "0.350 [-1.556, 2.256]"]
+    assert rows["gepo", "0"][3] == "—" and rows["grpo", "8"][4] == "—"  # the row is its own reference
+    assert rows["grpo", "16"][:2] == ["1", "0.150 (n=1, no CI)"]  # one finished seed: no interval
+    md = write_report(sweep_dir).read_text()
+    assert "### Scores with 95 % confidence intervals" in md and "| gepo | 8 | 2 | 0.700 [0.065, 1.335] |" in md
