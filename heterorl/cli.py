@@ -14,7 +14,7 @@
     heterorl rollout --connect ADDR     one rollout worker (on any machine that reaches the learner)
     heterorl sweep SWEEP.yaml [k=v..]   a delay sweep: losses x delays x seeds, resumable, K cells at once
     heterorl report SWEEP_DIR           tables, plots and a Markdown summary of a sweep
-    heterorl compare --losses gepo,grpo --delay 16   a quick side-by-side at one delay
+    heterorl compare --losses gepo,grpo --delay lag16 --seeds 0,1,2   losses side by side, online and at a delay
 
 Every training command takes a YAML file (--config), dotted overrides
 (``loss.name=grpo rollout.temperature=0.7``) and --dry-run (print the resolved
@@ -403,6 +403,7 @@ def _list_cells(sweep) -> int:
         print(cell.name, " ".join(f"{k}={v}" for k, v in cell.overrides.items() if not k.startswith("logging.")))
     for cell in sweep.cells:
         sweep.resolve(cell)
+    print(f"{len(sweep.cells)} runs; every config resolves")
     return 0
 
 
@@ -418,24 +419,29 @@ def cmd_report(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from heterorl.sweeps.report import compare_table, load_sweep
+    from heterorl.sweeps.report import compare_table, confidence_table, load_sweep
     from heterorl.sweeps.runner import SweepRunner, SweepSpec
 
     config = _config_path(args.config)
     losses = [x for x in args.losses.split(",") if x]
     name = f"compare-{'-'.join(losses)}-d{args.delay}"
+    online = "lag0" if args.delay.startswith("lag") else "0"  # the on-policy reference, by the same mechanism
+    delays = [args.delay] if args.delay == online or args.no_online else [online, args.delay]
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         raise HeteroRLError(f"override {bad[0]!r} is not of the form key=value (e.g. rl.steps=30)")
     spec = SweepSpec(name=name, config=str(config.resolve()), mode=args.mode, parallel=args.parallel,
-                     losses=losses, delays=[args.delay], seeds=args.seeds,
+                     losses=losses, delays=delays, seeds=args.seeds,
                      overrides=dict(o.split("=", 1) for o in args.overrides))
     sweep = SweepRunner(None, spec=spec, out=args.out or Path("runs") / "compare" / name)
     if args.dry_run:
         return _list_cells(sweep)
     failed = sweep.run()
+    results = load_sweep(sweep.out)
     print()
-    print(compare_table(load_sweep(sweep.out)))
+    print(compare_table(results))
+    print()
+    print(confidence_table(results))
     return _finish_sweep(sweep, failed)
 
 
@@ -498,9 +504,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wandb-project", help="also log the table to wandb, grouped by the sweep's name")
     p.add_argument("--wandb-mode", default="offline", choices=["offline", "online"])
     p.set_defaults(fn=cmd_report)
-    p = sub.add_parser("compare", help="two or more losses side by side at one delay: one table, one plot")
+    p = sub.add_parser("compare", help="two or more losses side by side, online and at one delay or fixed lag: "
+                       "tables with 95%% confidence intervals over seeds, and plots")
     p.add_argument("--losses", default="gepo,grpo", help="comma-separated losses or presets (default: gepo,grpo)")
-    p.add_argument("--delay", default="16", help="a delay preset: 0 (online), steps (8, 16, ...), lognormal, weibull")
+    p.add_argument("--delay", default="16", help="a delay preset: 0 (online), steps (a maximum tolerable delay: "
+                   "8, 16, ...), lagK (a fixed staleness of K versions), lognormal, weibull; runs next to the "
+                   "online reference (0, or lag0 for a lag)")
+    p.add_argument("--no-online", action="store_true", help="run the given delay only, without the online reference")
     p.add_argument("--config", default=DEMO_CONFIG, help=f"base run config (default: the packaged {DEMO_CONFIG})")
     p.add_argument("--seeds", type=_seed_list, default=[0], help="comma-separated seeds (default: 0)")
     p.add_argument("--mode", default="simulated", choices=["simulated", "live"])

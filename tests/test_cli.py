@@ -132,8 +132,10 @@ def test_compare_dry_run_lists_the_runs_and_checks_their_configs(tmp_path):
     out = run_cli("compare", "--losses", "gepo,grpo", "--delay", "32", "--seeds", "0,1", "--dry-run",
                   "--out", str(tmp_path / "cmp"))
     assert out.returncode == 0, out.stderr
-    names = [line.split()[0] for line in out.stdout.splitlines()]
-    assert names == ["gepo__d32__s0", "grpo__d32__s0", "gepo__d32__s1", "grpo__d32__s1"]
+    names = [line.split()[0] for line in out.stdout.splitlines() if "__d" in line]
+    assert names == [f"{loss}__d{delay}__s{seed}" for seed in (0, 1) for delay in ("0", "32")
+                     for loss in ("gepo", "grpo")]
+    assert out.stdout.splitlines()[-1] == "8 runs; every config resolves"  # online next to the delay
     assert not (tmp_path / "cmp").exists()
     out = run_cli("compare", "--dry-run", "rl.stepz=3", "--out", str(tmp_path / "cmp"))
     assert out.returncode == 2 and "`rl.stepz`" in out.stderr

@@ -368,6 +368,13 @@ def confidence_rows(sweep: SweepResults, task: str) -> list[list[str]]:
     return rows
 
 
+def confidence_table(sweep: SweepResults) -> str:
+    """`confidence_rows` of every task as text tables, with what they mean."""
+    blocks = [f"{task}, scores with 95 % confidence intervals:\n" + format_table(_CI_HEADER, rows)
+              for task in summary_rows(sweep) for rows in [confidence_rows(sweep, task)] if rows]
+    return "\n\n".join(blocks + [_confidence_footer()]) if blocks else "no finished cells with evaluations"
+
+
 def _confidence_footer() -> str:
     return (f"last {LAST_EVALS} evals: each run's mean held-out success over its last {LAST_EVALS} evaluations; AUC: "
             "the area under its eval curve over the steps it spans (its mean success). Mean over seeds with a 95 % "

@@ -19,7 +19,8 @@ def test_ratio_metrics_by_hand():
     # tokens [2, 1, 1]: mean 4/3, variance ((2/3)² + 2·(1/3)²)/3 = 2/9; sequences [2, 1]: mean 1.5, var 0.25,
     # ESS (2 + 1)² / (2 · (4 + 1)) = 0.9
     assert m == pytest.approx({"ratio/token_mean": 4 / 3, "ratio/token_var": 2 / 9, "ratio/token_max": 2.0,
-                               "ratio/seq_mean": 1.5, "ratio/seq_var": 0.25, "ratio/seq_max": 2.0, "ratio/seq_ess": 0.9})
+                               "ratio/seq_mean": 1.5, "ratio/seq_var": 0.25, "ratio/seq_max": 2.0,
+                               "ratio/seq_ess": 0.9})
 
 
 @pytest.mark.parametrize("name", [n for n in gepo.loss_names() if n not in ("cross_entropy",)])

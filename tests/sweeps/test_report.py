@@ -115,7 +115,8 @@ def test_write_report_writes_tables_plots_and_missing_cells(sweep_dir):
 
     md = summary.read_text(encoding="utf-8")
     assert md.startswith("# Delay sweep `maze-test` (simulated)")
-    assert "| gepo | 8 | 2 | 0.800 ± 0.100 | 0.600 ± 0.000 | +25.0% | 0.200 | 4.50 / 4.5 / 7.2 / 8 | 0.25 | 0.02 |" in md
+    assert ("| gepo | 8 | 2 | 0.800 ± 0.100 | 0.600 ± 0.000 | +25.0% | 0.200 | 4.50 / 4.5 / 7.2 / 8 | 0.25 | 0.02 |"
+            in md)
     assert "- `grpo__d16__s1`: running" in md
     assert "ddof=0" in md and "degradation: (last_online - last) / last_online" in md
     for name in pngs:

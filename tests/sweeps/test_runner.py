@@ -151,16 +151,23 @@ def test_a_failing_cell_is_reported_and_the_others_finish(tmp_path):
 
 
 @pytest.mark.slow
-def test_compare_puts_losses_side_by_side_at_one_delay(tmp_path):
+def test_compare_puts_losses_side_by_side_online_and_at_one_delay(tmp_path):
     (tmp_path / "run.yaml").write_text(RUN)
     result = run_cli("compare", "--losses", "gepo,grpo", "--delay", "4", "--config", str(tmp_path / "run.yaml"),
-                      "--out", str(tmp_path / "cmp"), "--parallel", "2")
+                      "--out", str(tmp_path / "cmp"), "--parallel", "2", "--seeds", "0,1")
     assert result.returncode == 0, result.stdout + result.stderr
     table = result.stdout[result.stdout.index("loss"):]
-    assert "gepo" in table and "grpo" in table
+    assert "gepo" in table and "grpo" in table and "scores with 95 % confidence intervals" in table
+    assert "vs same loss online [95% CI]" in table and "[" in table.split("vs grpo same delay")[1]
+    assert sorted(p.name for p in (tmp_path / "cmp" / "cells").iterdir()) == [
+        f"{loss}__d{delay}__s{seed}" for loss in ("gepo", "grpo") for delay in ("0", "4") for seed in (0, 1)]
     assert (tmp_path / "cmp" / "report" / "success_vs_step_maze_4.png").is_file()
     cfg = load_config(tmp_path / "cmp" / "cells" / "gepo__d4__s0" / "cell_config.yaml")
     assert cfg.delay.down.kind == "uniform" and cfg.runtime.mode == "async"
+    lag = run_cli("compare", "--delay", "lag8", "--config", str(tmp_path / "run.yaml"), "--seeds", "0,1,2",
+                  "--out", str(tmp_path / "lag"), "--dry-run")
+    assert lag.returncode == 0 and lag.stdout.splitlines()[-1] == "12 runs; every config resolves", lag.stdout
+    assert "gepo__dlag0__s0" in lag.stdout  # a lag's online reference is lag 0
 
 
 @pytest.mark.slow
