@@ -7,6 +7,7 @@
     heterorl bench losses               forward+backward time of every gepo loss, relative to grpo
     heterorl bench transport            trajectories and weights over ZeroMQ vs raw pyzmq
     heterorl bench async                samples/s of the same run in sync and in async mode
+    heterorl bench simulate             staleness of one run live and simulated with its measured timings
     heterorl keys --name NAME [--out D] a CurveZMQ key pair for a learner or a remote worker
     heterorl keys revoke --name NAME --allow-keys D   refuse a worker's key (no restart)
     heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async)
@@ -235,6 +236,10 @@ def cmd_bench(args) -> int:
         from heterorl.bench.transport import main as bench_transport
 
         return bench_transport(args.rest)
+    if args.what == "simulate":
+        from heterorl.bench.simulation import main as bench_simulate
+
+        return bench_simulate(args.rest)
     raise HeteroRLError(f"unknown benchmark {args.what!r}")
 
 
@@ -459,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, RL_CONFIG)
     p.set_defaults(fn=cmd_rl)
     p = sub.add_parser("bench", help="benchmarks that print ratios measured in one run")
-    p.add_argument("what", choices=["engine", "losses", "transport", "async"])
+    p.add_argument("what", choices=["engine", "losses", "transport", "async", "simulate"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see --help after its name)")
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("train", help="learner + rollout workers as separate processes on this machine "

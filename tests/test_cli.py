@@ -22,7 +22,7 @@ def test_dry_run_prints_the_resolved_config():
     out = run_cli("demo", "--dry-run", "loss.name=grpo", "rollout.temperature=0.7")
     assert out.returncode == 0, out.stderr
     assert "name: grpo" in out.stdout and "temperature: 0.7" in out.stdout
-    assert "maze" in out.stdout
+    assert "name: arithmetic" in out.stdout and "answer_format: digits" in out.stdout  # the demo: add3
 
 
 @pytest.mark.parametrize("args, message", [
@@ -79,7 +79,8 @@ def test_a_missing_config_names_the_packaged_ones_and_a_packaged_name_still_work
     out = run_cli("sft", "--config", "my_run.yaml", cwd=tmp_path)
     assert out.returncode == 2 and "reinstall" not in out.stderr
     assert f"my_run.yaml does not exist here ({tmp_path})" in out.stderr
-    assert "packaged configs: demo.yaml, maze4_rl.yaml, maze4_sft.yaml, maze_rl.yaml, maze_sft.yaml" in out.stderr
+    assert ("packaged configs: add3_rl.yaml, add3_sft.yaml, demo.yaml, maze4_rl.yaml, maze4_sft.yaml, maze_rl.yaml, "
+            "maze_sft.yaml") in out.stderr
     out = run_cli("rl", "--config", "maze4_rl.yaml", "--dry-run", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert yaml.safe_load(out.stdout)["rl"]["base"] == "maze4-sft-base"

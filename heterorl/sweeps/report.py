@@ -17,7 +17,8 @@ from typing import Sequence
 
 from heterorl.errors import HeteroRLError
 from heterorl.runs import format_table, read_metrics
-from heterorl.sweeps.stats import eval_auc, last_evals_mean, mean_ci, paired_ci
+from heterorl.sweeps.claims import paper_claims, run_metric
+from heterorl.sweeps.stats import LAST_EVALS, eval_auc, last_evals_mean, mean_ci, paired_ci
 
 _CELL_KEYS = ("task", "loss", "delay", "seed", "base_success", "best_success", "final_success")
 _PNG_DPI = 110
@@ -178,10 +179,6 @@ def _finite(values: Sequence[object]) -> list[float]:
     return [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
 
 
-def _metric_mean(cell: CellResult, key: str) -> float | None:
-    return _mean([record.get(key) for record in cell.metrics])
-
-
 def summary_rows(sweep: SweepResults) -> dict[str, list[SummaryRow]]:
     """``{task: rows}``, one row per (loss, delay) in spec order (losses outer), including rows with no
     finished seed. Means and population stds (ddof=0) are over finished seeds; NaN values are skipped."""
@@ -207,8 +204,8 @@ def _summarise(sweep: SweepResults, task: str, loss: str, delay: str) -> Summary
         staleness_p95=_mean([c.summary.get("staleness_p95") for c in cells]),
         staleness_max=max((c.summary["staleness_max"] for c in cells if c.summary.get("staleness_max") is not None),
                           default=None),
-        seq_ratio_var=_mean([_metric_mean(c, "ratio/seq_var") for c in cells]),
-        kl_k3=_mean([_metric_mean(c, "kl/k3") for c in cells]),
+        seq_ratio_var=_mean([run_metric(c, "ratio/seq_var") for c in cells]),
+        kl_k3=_mean([run_metric(c, "kl/k3") for c in cells]),
     )
 
 
@@ -324,8 +321,11 @@ def _text_report(sweep: SweepResults, rows: dict[str, list[SummaryRow]]) -> str:
     tables = [f"task {task}:\n" + format_table(_SUMMARY_HEADER, [_summary_cells(r) for r in task_rows])
               for task, task_rows in rows.items()]
     missing = [f"  {name}: {status}" for name, status in sweep.missing()]
+    claims = [f"task {task}, the paper's claims:\n" + "\n".join(f"  {c.sentence().replace('**', '')}"
+                                                              for c in paper_claims(sweep, task))
+              for task in rows]
     return "\n".join([f"sweep {sweep.name} ({sweep.mode}): {_spec_line(sweep)}", "",
-                      "\n\n".join(tables) or "no finished cells", "", *_footer(sweep), "",
+                      "\n\n".join(tables) or "no finished cells", "", *_footer(sweep), "", *claims, "",
                       f"missing or unfinished cells: {len(missing)}", *missing]) + "\n"
 
 
@@ -334,7 +334,6 @@ def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str
     return "\n".join([line(header), line(["---"] * len(header)), *map(line, rows)])
 
 
-LAST_EVALS = 3  # the evals a run's last score averages
 _CI_HEADER = ["loss", "delay", "n", f"last {LAST_EVALS} evals [95% CI]", "AUC [95% CI]",
               "vs same loss online [95% CI]", "vs grpo same delay [95% CI]"]
 
@@ -389,13 +388,18 @@ def _markdown_report(sweep: SweepResults, rows: dict[str, list[SummaryRow]], plo
         confidence = confidence_rows(sweep, task)
         if confidence:
             parts += ["### Scores with 95 % confidence intervals", "", _markdown_table(_CI_HEADER, confidence), "",
-                      _confidence_footer(), ""]
+                      _confidence_footer(), "", "### The paper's claims", "",
+                      *(f"- {claim.sentence()}" for claim in paper_claims(sweep, task)), "", _CLAIMS_FOOTER, ""]
     if not rows:
         parts += ["No finished cells yet.", ""]
     parts += [*(f"- {line}" for line in _footer(sweep)), "", "## Missing or unfinished cells", ""]
     parts += [f"- `{name}`: {status}" for name, status in sweep.missing()] or ["None."]
     parts += ["", "## Plots", "", *(f"- [{p.stem}]({p.name})" for p in plots)]
     return "\n".join(parts) + "\n"
+
+
+_CLAIMS_FOOTER = ("Each claim is checked with paired 95 % intervals over the seeds both settings ran "
+                  "(heterorl/sweeps/claims.py says how each verdict is reached).")
 
 
 def _slug(label: str) -> str:
@@ -428,10 +432,11 @@ def _save(fig, path: Path) -> Path:
 
 
 def _eval_points(cells: list[CellResult]) -> dict[int, list[float]]:
-    """``{step: [eval success of each seed that evaluated at that step]}``."""
+    """``{step: [eval success of each seed that evaluated at that step]}``, from each run's eval history (its
+    summary), else its metrics."""
     points: dict[int, list[float]] = {}
     for cell in cells:
-        for record in cell.metrics:
+        for record in cell.summary.get("history") or cell.metrics:
             if _finite([record.get("eval/success")]):
                 points.setdefault(int(record["step"]), []).append(float(record["eval/success"]))
     return points
@@ -449,7 +454,10 @@ def _plot_success_vs_step(sweep: SweepResults, task: str, delay: str, path: Path
                           label=f"{loss} (n={len(cells)})")
         ax.fill_between(steps, [min(v) for _, v in points], [max(v) for _, v in points],
                         color=line.get_color(), alpha=0.2)
-    ax.set(title=f"{task}, delay {delay}: eval success (mean, min-max over seeds)", xlabel="learner step",
+    measured = _mean([c.summary.get("staleness_mean") for loss in sweep.losses
+                      for c in sweep.finished(task, loss, delay)])
+    ax.set(title=f"{task}, delay {delay} (measured staleness {_num(measured, '.1f')})\n"
+                 "held-out success: mean, min-max over seeds", xlabel="learner step",
            ylabel="held-out greedy success", ylim=(0, 1))
     ax.grid(alpha=0.3)
     ax.legend()
@@ -463,16 +471,18 @@ def _lines_vs_delay(ax, sweep: SweepResults, rows: list[SummaryRow], value: str,
         if points:
             xs, ys, errs = zip(*points)
             ax.errorbar(xs, ys, yerr=errs if error else None, marker="o", markersize=4, capsize=3, label=loss)
-    ax.set_xticks(range(len(sweep.delays)), sweep.delays)
-    ax.set_xlabel("delay")
+    measured = {d: _mean([r.staleness_mean for r in rows if r.delay == d]) for d in sweep.delays}
+    ax.set_xticks(range(len(sweep.delays)), [f"{d}\n{_num(measured[d], '.1f')}" for d in sweep.delays])
+    ax.set_xlabel("delay setting / measured mean staleness (versions)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
 
 
 def _plot_final_vs_delay(sweep: SweepResults, task: str, rows: list[SummaryRow], path: Path) -> Path:
     fig, ax = _pyplot().subplots(figsize=(6, 4))
     _lines_vs_delay(ax, sweep, rows, "last_mean", "last_std")
-    ax.set(title=f"{task}: last eval success vs delay (± std over seeds)", ylabel="held-out greedy success",
+    ax.set(title=f"{task}: last eval success vs delay\n(mean ± std over seeds)", ylabel="held-out greedy success",
            ylim=(0, 1))
     return _save(fig, path)
 
@@ -480,9 +490,9 @@ def _plot_final_vs_delay(sweep: SweepResults, task: str, rows: list[SummaryRow],
 def _plot_drift_vs_delay(sweep: SweepResults, task: str, rows: list[SummaryRow], path: Path) -> Path:
     fig, (ax_var, ax_kl) = _pyplot().subplots(1, 2, figsize=(11, 4))
     _lines_vs_delay(ax_var, sweep, rows, "seq_ratio_var")
-    ax_var.set(title=f"{task}: variance of the sequence ratio p/q", ylabel="mean ratio/seq_var (symlog)")
+    ax_var.set(title=f"{task}: variance of the\nsequence ratio p/q", ylabel="mean ratio/seq_var (symlog)")
     _lines_vs_delay(ax_kl, sweep, rows, "kl_k3")
-    ax_kl.set(title=f"{task}: KL estimate (k3)", ylabel="mean kl/k3 (symlog)")
+    ax_kl.set(title=f"{task}: KL estimate (k3)\nlearner vs sampler", ylabel="mean kl/k3 (symlog)")
     for ax in (ax_var, ax_kl):  # the losses' drift spans orders of magnitude; 0 (on-policy) stays visible
         ax.set_yscale("symlog", linthresh=1e-3)
         ax.set_ylim(bottom=0)

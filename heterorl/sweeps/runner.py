@@ -56,6 +56,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from heterorl.errors import ConfigError, HeteroRLError
 from heterorl.files import write_atomically
+from heterorl.runs import read_metrics
 from heterorl.sweeps.report import cell_name
 
 # A loss preset is the loss with its published defaults; "tis" is GRPO with truncated importance sampling.
@@ -290,7 +291,8 @@ class SweepRunner:
                 "delay": cell.delay, "seed": cell.seed, "mode": self.spec.mode, "config_sha": digest,
                 "swept": cell.extra}
         if code == 0 and path.is_file():
-            summary = {**json.loads(path.read_text()), **meta, "status": "done"}
+            summary = {**json.loads(path.read_text()), **meta, "status": "done",
+                       "metric_means": metric_means(folder / "metrics.jsonl")}
         else:
             tail = (folder / "log.txt").read_text(errors="replace").splitlines()[-20:]
             summary = {**meta, "status": "failed", "exit_code": code, "log_tail": tail}
@@ -305,6 +307,22 @@ class SweepRunner:
         return (f"[{finished}/{total}] {cell.name}: success {s['base_success']:.3f} -> {s['final_success']:.3f} "
                 f"(best {s['best_success']:.3f}), staleness {s['staleness_mean']:.1f} (max {s['staleness_max']}), "
                 f"{seconds:.0f} s")
+
+
+# the per-step metrics a finished cell's summary keeps the run's mean of, so that a sweep's claims and drift
+# columns rebuild from the summaries alone (a cell's metrics.jsonl may stay on the machine that ran it)
+SUMMARISED = ("ratio/seq_var", "ratio/seq_ess", "ratio/token_var", "is/weight_var", "is/clip_frac", "kl/k3")
+
+
+def metric_means(path: Path) -> dict[str, float]:
+    """{metric: its mean over the steps of ``path`` that logged it}, for the `SUMMARISED` metrics."""
+    records = read_metrics(path) if path.is_file() else []
+    means = {}
+    for key in SUMMARISED:
+        values = [r[key] for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        if values:
+            means[key] = sum(values) / len(values)
+    return means
 
 
 def _yaml(value: Any) -> str:

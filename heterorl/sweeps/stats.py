@@ -88,7 +88,10 @@ def paired_ci(a: Mapping[int, float], b: Mapping[int, float], level: float = 0.9
     return mean_ci([a[s] - b[s] for s in seeds], level)
 
 
-def last_evals_mean(history: Sequence[Mapping], n: int = 3) -> float:
+LAST_EVALS = 3  # the evals a run's last score averages, unless told otherwise
+
+
+def last_evals_mean(history: Sequence[Mapping], n: int = LAST_EVALS) -> float:
     """The mean held-out success of the last ``n`` evaluations of a run (``history``: {"step", "eval/success"}
     records, step 0 the base): one eval carries about ±2 points of noise at 512 problems, the mean of several
     less."""
@@ -109,4 +112,4 @@ def eval_auc(history: Sequence[Mapping]) -> float:
     return area / (steps[-1] - steps[0])
 
 
-__all__ = ["Interval", "eval_auc", "last_evals_mean", "mean_ci", "paired_ci", "t_quantile"]
+__all__ = ["LAST_EVALS", "Interval", "eval_auc", "last_evals_mean", "mean_ci", "paired_ci", "t_quantile"]

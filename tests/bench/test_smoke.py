@@ -36,7 +36,7 @@ def test_bench_transport_measures_both_channels_against_raw_pyzmq():
 
 
 def test_bench_async_runs_both_modes_and_prints_ratio_and_bound():
-    out = run_cli("bench", "async", "--steps", "4", "--prompts", "4", "--group-size", "4")
+    out = run_cli("bench", "async", "--steps", "3", "--prompts", "4", "--group-size", "4")
     assert out.returncode == 0, out.stderr
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
             if line.startswith(("  sync ", "  async "))}
@@ -45,6 +45,16 @@ def test_bench_async_runs_both_modes_and_prints_ratio_and_bound():
     ratio = float(out.stdout.split("async / sync:")[1].split("x")[0])
     bound = float(out.stdout.split("overlap bound of this workload:")[1].split("x")[0])
     assert ratio > 0 and 1.0 <= bound <= 2.0
+
+
+def test_bench_simulate_prints_live_and_simulated_staleness():
+    out = run_cli("bench", "simulate", "--steps", "4", "--workers", "1", "--weights-delay-s", "0.3")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:5]] for line in out.stdout.splitlines()
+            if line.startswith(("  live ", "  simulated "))}
+    assert set(rows) == {"live", "simulated"}
+    assert all(0 <= mean <= maximum <= 16 for mean, _, _, maximum in rows.values())  # inside the buffer's bound
+    assert "simulated / live mean staleness:" in out.stdout
 
 
 def test_async_bench_overlap_bound():

@@ -15,16 +15,19 @@ from heterorl.training.session import Datum, TrainingClient
 from heterorl.training.step import minibatches, optimize_batch
 
 
-def _maze(cfg):
+def _task(cfg):
     return make_task_from(cfg.task)
 
 
-@pytest.mark.parametrize("config, base", [("maze_sft.yaml", SFT_BASE), ("maze4_sft.yaml", "maze4-sft-base")])
+SHIPPED_BASES = [("maze_sft.yaml", SFT_BASE), ("maze4_sft.yaml", "maze4-sft-base"), ("add3_sft.yaml", "add3-sft-base")]
+
+
+@pytest.mark.parametrize("config, base", SHIPPED_BASES)
 def test_shipped_base_is_deliberately_partial(config, base):
     cfg = load_config(packaged(config))
     model, tok = load_policy(base)
     sampler = TrainingClient(model, tok).save_weights_and_get_sampling_client()
-    task = _maze(cfg)
+    task = _task(cfg)
     success = evaluate(sampler, task, task.eval_problems(), cfg.rollout.max_tokens).success
     assert 0.35 <= success <= 0.60
     recorded = json.loads((packaged(base) / "sft_summary.json").read_text())
@@ -33,26 +36,46 @@ def test_shipped_base_is_deliberately_partial(config, base):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, base", [("maze_sft.yaml", SFT_BASE), ("maze4_sft.yaml", "maze4-sft-base")])
+@pytest.mark.parametrize("config, base", SHIPPED_BASES)
 def test_short_remake_of_the_base_follows_the_recorded_curve(config, base):
     cfg = load_config(packaged(config), ["sft.steps=60", "sft.eval_every=1000"])
-    task = _maze(cfg)
+    task = _task(cfg)
     model, tok = load_policy("tiny", alphabet=task.alphabet(), tiny=cfg.policy.tiny)
     losses = {}
     run_sft(cfg, TrainingClient(model, tok, seed=cfg.seed), task, progress=lambda s, m: losses.update({s: m["sft/loss"]}))
     recorded = {r["step"]: r["sft/loss"] for r in read_metrics(packaged(base) / "sft_metrics.jsonl")}
     for step in (1, 10, 30, 60):
         assert losses[step] == pytest.approx(recorded[step], rel=0.02), step
-    assert losses[60] < 0.6 * losses[1]
+    assert losses[60] < 0.7 * losses[1]  # it learns (maze: 0.5x; add3: 0.61x)
+
+
+def test_sft_gives_the_same_weights_on_one_thread_and_on_two():
+    """What makes a base reproducible on machines like this one: seeded data and initialisation, and results
+    that do not depend on the number of torch threads (measured: the add3 base remade bit for bit)."""
+    import torch
+
+    cfg = load_config(packaged("add3_sft.yaml"), ["sft.steps=10", "sft.eval_every=1000", "sft.stop_success=null"])
+    task = _task(cfg)
+    weights, before = [], torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            model, tok = load_policy("tiny", alphabet=task.alphabet(), tiny=cfg.policy.tiny)
+            run_sft(cfg, TrainingClient(model, tok, seed=cfg.seed), task)
+            weights.append({k: v.clone() for k, v in model.state_dict().items()})
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
 @pytest.mark.slow
 def test_short_rl_run_improves_held_out_success():
-    cfg = load_config(packaged("maze_rl.yaml"), ["rl.steps=20", "rl.eval_every=10", "logging.wandb_mode=disabled"])
-    task = _maze(cfg)
-    model, tok = load_policy(str(packaged(SFT_BASE)))
+    """Synchronous GRPO on add3 from the shipped base: measured 0.557 -> 0.756 after 25 steps (add3_rl.yaml)."""
+    cfg = load_config(packaged("add3_rl.yaml"), ["rl.steps=20", "rl.eval_every=20", "logging.wandb_mode=disabled"])
+    task = _task(cfg)
+    model, tok = load_policy(cfg.rl.base)
     result = run_sync_rl(cfg, TrainingClient(model, tok, seed=cfg.seed), task)
-    assert result.final_success >= result.base_success + 0.03, result.history
+    assert result.final_success >= result.base_success + 0.10, result.history
 
 
 def test_minibatches_keep_groups_whole():
@@ -70,7 +93,7 @@ def test_dropping_uniform_groups_trains_on_fewer_rows_and_learns_the_same():
     import torch
 
     cfg = load_config(packaged("maze_rl.yaml"), ["rollout.group_size=4", "optim.warmup_steps=0"])
-    task = _maze(cfg)
+    task = _task(cfg)
     model, tok = load_policy(str(packaged(SFT_BASE)))
     sampler = TrainingClient(model, tok).save_weights_and_get_sampling_client()
     problems = task.eval_problems()[:3]
@@ -100,7 +123,7 @@ def test_a_batch_without_signal_runs_no_update_and_says_why():
     import torch
 
     cfg = load_config(packaged("maze_rl.yaml"), ["rollout.group_size=4"])
-    task = _maze(cfg)
+    task = _task(cfg)
     model, tok = load_policy(str(packaged(SFT_BASE)))
     training = TrainingClient(model, tok, seed=0)
     datums, _ = rollout_datums(training.save_weights_and_get_sampling_client(), task, task.eval_problems()[:2], cfg,
@@ -126,7 +149,7 @@ def test_a_minibatch_whose_loss_is_not_finite_is_skipped_and_the_rest_still_trai
     from heterorl.training.step import BAD_BATCH
 
     cfg = load_config(packaged("maze_rl.yaml"), ["rollout.group_size=4", "loss.name=gepo", "optim.warmup_steps=0"])
-    task = _maze(cfg)
+    task = _task(cfg)
     model, tok = load_policy(str(packaged(SFT_BASE)))
     sampler = TrainingClient(copy.deepcopy(model), tok).save_weights_and_get_sampling_client()
     datums, _ = rollout_datums(sampler, task, task.eval_problems()[:2], cfg, seed=0)

@@ -1,9 +1,6 @@
 """The simulated execution: deterministic, staleness set by the delays and the buffer, the same as live."""
 
-import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +8,7 @@ import pytest
 from heterorl.config import load_config
 from heterorl.runs import read_metrics, setup_run
 from heterorl.runtime.simulate import Simulation, durations
-from tests.conftest import REPO, maze_run
+from tests.conftest import maze_run
 
 
 def small_run(run_dir, steps: int) -> str:
@@ -115,44 +112,20 @@ def test_default_durations_make_one_batch_per_step():
 
 
 @pytest.mark.slow
-def test_live_and_simulated_staleness_agree(tmp_path):
-    """One small cell run live (processes, ZeroMQ, real delays) and simulated with the durations the live run
-    measured: the staleness distributions agree."""
-    config = tmp_path / "run.yaml"
-    config.write_text(small_run(tmp_path / "live", 16)
-                      + "buffer: {max_staleness_steps: 16}\ndelay: {down: {kind: constant, constant_s: 1.5}}\n")
-    out = subprocess.run([sys.executable, "-m", "heterorl.cli", "train", "--config", str(config)], cwd=REPO,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    live = read_metrics(tmp_path / "live" / "metrics.jsonl")[1:]
-    periods = [b["time_s"] - a["time_s"] for a, b in zip(live, live[1:])]
-    step_s = statistics.median(periods)
-    call_s = live[-1]["workers/busy_s_per_group"] * 2
-    result, simulated = simulate(tmp_path, 16, "buffer.max_staleness_steps=16", "delay.down.kind=constant",
-                                 "delay.down.constant_s=1.5", f"simulate.step_s={step_s}",
-                                 f"simulate.call_s={call_s}", name="sim")
-    live_summary = json.loads((tmp_path / "live" / "summary.json").read_text())
-    detail = (f"live {staleness(live)} vs simulated {staleness(simulated[1:])} "
-              f"(step {step_s:.3f} s, call {call_s:.3f} s)")
-    assert abs(live_summary["staleness_mean"] - result.staleness_mean) <= max(1.5, 0.3 * result.staleness_mean), detail
-    assert abs(live_summary["staleness_max"] - result.staleness_max) <= 3, detail
-
-
-@pytest.mark.slow
 def test_async_gepo_with_two_workers_learns_from_the_base(tmp_path):
-    """Learning acceptance of the asynchronous system, deterministic: GEPO, 2 workers, the demo's delays on
-    both paths, 64 prompts x 8 for 60 steps from the shipped base. Measured 0.461 -> 0.520 (stale data: mean
-    1.8 versions); the synchronous GRPO loop with the same batch and steps reaches 0.496 (docs/RESULTS.md)."""
+    """Learning acceptance of the asynchronous system, deterministic: the demo's run (GEPO, 2 workers, its delays
+    on both paths, 32 prompts x 8 on 3-digit addition from the shipped base) for 30 steps. Measured 0.557 ->
+    0.775 on stale data (mean 2.69 versions); the live demo (40 steps) measured 0.557 -> 0.770."""
     from heterorl.config import packaged
 
     cfg = load_config(packaged("demo.yaml"), [
-        "runtime.execution=simulated", "rl.prompts_per_step=64", "rl.steps=60", "rl.eval_every=10",
-        "runtime.checkpoint_every=0", f"logging.run_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled",
-        "logging.progress=false", "logging.save_policy=false"])
+        "runtime.execution=simulated", "rl.steps=30", "rl.eval_every=30", "runtime.checkpoint_every=0",
+        f"logging.run_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled", "logging.progress=false",
+        "logging.save_policy=false"])
     task, training, logger, _ = setup_run(cfg, "async-learning", cfg.rl.base)
     try:
         result = Simulation(cfg, training, task, logger).run()
     finally:
         logger.close()
     assert result.staleness_mean >= 1.0  # it trained on stale data
-    assert result.final_success >= result.base_success + 0.04, result.history
+    assert result.final_success >= result.base_success + 0.10, result.history

@@ -173,12 +173,12 @@ def test_compare_puts_losses_side_by_side_online_and_at_one_delay(tmp_path):
 @pytest.mark.slow
 def test_a_live_cell_runs_the_real_processes_with_scaled_delays(tmp_path):
     (tmp_path / "run.yaml").write_text(RUN)
-    result = run_cli("compare", "--losses", "gepo", "--delay", "4", "--mode", "live", "--config",
+    result = run_cli("compare", "--losses", "gepo", "--delay", "1", "--mode", "live", "--config",
                       str(tmp_path / "run.yaml"), "--out", str(tmp_path / "live"))
     assert result.returncode == 0, result.stdout + result.stderr
-    cell = tmp_path / "live" / "cells" / "gepo__d4__s0"
+    cell = tmp_path / "live" / "cells" / "gepo__d1__s0"
     summary = json.loads((cell / "summary.json").read_text())
     assert summary["status"] == "done" and summary["execution"] == "live" and summary["steps"] == 2
     assert (cell / "logs" / "learner.log").is_file() and (cell / "logs" / "worker-1.log").is_file()
     cfg = load_config(cell / "cell_config.yaml")
-    assert cfg.delay.time_scale == 10.0 and cfg.delay.down.high_s == 4 * 28.125  # compare: the paper's S
+    assert cfg.delay.time_scale == 10.0 and cfg.delay.down.high_s == 28.125  # compare: the paper's S

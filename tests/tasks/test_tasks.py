@@ -254,6 +254,20 @@ def test_arithmetic_reward(completion, answer, expected):
     assert ArithmeticTask().reward(problem, completion) == expected
 
 
+@pytest.mark.parametrize("completion, expected", [("579", 1.0), ("0579", 0.0), ("579 ", 0.0), (" 579", 0.0),
+                                                  ("5790", 0.0), ("#### 579", 0.0), ("57", 0.0), ("", 0.0)])
+def test_arithmetic_digits_format_wants_exactly_the_digits(completion, expected):
+    task = ArithmeticTask(ArithmeticConfig(answer_format="digits"))
+    problem = Problem(problem_id="p", prompt="123+456=", answer="579")
+    assert task.demonstration(problem) == "579"
+    assert task.reward(problem, completion) == expected
+
+
+def test_arithmetic_rejects_an_unknown_answer_format():
+    with pytest.raises(TaskError, match="answer_format='plain' must be one of hash, digits"):
+        ArithmeticConfig(answer_format="plain")
+
+
 def test_arithmetic_problems():
     task = ArithmeticTask(ArithmeticConfig(digits=2, ops="+-*", eval_size=50))
     rng = random.Random(3)

@@ -1,0 +1,174 @@
+"""The GEPO paper's claims about staleness (arXiv 2508.17850), each checked against a sweep and said in one plain
+sentence: reproduced, not reproduced, or not decided, with the numbers it rests on.
+
+Every comparison is paired over the seeds both settings ran (`paired_ci`, 95 % Student-t), on each run's mean
+held-out success over its last `LAST_EVALS` evaluations. "Little" and "close" mean within `CLOSE` (3 points of
+success): a claim of smallness is reproduced when the whole interval lies inside that margin, not reproduced when
+it lies wholly outside, and not decided otherwise; a claim of order ("more", "larger", "grows", "lower") is
+reproduced when its interval excludes 0 on the claimed side, not reproduced when it excludes 0 on the other side,
+and not decided when it contains 0. The online setting is the sweep's ``online_delay``; the smallest and largest
+staleness are the delay settings whose measured mean staleness (over every finished cell) is the smallest above 0
+and the largest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from heterorl.sweeps.stats import LAST_EVALS, Interval, last_evals_mean, mean_ci, paired_ci
+
+CLOSE = 0.03  # "degrades little", "close": within 3 points of held-out success
+
+REPRODUCED, NOT_REPRODUCED, NOT_DECIDED = "reproduced", "not reproduced", "not decided"
+
+
+@dataclass(frozen=True)
+class Claim:
+    claim: str  # what the paper says
+    verdict: str  # REPRODUCED | NOT_REPRODUCED | NOT_DECIDED
+    evidence: str  # the numbers, or why nothing could be said
+
+    def sentence(self) -> str:
+        return f"{self.claim}: **{self.verdict}** — {self.evidence}"
+
+
+def last_score(history) -> float:
+    return last_evals_mean(history, LAST_EVALS)
+
+
+def best_to_last_gap(history) -> float:
+    """The best single eval of the run minus its last-evals score (how far it fell from its best)."""
+    return max(r["eval/success"] for r in history if r["step"] > 0) - last_score(history)
+
+
+def run_metric(cell, key: str) -> float | None:
+    """The mean over a run's steps of a per-step metric: from its metrics.jsonl when present, else from the
+    ``metric_means`` its summary recorded when the sweep finished it."""
+    values = [r[key] for r in cell.metrics if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    if values:
+        return sum(values) / len(values)
+    return cell.summary.get("metric_means", {}).get(key)
+
+
+def _order_verdict(interval: Interval) -> str:
+    if interval.n < 2 or not interval.excludes_zero():
+        return NOT_DECIDED
+    return REPRODUCED if interval.low > 0 else NOT_REPRODUCED
+
+
+def _small_verdict(interval: Interval, lower: float, upper: float) -> str:
+    if interval.n < 2:
+        return NOT_DECIDED
+    if lower <= interval.low and interval.high <= upper:
+        return REPRODUCED
+    if interval.low > upper or interval.high < lower:
+        return NOT_REPRODUCED
+    return NOT_DECIDED
+
+
+def paper_claims(sweep, task: str) -> list[Claim]:
+    """The paper's five staleness claims checked on ``task`` of a loaded sweep (`heterorl.sweeps.report`)."""
+    online = sweep.online_delay
+
+    def per_seed(loss: str, delay: str, score: Callable) -> dict[int, float]:
+        """{seed: score(cell)} of the finished runs of (loss, delay) that evaluated after the base."""
+        out = {}
+        for cell in sweep.finished(task, loss, delay):
+            if len(cell.summary.get("history", [])) > 1 and (value := score(cell)) is not None:
+                out[cell.summary["seed"]] = value
+        return out
+
+    def last(cell):
+        return last_score(cell.summary["history"])
+
+    def gap(cell):
+        return best_to_last_gap(cell.summary["history"])
+
+    def metric(key):
+        return lambda cell: run_metric(cell, key)
+
+    measured = {}
+    for delay in sweep.delays:
+        values = [c.summary.get("staleness_mean") for c in sweep.cells
+                  if c.done and c.summary["task"] == task and c.key[1] == delay]
+        values = [v for v in values if v is not None]
+        if values:
+            measured[delay] = sum(values) / len(values)
+    stale = sorted((d for d, s in measured.items() if s > 0 and d != online), key=measured.get)
+    missing = [loss for loss in ("gepo", "grpo") if loss not in sweep.losses]
+    if online is None or not stale or missing:
+        why = (f"the sweep lacks {' and '.join(missing)}" if missing else
+               "the sweep has no online setting" if online is None else "the sweep has no stale setting finished")
+        return [Claim(c, NOT_DECIDED, why) for c in _CLAIMS]
+    small, large = stale[0], stale[-1]
+
+    def label(delay: str) -> str:
+        return f"{delay} (staleness {measured[delay]:.1f})"
+
+    def drop(loss: str) -> dict[int, float]:
+        on, off = per_seed(loss, online, last), per_seed(loss, large, last)
+        return {s: on[s] - off[s] for s in set(on) & set(off)}
+
+    def paired(a: Mapping[int, float], b: Mapping[int, float]) -> Interval | None:
+        return paired_ci(a, b) if set(a) & set(b) else None
+
+    claims = []
+    gepo_drop, grpo_drop = drop("gepo"), drop("grpo")
+    iv = mean_ci(list(gepo_drop.values())) if gepo_drop else None
+    claims.append(_decide(
+        _CLAIMS[0], iv, lambda i: _small_verdict(i, -float("inf"), CLOSE),
+        lambda i: f"GEPO's last-{LAST_EVALS}-evals success fell by {i} from {online} to {label(large)} "
+                  f"(n={i.n} seeds; 'little' = at most {CLOSE:.2f})"))
+    iv = paired(grpo_drop, gepo_drop)
+    claims.append(_decide(
+        _CLAIMS[1], iv, _order_verdict,
+        lambda i: f"GRPO's fall minus GEPO's, {online} to {label(large)}: {i} (n={i.n}; GRPO fell "
+                  f"{_mean(grpo_drop):.3f}, GEPO {_mean(gepo_drop):.3f})"))
+    iv = paired(per_seed("gepo", small, last), per_seed("grpo", small, last))
+    claims.append(_decide(
+        _CLAIMS[2], iv, lambda i: _small_verdict(i, -CLOSE, CLOSE),
+        lambda i: f"GEPO minus GRPO at {label(small)}: {i} (n={i.n}; 'close' = within ±{CLOSE:.2f})"))
+    if "gspo" in sweep.losses:
+        iv = paired(per_seed("gspo", large, gap), per_seed("gepo", large, gap))
+        claims.append(_decide(
+            _CLAIMS[3], iv, _order_verdict,
+            lambda i: f"GSPO's best-to-last gap minus GEPO's at {label(large)}: {i} (n={i.n}; gap = best eval "
+                      f"minus the last-{LAST_EVALS}-evals score)"))
+    else:
+        claims.append(Claim(_CLAIMS[3], NOT_DECIDED, "the sweep lacks gspo"))
+    grows = paired(per_seed("grpo", large, metric("ratio/seq_var")), per_seed("grpo", small, metric("ratio/seq_var")))
+    lower = paired(per_seed("gepo", large, metric("is/weight_var")), per_seed("gepo", large, metric("ratio/seq_var")))
+    if grows is None or lower is None:
+        claims.append(Claim(_CLAIMS[4], NOT_DECIDED, "the runs lack ratio/seq_var or is/weight_var"))
+    else:
+        both = (_order_verdict(grows), _order_verdict(Interval(-lower.mean, -lower.high, -lower.low, lower.n)))
+        verdict = (REPRODUCED if both == (REPRODUCED, REPRODUCED) else
+                   NOT_REPRODUCED if NOT_REPRODUCED in both else NOT_DECIDED)
+        claims.append(Claim(_CLAIMS[4], verdict,
+                            f"the variance of the sequence ratio p/q in GRPO's runs, {label(large)} minus "
+                            f"{label(small)}: {grows} ({both[0]}); GEPO's own weight variance minus that of p/q "
+                            f"in the same GEPO runs at {label(large)}: {lower} ({both[1]})"))
+    return claims
+
+
+def _mean(values: Mapping[int, float]) -> float:
+    return sum(values.values()) / len(values) if values else float("nan")
+
+
+def _decide(claim: str, interval: Interval | None, verdict, evidence) -> Claim:
+    if interval is None:
+        return Claim(claim, NOT_DECIDED, "no seed ran both settings")
+    return Claim(claim, verdict(interval), evidence(interval))
+
+
+_CLAIMS = (
+    "GEPO degrades little from online to the largest staleness",
+    "GRPO degrades more than GEPO",
+    "At small staleness GEPO and GRPO are close",
+    "GSPO's best-to-last gap is larger than GEPO's (at the largest staleness)",
+    "Importance-weight variance grows with staleness, and GEPO's stays lower",
+)
+
+__all__ = ["CLOSE", "Claim", "best_to_last_gap", "last_score", "paper_claims", "run_metric"]
