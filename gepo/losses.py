@@ -126,6 +126,28 @@ def grpo(batch: LossBatch, config: GRPOConfig):
 
 
 @dataclass
+class DAPOConfig(GRPOConfig):
+    """DAPO's token-level loss with GRPO's clip (TRL's ``loss_type="dapo"``: ε = ε_high = 0.2 unless set; the DAPO
+    paper's clip-higher is ``clip_eps_high=0.28``), group-normalised advantages."""
+
+
+@register_loss("dapo", DAPOConfig)
+def dapo(batch: LossBatch, config: DAPOConfig):
+    """DAPO's token-level policy loss (Yu et al. 2025, arXiv 2503.14476): every token of the batch weighs the same,
+    so long completions are not down-weighted as in GRPO's per-sequence mean.
+
+    L = Σ_{i,t} m_it · −min(r_it·A_i, clip(r_it, 1−ε, 1+ε_high)·A_i) / Σ_{i,t} m_it,  A = (r − mean_G) / std_G
+    (TRL normalises by the active tokens of the whole accumulated batch; here, of the minibatch the loss sees.)
+    """
+    log_ratio = batch.token("logprobs") - batch.token("behaviour_logprobs")
+    advantages = advantages_for(batch, config.advantage)
+    eps_high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
+    per_token, clipped = clipped_surrogate(log_ratio, advantages[:, None], config.clip_eps, eps_high)
+    loss = masked_mean(per_token, batch.mask)
+    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": _frac(clipped, batch.mask)})
+
+
+@dataclass
 class DrGRPOConfig(RLConfig):
     """Dr.GRPO's defaults: clip ε = 0.2, no std division; the normaliser is B · max_completion_len."""
 

@@ -299,12 +299,14 @@ class OptimConfig:
     weight_decay: float = 0.0
     grad_clip_norm: float = 1.0
     warmup_steps: int = 0
-    schedule: str = "constant"  # constant | cosine
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    schedule: str = "constant"  # constant | cosine | linear (both decay to lr * min_lr_ratio at the last step)
+    min_lr_ratio: float = 0.1  # cosine and linear decay to lr * min_lr_ratio (TRL's linear: 0)
 
     def validate(self, key: str = "optim") -> None:
-        _one_of(f"{key}.schedule", self.schedule, ("constant", "cosine"))
+        _one_of(f"{key}.schedule", self.schedule, ("constant", "cosine", "linear"))
         _positive(self, key, "lr")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail(f"{key}.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1] (the fraction of lr the decay ends at)")
 
 
 @dataclass

@@ -31,7 +31,7 @@ def test_round_trip_through_yaml(tmp_path):
     (["nosuch=1"], "`nosuch`"),
     (["rl.steps=many"], "`rl.steps`"),
     (["rollout.temperature=hot"], "`rollout.temperature`"),
-    (["optim.schedule=linear"], "must be one of constant, cosine"),
+    (["optim.schedule=step"], "must be one of constant, cosine, linear"),
     (["rollout.group_size=0"], "`rollout.group_size` = 0: must be > 0"),
     (["rollout.temperature=-1"], "`rollout.temperature`"),
     (["loss.name"], "not of the form key=value"),

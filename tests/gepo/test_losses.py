@@ -221,6 +221,26 @@ def test_bnpo_loss_by_hand():
     assert run("bnpo", batch, advantage="given")[0].item() == pytest.approx(-1.0)
 
 
+def test_dapo_is_the_token_mean_with_clip_higher_and_bnpo_with_group_normalized_advantages():
+    batch = batch_of([[-1.0, -1.0], [-1.0, 0.0]], [[-1.0, -1.0], [-1.0, 0.0]], [[1, 1], [1, 0]],
+                     advantages=[2.0, -1.0])
+    # every token weighs the same: (−2 − 2 + 1) / 3, where GRPO's per-sequence mean gives (−2 + 1) / 2
+    assert run("dapo", batch, advantage="given")[0].item() == pytest.approx(-1.0)
+    assert run("grpo", batch, advantage="given")[0].item() == pytest.approx(-0.5)
+    gen = torch.Generator().manual_seed(8)
+    lq = -torch.rand(6, 4, generator=gen, dtype=F64)
+    lp = lq + 0.3 * torch.randn(6, 4, generator=gen, dtype=F64)
+    mask = (torch.rand(6, 4, generator=gen) > 0.2).to(F64).tolist()
+    rewards, groups = torch.tensor([1.0, 0, 0, 1, 1, 0], dtype=F64), torch.tensor([0, 0, 0, 1, 1, 1])
+    dapo, _ = run("dapo", batch_of(lp, lq, mask, rewards=rewards, group_ids=groups))
+    bnpo, _ = run("bnpo", batch_of(lp, lq, mask, rewards=rewards, group_ids=groups), advantage="group_normalized")
+    assert dapo.item() == pytest.approx(bnpo.item(), abs=1e-14)
+    # clip-higher: a ratio of 1.25 on a positive advantage is clipped at 1.2 by default, not at 1.28
+    high = batch_of([[LN(1.25)]], [[0.0]], advantages=[1.0])
+    assert run("dapo", high, advantage="given")[1]["is/clip_frac"] == 1.0
+    assert run("dapo", high, advantage="given", clip_eps_high=0.28)[1]["is/clip_frac"] == 0.0
+
+
 def test_tis_by_hand():
     lp = [[-1.0, -2.0]]
     lq = [[-1.0 - LN(3), -2.0]]  # r = (3, 1)
@@ -324,7 +344,7 @@ def test_clipping_zeroes_the_gradient_exactly_where_the_rule_says():
     lp = lq + 0.4 * torch.randn(40, 3, generator=gen, dtype=F64)
     adv = torch.randn(40, generator=gen, dtype=F64)
     eps = 0.2
-    for name, opts in (("grpo", {}), ("dr_grpo", {}), ("bnpo", {})):
+    for name, opts in (("grpo", {}), ("dr_grpo", {}), ("bnpo", {}), ("dapo", {})):
         batch = batch_of(lp.clone().requires_grad_(True), lq, advantages=adv)
         loss, m = run(name, batch, advantage="given", **opts)
         loss.backward()
@@ -458,7 +478,7 @@ def test_bad_options_are_errors_listing_the_choices():
 
 
 def test_registry_lists_names_and_takes_user_losses():
-    for name in ("gepo", "gepo_defensive", "grpo", "dr_grpo", "bnpo", "gspo", "tis", "icepop", "m2po", "cispo",
+    for name in ("gepo", "gepo_defensive", "grpo", "dapo", "dr_grpo", "bnpo", "gspo", "tis", "icepop", "m2po", "cispo",
                  "decoupled_ppo", "importance_sampling", "cross_entropy"):
         assert name in gepo.loss_names()
     with pytest.raises(KeyError, match="unknown loss 'gepo2'; registered losses: bnpo, cispo"):
