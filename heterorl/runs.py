@@ -8,6 +8,7 @@ Metric names are grouped by '/', e.g. ``eval/success``, ``rollout/reward_mean``,
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from heterorl.config import Config, to_dict, to_yaml
+
+log = logging.getLogger("heterorl.runs")
 
 
 class MetricsLogger:
@@ -152,6 +155,13 @@ class RunResult:
     history: list[dict] = field(default_factory=list)  # {"step", "eval/success", "time_s"}: step 0 is the base
 
 
+NOTHING_SOLVED = (
+    "the starting policy solves none of the held-out problems (success 0.000 at step 0). If it was trained to solve "
+    "them, its prompts are likely encoded unlike its training data (special tokens such as a BOS token: save the "
+    "tokenizer the model was trained with, so its own rule adds them), or the reward does not accept its output "
+    "format (the task's answer format, task.reward_fn), or rollout.max_tokens cuts its answers short")
+
+
 class StepRecorder:
     """The end of a step, the same in every RL loop: evaluate every ``rl.eval_every`` steps and at the last,
     log the step's metrics, advance the progress bar, keep the eval history and count the steps that ran no
@@ -171,6 +181,8 @@ class StepRecorder:
         """Evaluate and log the starting weights as step 0 (unless a resumed record has them)."""
         if not self.history:
             self.history.append({"step": 0, "eval/success": self.evaluate(), "time_s": 0.0})
+            if self.history[0]["eval/success"] == 0:
+                log.warning(NOTHING_SOLVED)
             if self.logger:
                 self.logger.log(0, {"eval/success": self.history[0]["eval/success"]})
 

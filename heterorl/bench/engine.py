@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from heterorl.engines import SamplingParams, TorchEngine
     from heterorl.policies import quiet_transformers
     from heterorl.tasks import make_task
-    from heterorl.training.textcodec import encode_text
+    from heterorl.training.textcodec import encode_prompt
 
     quiet_transformers()
     from heterorl.policies import load_policy
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_policy(args.policy)  # "maze-sft-base" (shipped), "smollm2" or a folder
     task = make_task("maze")
     rng = random.Random(0)
-    prompts = [encode_text(tokenizer, task.sample_train(rng).prompt) for _ in range(args.batch)]
+    prompts = [encode_prompt(tokenizer, task.sample_train(rng).prompt) for _ in range(args.batch)]
     engine = TorchEngine(model, tokenizer)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0, ignore_eos=True)
     input_ids = torch.tensor(prompts)  # maze prompts of one size share a length: no padding needed

@@ -18,7 +18,7 @@ from heterorl.tasks.base import Task
 from heterorl.training.evaluation import evaluate
 from heterorl.training.lr_schedule import learning_rate
 from heterorl.training.session import AdamParams, Datum, TrainingClient
-from heterorl.training.textcodec import encode_text
+from heterorl.training.textcodec import encode_prompt, encode_text
 
 
 @dataclass
@@ -34,7 +34,7 @@ def demonstration_datums(task: Task, tokenizer, rng: random.Random, batch_size: 
     datums = []
     for _ in range(batch_size):
         problem = task.sample_train(rng)
-        prompt = encode_text(tokenizer, problem.prompt, "prompt")
+        prompt = encode_prompt(tokenizer, problem.prompt)
         completion = encode_text(tokenizer, task.demonstration(problem), "demonstration") + [tokenizer.eos_token_id]
         datums.append(Datum(tokens=prompt + completion, prompt_len=len(prompt)))
     return datums

@@ -21,13 +21,13 @@ from heterorl.tasks.base import Task
 from heterorl.training.evaluation import evaluate
 from heterorl.training.session import Datum, TrainingClient
 from heterorl.training.step import group_rows, has_signal, optimize_batch
-from heterorl.training.textcodec import encode_text
+from heterorl.training.textcodec import encode_prompt
 
 
 def rollout_datums(sampler, task: Task, problems, cfg: Config, seed: int) -> tuple[list[Datum], dict]:
     """Sample a group per problem, score it, and turn it into datums with rewards and group ids."""
     tokenizer = sampler.tokenizer
-    prompts = [encode_text(tokenizer, p.prompt, "prompt") for p in problems]
+    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
     params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, seed=seed)
     groups = sampler.sample(prompts, cfg.rollout.group_size, params).result()

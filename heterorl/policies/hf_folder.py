@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from heterorl.errors import PolicyLoadError
 
@@ -63,8 +63,8 @@ def load_hf_folder(
 ) -> tuple[torch.nn.Module, object]:
     """Load ``(model, tokenizer)`` from a local folder, the model in eval mode on ``device``.
 
-    The tokenizer must fit the model (no more tokens than embedding rows), be loaded as the class
-    the folder declares (not swapped by AutoTokenizer for the model type) and have an eos token;
+    The tokenizer is loaded as the class the folder declares (`_load_tokenizer`; never swapped for the model
+    type's), must fit the model (no more tokens than embedding rows) and have an eos token;
     a missing pad token is set to the eos token, and the model's generation config gets the
     tokenizer's eos/pad ids where it has none. Every failure is a PolicyLoadError naming the folder.
     """
@@ -73,18 +73,16 @@ def load_hf_folder(
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
     except Exception as exc:
         raise PolicyLoadError(f"could not load the model in {folder}: {exc}") from exc
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except Exception as exc:
-        raise PolicyLoadError(f"could not load the tokenizer in {folder}: {exc}") from exc
-
+    tokenizer = _load_tokenizer(folder)
+    _check_tokenizer_class(folder, tokenizer)
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:
+        extra = tokenizer.convert_ids_to_tokens(list(range(rows, min(len(tokenizer), rows + 8))))
         raise PolicyLoadError(
             f"policy folder {folder}: tokenizer has {len(tokenizer)} tokens but the model's embedding has "
-            f"{rows} rows: the tokenizer does not belong to this model; save the model's own tokenizer there"
+            f"{rows} rows (ids {rows}.. are {extra}{' ...' if len(tokenizer) > rows + 8 else ''}): the tokenizer "
+            "does not belong to this model; save the model's own tokenizer there"
         )
-    _check_tokenizer_class(folder, tokenizer)
     if tokenizer.eos_token_id is None:
         raise PolicyLoadError(
             f"policy folder {folder}: the tokenizer has no eos token, so generation could not stop; "
@@ -106,6 +104,26 @@ def load_hf_folder(
     return model, tokenizer
 
 
+def _declared_tokenizer_class(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _load_tokenizer(folder: Path):
+    """The tokenizer as its files say: a generic one (a ``tokenizer.json`` from the ``tokenizers`` library, declared
+    ``TokenizersBackend`` or ``PreTrainedTokenizerFast``) is loaded as that, keeping its own special tokens and
+    post-processor, where ``AutoTokenizer`` would swap in the model type's class (a ``Qwen2Tokenizer`` for a
+    ``qwen2`` config, which adds tokens of its own); any other through ``AutoTokenizer``."""
+    try:
+        if _declared_tokenizer_class(folder) in _GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
+            return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:
+        raise PolicyLoadError(f"could not load the tokenizer in {folder}: {exc}") from exc
+
+
 def _check_tokenizer_class(folder: Path, tokenizer: object) -> None:
     """Refuse a tokenizer that AutoTokenizer silently swapped for the model type's own class.
 
@@ -113,10 +131,7 @@ def _check_tokenizer_class(folder: Path, tokenizer: object) -> None:
     tokenizer_config.json declares a generic ``TokenizersBackend``; the swapped class re-tokenizes
     text differently from what was saved (and from what another engine loading the folder expects).
     """
-    try:
-        declared = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        return
+    declared = _declared_tokenizer_class(folder)
     loaded = type(tokenizer).__name__
     if declared in _GENERIC_TOKENIZERS and loaded not in _GENERIC_TOKENIZERS:
         raise PolicyLoadError(

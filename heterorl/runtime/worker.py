@@ -41,7 +41,7 @@ from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy
 from heterorl.tasks import make_task_from
 from heterorl.training.session import SamplingClient
-from heterorl.training.textcodec import encode_text
+from heterorl.training.textcodec import encode_prompt
 from heterorl.transport import CurveConfig, TransportTimeout, WorkerClient
 from heterorl.transport.protocol import MIN_LOGPROB, Trajectory, TrajectoryContract
 
@@ -224,7 +224,7 @@ class RolloutWorker:
 
     def _generate_and_send(self, cfg: Config, task, problems) -> None:
         worker_id = self.options.worker_id
-        prompts = [encode_text(self.sampler.tokenizer, p.prompt, "prompt") for p in problems]
+        prompts = [encode_prompt(self.sampler.tokenizer, p.prompt) for p in problems]
         params = self._sampling_params(cfg, prompts)
         start_wall, start = time.time(), time.monotonic()
         groups = self.sampler.sample(prompts, cfg.rollout.group_size, params).result()

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from heterorl.engines.base import SamplingParams
 from heterorl.tasks.base import Problem, Task
-from heterorl.training.textcodec import encode_text
+from heterorl.training.textcodec import encode_prompt
 
 
 @dataclass
@@ -21,7 +21,7 @@ def evaluate(sampling_client, task: Task, problems: Sequence[Problem], max_token
              temperature: float = 0.0, seed: int = 0) -> EvalResult:
     """Mean reward of one completion per problem (greedy by default)."""
     tokenizer = sampling_client.tokenizer
-    prompts = [encode_text(tokenizer, p.prompt, "prompt") for p in problems]
+    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     groups = sampling_client.sample(prompts, 1, params).result()
     rewards, lengths, truncated = [], [], []

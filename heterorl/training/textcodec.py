@@ -17,3 +17,22 @@ def encode_text(tokenizer, text: str, what: str = "text") -> list[int]:
             "is this policy's tokenizer built for another task's alphabet?"
         )
     return ids
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a prompt as the model saw prompts in training: the text's tokens with the special tokens the
+    tokenizer's own rule adds (a BOS its post-processor puts in front, as ``tokenizer(text)`` does in any
+    Hugging Face or TRL pipeline); an end-of-sequence token such a rule appends is left out, since generation
+    continues the prompt. Every place that encodes a prompt (SFT, sampling, evaluation, hence the learner, which
+    trains on the workers' token ids) calls this one function."""
+    plain = encode_text(tokenizer, text, "prompt")
+    full = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    start = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), None)
+    if start is None:
+        raise SamplingError(
+            f"the tokenizer's special-token rule changes how prompt {text[:40]!r} is tokenized ({full[:12]} vs "
+            f"{plain[:12]} without it); its post-processor should only add tokens around the text"
+        )
+    end = start + len(plain)
+    suffix = [t for t in full[end:] if t != tokenizer.eos_token_id]
+    return full[:end] + suffix

@@ -120,9 +120,25 @@ def test_tokenizer_without_eos(tmp_path):
         load_hf_folder(tmp_path)
 
 
-def test_tokenizer_swapped_by_auto_tokenizer(tmp_path):
-    save_policy(tmp_path, tiny_model(), word_tokenizer())
-    with pytest.raises(PolicyLoadError, match="declares TokenizersBackend but transformers loads it as Qwen2Tokenizer"):
+def test_a_generic_tokenizer_loads_as_saved_not_as_the_model_types_class(tmp_path):
+    """AutoTokenizer would load a qwen2 folder's tokenizers-library tokenizer as a Qwen2Tokenizer (another class, an
+    extra <|endoftext|> token): the folder's own tokenizer, its special tokens and post-processor are kept."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    saved = word_tokenizer()
+    saved._tokenizer.post_processor = processors.TemplateProcessing(single="<eos> $A", special_tokens=[("<eos>", 1)])
+    save_policy(tmp_path, tiny_model(vocab_size=len(saved)), saved)
+    assert len(AutoTokenizer.from_pretrained(tmp_path)) == len(saved) + 1  # what the swap did
+    _, tokenizer = load_hf_folder(tmp_path)
+    assert type(tokenizer).__name__ == "TokenizersBackend" and len(tokenizer) == len(saved)
+    assert tokenizer("the cat sat").input_ids == saved("the cat sat").input_ids == [1, 4, 5, 6]  # post-processor kept
+
+
+def test_a_tokenizer_too_big_for_the_model_names_the_extra_tokens(tmp_path):
+    save_policy(tmp_path, tiny_model(vocab_size=5), word_tokenizer())
+    with pytest.raises(PolicyLoadError, match=r"7 tokens but the model's embedding has 5 rows \(ids 5.. are \['cat', "
+                                              r"'sat'\]\)"):
         load_hf_folder(tmp_path)
 
 
