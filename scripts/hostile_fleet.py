@@ -32,8 +32,9 @@ from heterorl.config import TransportConfig, load_config, packaged, to_yaml
 from heterorl.transport import TransportTimeout, WorkerClient
 from heterorl.transport.protocol import Hello, Trajectory, encode
 
-# the packaged demo (the 5x5 maze from the shipped base), small and quick, without delays
-OVERRIDES = ["task.options.eval_size=8", "rollout.group_size=4", "rl.prompts_per_step=4", "rl.eval_every=1000",
+# the 5x5 maze from the shipped maze base (maze_rl.yaml; the poison below is sized for its tokenizer and context),
+# GEPO, asynchronous, small and quick, without delays
+OVERRIDES = ["loss.name=gepo", "runtime.mode=async", "task.options.eval_size=8", "rollout.group_size=4", "rl.prompts_per_step=4", "rl.eval_every=1000",
              "runtime.workers=2", "runtime.groups_per_call=2", "runtime.checkpoint_every=5", "runtime.fleet_wait_s=600",
              "delay.up.kind=none", "delay.down.kind=none", "transport.heartbeat_interval_s=0.5",
              "transport.heartbeat_timeout_s=2.0", "logging.wandb_mode=disabled", "logging.progress=false",
@@ -198,7 +199,7 @@ def run(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     run_dir = out / "run"
     config = out / "learner.yaml"
-    config.write_text(to_yaml(load_config(packaged("demo.yaml"), OVERRIDES + [
+    config.write_text(to_yaml(load_config(packaged("maze_rl.yaml"), OVERRIDES + [
         f"rl.steps={args.steps}", f"logging.run_dir={run_dir}", f"transport.max_workers={args.max_workers}",
         f"buffer.partial_group_timeout_s={args.group_timeout_s}"])))
     learner = cli("learner", "--config", str(config), "--bind", "tcp://127.0.0.1:0", log=out / "learner.log")
