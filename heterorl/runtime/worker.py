@@ -40,6 +40,7 @@ from heterorl.engines.base import SamplingParams
 from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy
 from heterorl.tasks import make_task_from
+from heterorl.tasks.rewards import score
 from heterorl.training.session import SamplingClient
 from heterorl.training.textcodec import encode_prompt
 from heterorl.transport import CurveConfig, TransportTimeout, WorkerClient
@@ -98,7 +99,7 @@ def stamp_groups(task, worker_id: str, first_index: int, version: int, problems,
             completion_tokens=np.asarray(sample.tokens, dtype=np.int32),
             behaviour_logprobs=np.clip(np.asarray(sample.logprobs, dtype=np.float32), min_logprob, 0.0),
             policy_versions=np.full(len(sample.tokens), version, dtype=np.int32),
-            reward=float(task.reward(problem, sample.text)),
+            reward=float(score(task, problem, sample)),
             generation_start=start_wall, generation_end=end_wall, stop_reason=sample.stop_reason,
         ) for j, sample in enumerate(group)])
     return stamped

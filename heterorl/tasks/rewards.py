@@ -3,7 +3,10 @@
 A reward function is called as ``reward_fn(prompt, completion, answer)``
 with three strings (the problem's prompt, the decoded completion without the
 end-of-sequence token, the problem's reference answer) and returns a finite
-real number (bool, int or float; the task contract expects [0, 1]). A call that has not returned within
+real number (bool, int or float; the task contract expects [0, 1]). It may also take, by keyword, the facts a
+text cannot carry (`REWARD_FACTS`): ``token_ids`` (the completion's token ids, its stop token included),
+``stop_reason`` (``"eos"``, ``"stop"`` or ``"length"``) and ``row`` (the problem's prompt, answer and other
+columns as a dict); it gets those its signature names, or all of them through ``**kwargs``. A call that has not returned within
 ``task.reward_timeout_s`` seconds is an error (`TimedCall`): a thread cannot be killed, so the call runs in a
 daemon helper thread that the caller stops waiting for, and the error ends the process without it.
 """
@@ -11,6 +14,7 @@ daemon helper thread that the caller stops waiting for, and the error ends the p
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import numbers
 import queue
@@ -22,7 +26,31 @@ from heterorl.config import TaskConfig
 from heterorl.errors import TaskError
 from heterorl.tasks.base import Problem, Task
 
-RewardFn = Callable[[str, str, str], float]
+RewardFn = Callable[..., float]
+REWARD_FACTS = ("token_ids", "stop_reason", "row")
+
+
+def accepted_facts(fn: Callable) -> tuple[str, ...]:
+    """The `REWARD_FACTS` ``fn`` takes by keyword (all of them when it has ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the three strings only
+        return ()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return REWARD_FACTS
+    names = {p.name for p in parameters if p.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                                      inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    return tuple(f for f in REWARD_FACTS if f in names)
+
+
+def score(task: Task, problem: Problem, sample) -> float:
+    """The reward of one sampled completion (an engine's `SampleOutput`): ``task.reward(problem, text)``, or, for a
+    task whose reward takes the sample's facts (a user's reward function), with its token ids and stop reason too.
+    Every place that scores a sample (the workers, the synchronous loop, evaluation) calls this."""
+    with_facts = getattr(task, "reward_with_facts", None)
+    if with_facts is not None:
+        return with_facts(problem, sample.text, token_ids=list(sample.tokens), stop_reason=sample.stop_reason)
+    return task.reward(problem, sample.text)
 
 
 def _describe(fn: object) -> str:
@@ -83,15 +111,15 @@ class TimedCall:
         self._calls: queue.SimpleQueue | None = None  # the live thread's inbox (None: no live thread)
         self._results: queue.SimpleQueue | None = None
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         if self.timeout_s is None:
-            return self.fn(*args)
+            return self.fn(*args, **kwargs)
         with self._lock:
             if self._calls is None:
                 self._calls, self._results = queue.SimpleQueue(), queue.SimpleQueue()
                 threading.Thread(target=self._serve, args=(self._calls, self._results), daemon=True,
                                  name=f"reward {_describe(self.fn)}").start()
-            self._calls.put(args)
+            self._calls.put((args, kwargs))
             try:
                 returned, value = self._results.get(timeout=self.timeout_s)
             except queue.Empty:
@@ -103,9 +131,9 @@ class TimedCall:
 
     def _serve(self, calls: queue.SimpleQueue, results: queue.SimpleQueue) -> None:
         while True:
-            args = calls.get()
+            args, kwargs = calls.get()
             try:
-                results.put((True, self.fn(*args)))
+                results.put((True, self.fn(*args, **kwargs)))
             except BaseException as err:  # handed to the caller, which raises it
                 results.put((False, err))
 
@@ -125,6 +153,7 @@ class CustomRewardTask:
             raise TaskError(f"reward_fn {reward_fn!r} is not callable; pass a (prompt, completion, answer) -> float")
         self.base = base
         self.reward_fn = reward_fn
+        self.facts = accepted_facts(reward_fn)
         self._call = TimedCall(reward_fn, timeout_s)
         self.name = base.name
 
@@ -141,23 +170,31 @@ class CustomRewardTask:
         return self.base.demonstration(problem)
 
     def reward(self, problem: Problem, completion: str) -> float:
+        """The function's score of a text alone (no token ids or stop reason: see `reward_with_facts`)."""
+        return self.reward_with_facts(problem, completion)
+
+    def reward_with_facts(self, problem: Problem, completion: str, **facts) -> float:
+        """The function's score, given the `REWARD_FACTS` it takes (``row`` is built here from the problem)."""
         name = _describe(self.reward_fn)
+        where = f"problem {problem.problem_id!r}, prompt {problem.prompt[:60]!r}, completion {completion[:60]!r}"
+        facts["row"] = {"prompt": problem.prompt, "answer": problem.answer, **problem.data}
+        given = {f: facts[f] for f in self.facts if f in facts}  # scoring text alone has no token ids
         try:
-            value = self._call(problem.prompt, completion, problem.answer)
+            value = self._call(problem.prompt, completion, problem.answer, **given)
         except CallTimedOut:
             raise TaskError(
                 f"reward function {name} did not return within {self._call.timeout_s:g} s (task.reward_timeout_s, "
-                f"problem {problem.problem_id!r}); make it faster, or raise the limit with "
+                f"{where}); make it faster, or raise the limit with "
                 "task.reward_timeout_s=SECONDS (null: no limit)"
             ) from None
         except Exception as err:
             raise TaskError(
-                f"reward function {name} raised {type(err).__name__}: {err} "
-                f"(problem {problem.problem_id!r})"
+                f"reward function {name} raised {type(err).__name__}: {err} ({where})"
             ) from err
         if not isinstance(value, numbers.Real):
-            raise TaskError(f"reward function {name} returned {value!r} ({type(value).__name__}); return a float")
+            raise TaskError(f"reward function {name} returned {value!r} ({type(value).__name__}) for {where}; "
+                            "return a float")
         value = float(value)
         if not math.isfinite(value):
-            raise TaskError(f"reward function {name} returned {value}; return a finite float")
+            raise TaskError(f"reward function {name} returned {value} for {where}; return a finite float")
         return value

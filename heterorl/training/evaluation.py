@@ -7,6 +7,7 @@ from typing import Sequence
 
 from heterorl.engines.base import SamplingParams
 from heterorl.tasks.base import Problem, Task
+from heterorl.tasks.rewards import score
 from heterorl.training.textcodec import encode_prompt
 
 
@@ -26,7 +27,7 @@ def evaluate(sampling_client, task: Task, problems: Sequence[Problem], max_token
     groups = sampling_client.sample(prompts, 1, params).result()
     rewards, lengths, truncated = [], [], []
     for problem, (sample,) in zip(problems, groups):
-        rewards.append(task.reward(problem, sample.text))
+        rewards.append(score(task, problem, sample))
         lengths.append(len(sample.tokens))
         truncated.append(sample.stop_reason == "length")
     n = len(problems)

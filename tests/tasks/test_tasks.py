@@ -13,12 +13,20 @@ from collections import deque
 import pytest
 
 from heterorl.errors import TaskError
-from heterorl.tasks import TASKS, Problem, Task, make_task
+from heterorl.tasks import TASKS, Problem, Task, make_task, make_task_from
 from heterorl.tasks.answers import answers_match, extract_boxed_answer, extract_hash_answer
 from heterorl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 from heterorl.tasks.jsonl import JsonlConfig, JsonlTask
 from heterorl.tasks.maze import MazeConfig, MazeTask, maze_problem
-from heterorl.tasks.rewards import CallTimedOut, CustomRewardTask, TimedCall, load_reward_fn
+from heterorl.tasks.rewards import (
+    REWARD_FACTS,
+    CallTimedOut,
+    CustomRewardTask,
+    TimedCall,
+    accepted_facts,
+    load_reward_fn,
+    score,
+)
 
 # ---------------------------------------------------------------- maze
 
@@ -521,3 +529,52 @@ def test_make_task(tmp_path):
         make_task("maze", {"sise": 4})
     with pytest.raises(TaskError, match="needs option.*path"):
         make_task("jsonl")
+
+
+# ---------------------------------------------------------------- rewards with facts
+
+
+def test_a_reward_function_gets_the_facts_its_signature_names():
+    assert accepted_facts(lambda prompt, completion, answer: 0.0) == ()
+    assert accepted_facts(lambda prompt, completion, answer, *, stop_reason: 0.0) == ("stop_reason",)
+    assert accepted_facts(lambda prompt, completion, answer, token_ids=None, row=None: 0.0) == ("token_ids", "row")
+    assert accepted_facts(lambda *args, **kwargs: 0.0) == REWARD_FACTS
+    assert accepted_facts(len) == ()  # no signature: the three strings only
+
+
+def test_a_token_level_reward_tells_eos_from_a_cut_completion():
+    from heterorl.engines.base import SampleOutput
+
+    task = make_task("arithmetic", {"answer_format": "digits", "eval_size": 4},
+                     reward_fn="tests.token_reward:digits_then_eos")
+    problem = Problem(problem_id="p", prompt="123+456=", answer="579")
+    ended = SampleOutput(tokens=[5, 7, 9, 0], logprobs=[-0.1] * 4, stop_reason="eos", text="579")
+    cut = SampleOutput(tokens=[5, 7, 9], logprobs=[-0.1] * 3, stop_reason="length", text="579")
+    assert (score(task, problem, ended), score(task, problem, cut)) == (1.0, 0.0)
+    assert score(ArithmeticTask(ArithmeticConfig(answer_format="digits")), problem, cut) == 1.0  # text alone
+    with pytest.raises(TaskError, match="tests.token_reward:digits_then_eos raised TypeError.*"
+                                        "prompt '123\\+456=', completion '579'"):
+        task.reward(problem, "579")  # scoring text alone cannot give it the stop reason; the error names the row
+
+
+def test_sampled_completions_are_scored_with_their_token_ids_stop_reason_and_row():
+    from heterorl.config import load_config, packaged
+    from heterorl.loops.sync_rl import rollout_datums
+    from heterorl.policies import load_policy
+    from heterorl.training.session import TrainingClient
+    from tests import token_reward
+
+    cfg = load_config(packaged("add3_rl.yaml"), ["rollout.group_size=2", "rollout.max_tokens=6",
+                                                 "task.reward_fn=tests.token_reward:record"])
+    task = make_task_from(cfg.task)
+    model, tokenizer = load_policy(cfg.rl.base)
+    sampler = TrainingClient(model, tokenizer).save_weights_and_get_sampling_client()
+    token_reward.FACTS.clear()
+    problems = task.eval_problems()[:3]
+    datums, _ = rollout_datums(sampler, task, problems, cfg, seed=0)
+    assert len(token_reward.FACTS) == len(datums) == 6
+    for facts, datum, problem in zip(token_reward.FACTS, datums, [p for p in problems for _ in range(2)]):
+        assert set(facts) == set(REWARD_FACTS)
+        assert facts["token_ids"] == datum.tokens[datum.prompt_len:]  # what the learner trains on
+        assert (facts["token_ids"][-1] == tokenizer.eos_token_id) == (facts["stop_reason"] == "eos")
+        assert facts["row"] == {"prompt": problem.prompt, "answer": problem.answer}
