@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,15 +20,18 @@ from heterorl.tasks.answers import answers_match, extract_boxed_answer, extract_
 from heterorl.tasks.base import Problem
 
 EXTRACTORS = {"hash": extract_hash_answer, "boxed": extract_boxed_answer}
+log = logging.getLogger("heterorl.tasks.jsonl")
 
 
 @dataclass(frozen=True)
 class JsonlConfig:
     """Where the rows are and how to split and score them.
 
-    The eval set is ``eval_size`` rows when given, else
-    ``max(1, int(eval_fraction * rows))``, chosen by shuffling with
-    ``random.Random(split_seed)``; at least one row must remain for training.
+    The eval set is the rows of ``eval_path`` when given (its first ``eval_size`` when that is given too); else
+    ``eval_size`` rows of ``path`` when given, or ``max(1, int(eval_fraction * rows))``, chosen by shuffling with
+    ``random.Random(split_seed)`` (the run log names the lines it held out). Training draws never meet an eval
+    prompt; at least one row must remain for training. ``prompt_column`` and ``answer_column`` name the keys
+    that hold the prompt and the answer; every other key travels with the problem (a reward's ``row``).
     """
 
     path: str
@@ -35,6 +39,9 @@ class JsonlConfig:
     eval_fraction: float = 0.1
     eval_size: int | None = None
     split_seed: int = 0
+    eval_path: str | None = None
+    prompt_column: str = "prompt"
+    answer_column: str = "answer"
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, Path)) or not str(self.path):
@@ -49,29 +56,51 @@ class JsonlConfig:
             raise TaskError(f"jsonl option eval_size={size!r} must be an integer >= 1 or None")
         if not isinstance(self.split_seed, int) or isinstance(self.split_seed, bool):
             raise TaskError(f"jsonl option split_seed={self.split_seed!r} must be an integer")
+        if self.eval_path is not None and (not isinstance(self.eval_path, (str, Path)) or not str(self.eval_path)):
+            raise TaskError(f"jsonl option eval_path={self.eval_path!r} must be the path of a .jsonl file or null")
+        for key in ("prompt_column", "answer_column"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                raise TaskError(f"jsonl option {key}={getattr(self, key)!r} must be a non-empty string")
+        if self.prompt_column == self.answer_column:
+            raise TaskError(f"jsonl options prompt_column and answer_column are both {self.prompt_column!r}")
 
 
-def _parse_row(path: str, line_no: int, line: str) -> tuple[str, str, dict[str, Any]]:
+def _ranges(numbers: list[int]) -> str:
+    """``[1, 2, 3, 7]`` → ``"1-3, 7"``."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
+
+
+def _parse_row(path: str, line_no: int, line: str, prompt_key: str = "prompt",
+               answer_key: str = "answer") -> tuple[str, str, dict[str, Any]]:
     where = f"{path}, line {line_no}"
     try:
         row = json.loads(line)
     except json.JSONDecodeError as err:
         raise TaskError(f"{where}: not valid JSON ({err.msg}); write one JSON object per line") from err
     if not isinstance(row, dict):
-        raise TaskError(f"{where}: expected a JSON object with 'prompt' and 'answer', got {type(row).__name__}")
-    prompt = row.get("prompt")
+        raise TaskError(f"{where}: expected a JSON object with {prompt_key!r} and {answer_key!r}, "
+                        f"got {type(row).__name__}")
+    hint = "" if prompt_key in row and answer_key in row else (
+        f" (its keys: {', '.join(map(repr, row))}; name the columns with task.options.prompt_column / answer_column)")
+    prompt = row.get(prompt_key)
     if not isinstance(prompt, str) or not prompt.strip():
         problem = "missing" if prompt is None else f"must be a non-empty string, got {prompt!r}"
-        raise TaskError(f"{where}: 'prompt' {problem}")
-    if "answer" not in row:
-        raise TaskError(f"{where}: 'answer' is missing")
-    answer = row["answer"]
+        raise TaskError(f"{where}: {prompt_key!r} {problem}{hint}")
+    if answer_key not in row:
+        raise TaskError(f"{where}: {answer_key!r} is missing{hint}")
+    answer = row[answer_key]
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise TaskError(f"{where}: 'answer' must be a string or a number, got {type(answer).__name__}")
+        raise TaskError(f"{where}: {answer_key!r} must be a string or a number, got {type(answer).__name__}")
     answer = str(answer).strip()
     if not answer:
-        raise TaskError(f"{where}: 'answer' is empty")
-    extra = {key: value for key, value in row.items() if key not in ("prompt", "answer")}
+        raise TaskError(f"{where}: {answer_key!r} is empty")
+    extra = {key: value for key, value in row.items() if key not in (prompt_key, answer_key)}
     return prompt, answer, extra
 
 
@@ -83,26 +112,41 @@ class JsonlTask:
     def __init__(self, config: JsonlConfig) -> None:
         self.config = config
         self._extract = EXTRACTORS[config.extractor]
-        problems = self._load(str(config.path))
-        if len(problems) < 2:
-            raise TaskError(f"{config.path} has {len(problems)} row(s); need at least 2 (one train, one eval)")
-        order = list(range(len(problems)))
-        random.Random(config.split_seed).shuffle(order)
-        n_eval = config.eval_size or max(1, int(config.eval_fraction * len(problems)))
-        if n_eval >= len(problems):
-            raise TaskError(
-                f"eval set of {n_eval} rows leaves no training rows in {config.path} ({len(problems)} rows); "
-                "lower eval_size or eval_fraction"
-            )
-        self._eval = [problems[i] for i in order[:n_eval]]
-        eval_prompts = {p.prompt for p in self._eval}
-        self._train = [problems[i] for i in order[n_eval:] if problems[i].prompt not in eval_prompts]
+        rows = self._load(str(config.path))
+        problems = [p for _, p in rows]
+        if config.eval_path is not None:
+            held_out = self._load(str(config.eval_path))[:config.eval_size]
+            self._eval = [p for _, p in held_out]
+            eval_prompts = {p.prompt for p in self._eval}
+            self._train = [p for p in problems if p.prompt not in eval_prompts]
+        else:
+            if len(problems) < 2:
+                raise TaskError(f"{config.path} has {len(problems)} row(s); need at least 2 (one train, one eval), "
+                                "or name an eval file with task.options.eval_path")
+            order = list(range(len(problems)))
+            random.Random(config.split_seed).shuffle(order)
+            n_eval = config.eval_size or max(1, int(config.eval_fraction * len(problems)))
+            if n_eval >= len(problems):
+                raise TaskError(
+                    f"eval set of {n_eval} rows leaves no training rows in {config.path} ({len(problems)} rows); "
+                    "lower eval_size or eval_fraction"
+                )
+            self._eval = [problems[i] for i in order[:n_eval]]
+            self.held_out_lines = sorted(rows[i][0] for i in order[:n_eval])
+            log.info("jsonl: held out lines %s of %s for evaluation (split_seed %d); name the eval rows yourself "
+                     "with task.options.eval_path", _ranges(self.held_out_lines), config.path, config.split_seed)
+            eval_prompts = {p.prompt for p in self._eval}
+            self._train = [problems[i] for i in order[n_eval:] if problems[i].prompt not in eval_prompts]
         if not self._train:
-            raise TaskError(f"every training row of {config.path} repeats an eval prompt; lower eval_size")
-        chars = {ch for p in problems for ch in p.prompt + self.demonstration(p)}
+            raise TaskError(f"every training row of {config.path} repeats an eval prompt; lower eval_size or use "
+                            "an eval file that does not repeat the training rows")
+        chars = {ch for p in problems + self._eval for ch in p.prompt + self.demonstration(p)}
         self._alphabet = "".join(sorted(chars))
 
-    def _load(self, path: str) -> list[Problem]:
+    held_out_lines: list[int] | None = None  # the lines of ``path`` held out for evaluation (None: an eval file)
+
+    def _load(self, path: str) -> list[tuple[int, Problem]]:
+        """(line number, problem) of every row of ``path``."""
         try:
             with open(path, encoding="utf-8") as f:
                 lines = f.read().splitlines()
@@ -114,7 +158,8 @@ class JsonlTask:
         for line_no, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
-            prompt, answer, extra = _parse_row(path, line_no, line)
+            prompt, answer, extra = _parse_row(path, line_no, line, self.config.prompt_column,
+                                               self.config.answer_column)
             problem = Problem(
                 problem_id="jsonl-" + hashlib.sha1(prompt.encode()).hexdigest()[:12],
                 prompt=prompt,
@@ -127,7 +172,7 @@ class JsonlTask:
                     f"{self.config.extractor!r} extractor from {self.demonstration(problem)!r}; "
                     "simplify the answer or use the other extractor"
                 )
-            problems.append(problem)
+            problems.append((line_no, problem))
         if not problems:
             raise TaskError(f"jsonl task file {path} is empty; add rows like {{\"prompt\": ..., \"answer\": ...}}")
         return problems

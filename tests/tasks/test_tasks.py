@@ -578,3 +578,38 @@ def test_sampled_completions_are_scored_with_their_token_ids_stop_reason_and_row
         assert facts["token_ids"] == datum.tokens[datum.prompt_len:]  # what the learner trains on
         assert (facts["token_ids"][-1] == tokenizer.eos_token_id) == (facts["stop_reason"] == "eos")
         assert facts["row"] == {"prompt": problem.prompt, "answer": problem.answer}
+
+
+def test_jsonl_eval_file_names_the_held_out_rows(tmp_path):
+    train = write_lines(tmp_path / "train.jsonl", [f'{{"q": "{i}+1=", "a": {i + 1}, "level": {i % 3}}}'
+                                                   for i in range(10)])
+    held = write_lines(tmp_path / "eval.jsonl", ['{"q": "3+1=", "a": 4}', '{"q": "20+1=", "a": 21}'])
+    task = JsonlTask(JsonlConfig(path=train, eval_path=held, prompt_column="q", answer_column="a"))
+    assert [(p.prompt, p.answer) for p in task.eval_problems()] == [("3+1=", "4"), ("20+1=", "21")]
+    assert task.held_out_lines is None
+    drawn = {task.sample_train(random.Random(s)).prompt for s in range(200)}
+    assert "3+1=" not in drawn and len(drawn) == 9  # the eval prompt is never drawn for training
+    assert task.sample_train(random.Random(0)).data["level"] in (0, 1, 2)  # other columns travel with the row
+    first = JsonlTask(JsonlConfig(path=train, eval_path=held, eval_size=1, prompt_column="q", answer_column="a"))
+    assert [p.prompt for p in first.eval_problems()] == ["3+1="]
+
+
+def test_jsonl_split_without_an_eval_file_says_which_lines_it_held_out(tmp_path, caplog):
+    path = write_lines(tmp_path / "d.jsonl", [f'{{"prompt": "{i}+1=", "answer": {i + 1}}}' for i in range(10)])
+    with caplog.at_level("INFO", logger="heterorl.tasks.jsonl"):
+        task = JsonlTask(JsonlConfig(path=path, eval_size=3))
+    lines = task.held_out_lines
+    assert len(lines) == 3 and [f"{n - 1}+1=" for n in lines] == sorted(p.prompt for p in task.eval_problems())
+    assert "held out lines" in caplog.text and "task.options.eval_path" in caplog.text
+
+
+def test_jsonl_columns_and_eval_file_errors_name_file_line_and_keys(tmp_path):
+    path = write_lines(tmp_path / "d.jsonl", ['{"question": "1+1=", "solution": 2}', '{"question": "2+2=", "solution": 4}'])
+    with pytest.raises(TaskError, match=r"d.jsonl, line 1: 'prompt' missing \(its keys: 'question', 'solution'; "
+                                        r"name the columns with task.options.prompt_column / answer_column\)"):
+        JsonlTask(JsonlConfig(path=path))
+    bad_eval = write_lines(tmp_path / "e.jsonl", ['{"question": "3+3=", "solution": 6}', "not json"])
+    with pytest.raises(TaskError, match="e.jsonl, line 2: not valid JSON"):
+        JsonlTask(JsonlConfig(path=path, eval_path=bad_eval, prompt_column="question", answer_column="solution"))
+    with pytest.raises(TaskError, match="prompt_column and answer_column are both 'x'"):
+        JsonlConfig(path=path, prompt_column="x", answer_column="x")
