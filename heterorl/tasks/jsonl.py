@@ -1,4 +1,5 @@
-"""Problems from the user's JSONL file, one ``{"prompt": ..., "answer": ...}`` object a line.
+"""Problems from the user's dataset: a JSONL file, one ``{"prompt": ..., "answer": ...}`` object a line, a Parquet
+file or a folder written by ``datasets``' ``save_to_disk`` with the same columns (names configurable).
 
 The answer is given as ``#### <answer>`` (GSM8K style, extractor ``"hash"``)
 or ``\\boxed{<answer>}`` (extractor ``"boxed"``) and scored with
@@ -45,7 +46,8 @@ class JsonlConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, Path)) or not str(self.path):
-            raise TaskError(f"jsonl option path={self.path!r} must be the path of a .jsonl file")
+            raise TaskError(f"jsonl option path={self.path!r} must be the path of a .jsonl or .parquet file or of a "
+                            "datasets folder")
         if self.extractor not in EXTRACTORS:
             raise TaskError(f"jsonl option extractor={self.extractor!r} must be one of {sorted(EXTRACTORS)}")
         fraction = self.eval_fraction
@@ -76,13 +78,51 @@ def _ranges(numbers: list[int]) -> str:
     return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
 
 
-def _parse_row(path: str, line_no: int, line: str, prompt_key: str = "prompt",
-               answer_key: str = "answer") -> tuple[str, str, dict[str, Any]]:
-    where = f"{path}, line {line_no}"
+def read_rows(path: str) -> list[tuple[int, str, object]]:
+    """(number, where, row) of every row of a dataset file: a JSONL file (row = the line's text, number = its
+    line), a Parquet file or a folder written by ``datasets``' ``save_to_disk`` (row = a dict, number = its
+    1-based position; the ``[data]`` extra reads them). ``where`` names the file and the line or row."""
+    source = Path(path)
+    if not source.exists():
+        raise TaskError(f"task file {path} does not exist; check the path option")
+    if source.is_dir() or source.suffix == ".parquet":
+        return [(i, f"{path}, row {i}", row) for i, row in enumerate(_read_table(source), start=1)]
     try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise TaskError(f"{where}: not valid JSON ({err.msg}); write one JSON object per line") from err
+        lines = source.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise TaskError(f"cannot read task file {path}: {err}") from err
+    return [(n, f"{path}, line {n}", line) for n, line in enumerate(lines, start=1) if line.strip()]
+
+
+def _read_table(source: Path) -> list[dict]:
+    try:
+        if source.is_dir():
+            import datasets
+
+            table = datasets.load_from_disk(str(source))
+            if isinstance(table, datasets.DatasetDict):
+                raise TaskError(f"{source} holds splits {sorted(table)}, not one table: name the split's folder "
+                                f"({source}/{sorted(table)[0]}, say)")
+            return table.to_list()
+        import pyarrow.parquet
+
+        return pyarrow.parquet.read_table(source).to_pylist()
+    except ImportError as err:
+        raise TaskError(f"reading {source} needs the [data] extra (pip install 'heterorl[data]'): {err}") from err
+    except TaskError:
+        raise
+    except Exception as err:
+        kind = "a datasets folder (save_to_disk)" if source.is_dir() else "a Parquet file"
+        raise TaskError(f"cannot read {source} as {kind}: {type(err).__name__}: {err}") from err
+
+
+def _parse_row(where: str, row: object, prompt_key: str = "prompt",
+               answer_key: str = "answer") -> tuple[str, str, dict[str, Any]]:
+    if isinstance(row, str):
+        try:
+            row = json.loads(row)
+        except json.JSONDecodeError as err:
+            raise TaskError(f"{where}: not valid JSON ({err.msg}); write one JSON object per line") from err
     if not isinstance(row, dict):
         raise TaskError(f"{where}: expected a JSON object with {prompt_key!r} and {answer_key!r}, "
                         f"got {type(row).__name__}")
@@ -132,9 +172,10 @@ class JsonlTask:
                     "lower eval_size or eval_fraction"
                 )
             self._eval = [problems[i] for i in order[:n_eval]]
-            self.held_out_lines = sorted(rows[i][0] for i in order[:n_eval])
-            log.info("jsonl: held out lines %s of %s for evaluation (split_seed %d); name the eval rows yourself "
-                     "with task.options.eval_path", _ranges(self.held_out_lines), config.path, config.split_seed)
+            self.held_out_rows = sorted(rows[i][0] for i in order[:n_eval])
+            unit = "rows" if Path(config.path).is_dir() or Path(config.path).suffix == ".parquet" else "lines"
+            log.info("held out %s %s of %s for evaluation (split_seed %d); name the eval rows yourself with "
+                     "task.options.eval_path", unit, _ranges(self.held_out_rows), config.path, config.split_seed)
             eval_prompts = {p.prompt for p in self._eval}
             self._train = [problems[i] for i in order[n_eval:] if problems[i].prompt not in eval_prompts]
         if not self._train:
@@ -143,23 +184,13 @@ class JsonlTask:
         chars = {ch for p in problems + self._eval for ch in p.prompt + self.demonstration(p)}
         self._alphabet = "".join(sorted(chars))
 
-    held_out_lines: list[int] | None = None  # the lines of ``path`` held out for evaluation (None: an eval file)
+    held_out_rows: list[int] | None = None  # the lines (JSONL) or rows of ``path`` held out (None: an eval file)
 
     def _load(self, path: str) -> list[tuple[int, Problem]]:
-        """(line number, problem) of every row of ``path``."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                lines = f.read().splitlines()
-        except FileNotFoundError as err:
-            raise TaskError(f"jsonl task file {path} does not exist; check the path option") from err
-        except (OSError, UnicodeDecodeError) as err:
-            raise TaskError(f"cannot read jsonl task file {path}: {err}") from err
+        """(line or row number, problem) of every row of ``path``."""
         problems = []
-        for line_no, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            prompt, answer, extra = _parse_row(path, line_no, line, self.config.prompt_column,
-                                               self.config.answer_column)
+        for number, where, row in read_rows(path):
+            prompt, answer, extra = _parse_row(where, row, self.config.prompt_column, self.config.answer_column)
             problem = Problem(
                 problem_id="jsonl-" + hashlib.sha1(prompt.encode()).hexdigest()[:12],
                 prompt=prompt,
@@ -168,13 +199,13 @@ class JsonlTask:
             )
             if self.reward(problem, self.demonstration(problem)) != 1.0:
                 raise TaskError(
-                    f"{path}, line {line_no}: answer {answer!r} cannot be read back by the "
+                    f"{where}: answer {answer!r} cannot be read back by the "
                     f"{self.config.extractor!r} extractor from {self.demonstration(problem)!r}; "
                     "simplify the answer or use the other extractor"
                 )
-            problems.append((line_no, problem))
+            problems.append((number, problem))
         if not problems:
-            raise TaskError(f"jsonl task file {path} is empty; add rows like {{\"prompt\": ..., \"answer\": ...}}")
+            raise TaskError(f"task file {path} is empty; add rows like {{\"prompt\": ..., \"answer\": ...}}")
         return problems
 
     def alphabet(self) -> str:

@@ -586,7 +586,7 @@ def test_jsonl_eval_file_names_the_held_out_rows(tmp_path):
     held = write_lines(tmp_path / "eval.jsonl", ['{"q": "3+1=", "a": 4}', '{"q": "20+1=", "a": 21}'])
     task = JsonlTask(JsonlConfig(path=train, eval_path=held, prompt_column="q", answer_column="a"))
     assert [(p.prompt, p.answer) for p in task.eval_problems()] == [("3+1=", "4"), ("20+1=", "21")]
-    assert task.held_out_lines is None
+    assert task.held_out_rows is None
     drawn = {task.sample_train(random.Random(s)).prompt for s in range(200)}
     assert "3+1=" not in drawn and len(drawn) == 9  # the eval prompt is never drawn for training
     assert task.sample_train(random.Random(0)).data["level"] in (0, 1, 2)  # other columns travel with the row
@@ -598,7 +598,7 @@ def test_jsonl_split_without_an_eval_file_says_which_lines_it_held_out(tmp_path,
     path = write_lines(tmp_path / "d.jsonl", [f'{{"prompt": "{i}+1=", "answer": {i + 1}}}' for i in range(10)])
     with caplog.at_level("INFO", logger="heterorl.tasks.jsonl"):
         task = JsonlTask(JsonlConfig(path=path, eval_size=3))
-    lines = task.held_out_lines
+    lines = task.held_out_rows
     assert len(lines) == 3 and [f"{n - 1}+1=" for n in lines] == sorted(p.prompt for p in task.eval_problems())
     assert "held out lines" in caplog.text and "task.options.eval_path" in caplog.text
 
@@ -613,3 +613,40 @@ def test_jsonl_columns_and_eval_file_errors_name_file_line_and_keys(tmp_path):
         JsonlTask(JsonlConfig(path=path, eval_path=bad_eval, prompt_column="question", answer_column="solution"))
     with pytest.raises(TaskError, match="prompt_column and answer_column are both 'x'"):
         JsonlConfig(path=path, prompt_column="x", answer_column="x")
+
+
+def test_parquet_files_and_datasets_folders_are_read_like_jsonl(tmp_path):
+    import datasets
+    import pyarrow
+    import pyarrow.parquet
+
+    rows = {"question": [f"{i}+2=" for i in range(12)], "solution": [str(i + 2) for i in range(12)],
+            "level": [i % 2 for i in range(12)]}
+    pyarrow.parquet.write_table(pyarrow.table(rows), tmp_path / "train.parquet")
+    datasets.Dataset.from_dict({k: v[:3] for k, v in rows.items()}).save_to_disk(str(tmp_path / "held"))
+    options = {"prompt_column": "question", "answer_column": "solution"}
+    task = make_task("jsonl", {"path": str(tmp_path / "train.parquet"), "eval_path": str(tmp_path / "held"),
+                               **options})
+    assert [(p.prompt, p.answer, p.data) for p in task.eval_problems()] == [
+        ("0+2=", "2", {"level": 0}), ("1+2=", "3", {"level": 1}), ("2+2=", "4", {"level": 0})]
+    assert {task.sample_train(random.Random(s)).prompt for s in range(300)} == set(rows["question"][3:])
+    split = make_task("jsonl", {"path": str(tmp_path / "train.parquet"), "eval_size": 2, **options})
+    assert len(split.held_out_rows) == 2 and all(1 <= r <= 12 for r in split.held_out_rows)
+
+
+def test_bad_tables_are_errors_naming_the_file_row_and_columns(tmp_path):
+    import datasets
+    import pyarrow
+    import pyarrow.parquet
+
+    pyarrow.parquet.write_table(pyarrow.table({"prompt": ["1+1=", "2+2="], "answer": [2, None]}),
+                                tmp_path / "gap.parquet")
+    with pytest.raises(TaskError, match=r"gap.parquet, row 2: 'answer' must be a string or a number, got NoneType"):
+        make_task("jsonl", {"path": str(tmp_path / "gap.parquet")})
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet")
+    with pytest.raises(TaskError, match="cannot read .*junk.parquet as a Parquet file"):
+        make_task("jsonl", {"path": str(tmp_path / "junk.parquet")})
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["1+1="], "answer": ["2"]})})
+    splits.save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(TaskError, match=r"holds splits \['train'\], not one table: name the split's folder"):
+        make_task("jsonl", {"path": str(tmp_path / "dd")})
