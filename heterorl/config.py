@@ -243,13 +243,20 @@ def load_trace(path: str | Path | None, key: str = "delay") -> np.ndarray:
 class TaskConfig:
     name: str = "maze"  # maze | arithmetic | jsonl
     options: Dict[str, Any] = field(default_factory=dict)  # fields of the task's config dataclass
-    reward_fn: Optional[str] = None  # "my_pkg.rewards:score" replaces the task's reward
+    # "my_pkg.rewards:score" replaces the task's reward; several, comma-separated, are summed with reward_weights
+    reward_fn: Optional[str] = None
+    reward_weights: Optional[List[float]] = None  # one per reward_fn (default: 1 each), as TRL's reward_weights
     # a reward_fn call that has not returned after this long is an error that stops the run (it runs in a
     # helper thread for this); null: no limit, and the call runs in the caller's thread (a function that uses
     # signals needs that)
     reward_timeout_s: Optional[float] = 60.0
 
     def validate(self, key: str = "task") -> None:
+        if self.reward_weights is not None:
+            count = len(self.reward_fn.split(",")) if self.reward_fn else 0
+            if len(self.reward_weights) != count:
+                _fail(f"{key}.reward_weights", list(self.reward_weights),
+                      f"give one weight per reward function ({count} in {key}.reward_fn)")
         timeout = self.reward_timeout_s
         if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
             _fail(f"{key}.reward_timeout_s", timeout, "must be a finite number of seconds > 0, or null for no limit")

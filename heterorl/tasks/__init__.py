@@ -25,12 +25,13 @@ TASKS: dict[str, tuple[type, type]] = {
 
 
 def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str | None = None,
-              reward_timeout_s: float | None = TaskConfig.reward_timeout_s) -> Task:
+              reward_timeout_s: float | None = TaskConfig.reward_timeout_s,
+              reward_weights: list[float] | None = None) -> Task:
     """Build task ``name`` from ``options`` (its config's fields).
 
-    When ``reward_fn`` (``"package.module:function"``) is given, the task is
-    wrapped in :class:`CustomRewardTask` and scored by that function, each
-    call limited to ``reward_timeout_s`` seconds (None: no limit). Raises
+    When ``reward_fn`` (``"package.module:function"``, or several comma-separated, summed with
+    ``reward_weights``) is given, the task is wrapped in :class:`CustomRewardTask` and scored by those
+    functions, each call limited to ``reward_timeout_s`` seconds (None: no limit). Raises
     TaskError for an unknown task name, an unknown or missing option, or a
     bad reward function path.
     """
@@ -52,13 +53,15 @@ def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str |
         raise TaskError(f"task {name!r} needs option(s) {', '.join(missing)}")
     task = task_cls(config_cls(**options))
     if reward_fn is not None:
-        task = CustomRewardTask(task, load_reward_fn(reward_fn), reward_timeout_s)
+        fns = [load_reward_fn(spec.strip()) for spec in reward_fn.split(",")]
+        task = CustomRewardTask(task, fns, reward_timeout_s, reward_weights)
     return task
 
 
 def make_task_from(config: TaskConfig) -> Task:
     """`make_task` from a run config's ``task`` section (its name, options, reward function and timeout)."""
-    return make_task(config.name, dict(config.options), config.reward_fn, config.reward_timeout_s)
+    weights = None if config.reward_weights is None else list(config.reward_weights)
+    return make_task(config.name, dict(config.options), config.reward_fn, config.reward_timeout_s, weights)
 
 
 __all__ = ["Problem", "Task", "TASKS", "make_task", "make_task_from"]

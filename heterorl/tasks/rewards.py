@@ -20,7 +20,7 @@ import numbers
 import queue
 import random
 import threading
-from typing import Callable
+from typing import Callable, Sequence
 
 from heterorl.config import TaskConfig
 from heterorl.errors import TaskError
@@ -138,23 +138,86 @@ class TimedCall:
                 results.put((False, err))
 
 
-class CustomRewardTask:
-    """``base`` with its reward replaced by ``reward_fn(prompt, completion, answer) -> float``.
+def is_batched(fn: Callable) -> bool:
+    """Whether ``fn`` is a TRL-style batched reward function, ``(prompts, completions, **kwargs) -> list[float]``
+    (its signature names ``prompts`` and ``completions``)."""
+    try:
+        names = set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return {"prompts", "completions"} <= names
 
-    Everything else (problems, eval set, demonstrations, alphabet) is the
-    base task's. The function's result must be a finite real number; anything
-    else, an exception inside it, or no result within ``timeout_s`` seconds
-    (None: no limit) raises TaskError naming the function.
+
+class _Scorer:
+    """One reward function with its weight, the facts it takes, and its time limit."""
+
+    def __init__(self, fn: Callable, weight: float, timeout_s: float | None) -> None:
+        if not callable(fn):
+            raise TaskError(f"reward_fn {fn!r} is not callable; pass a (prompt, completion, answer) -> float")
+        self.fn, self.weight, self.name = fn, weight, _describe(fn)
+        self.batched = is_batched(fn)
+        self.facts = accepted_facts(fn)
+        self.call = TimedCall(fn, timeout_s)
+
+    def __call__(self, problem: Problem, completion: str, facts: dict, where: str) -> float:
+        try:
+            if self.batched:  # TRL's convention: lists, one entry per completion; the row's columns by keyword
+                columns = {k: [v] for k, v in facts["row"].items() if k not in ("prompt", "completion")}
+                if "token_ids" in facts:
+                    columns["completion_ids"] = [facts["token_ids"]]
+                values = self.call(prompts=[problem.prompt], completions=[completion], **columns)
+                if not isinstance(values, (list, tuple)) or len(values) != 1:
+                    raise TaskError(f"reward function {self.name} returned {values!r} for 1 completion: a batched "
+                                    f"reward function returns a list with one float per completion ({where})")
+                value = values[0]
+            else:
+                given = {f: facts[f] for f in self.facts if f in facts}  # scoring text alone has no token ids
+                value = self.call(problem.prompt, completion, problem.answer, **given)
+        except CallTimedOut:
+            raise TaskError(
+                f"reward function {self.name} did not return within {self.call.timeout_s:g} s "
+                f"(task.reward_timeout_s, {where}); make it faster, or raise the limit with "
+                "task.reward_timeout_s=SECONDS (null: no limit)"
+            ) from None
+        except TaskError:
+            raise
+        except Exception as err:
+            raise TaskError(f"reward function {self.name} raised {type(err).__name__}: {err} ({where})") from err
+        if not isinstance(value, numbers.Real):  # bool and int count
+            raise TaskError(f"reward function {self.name} returned {value!r} ({type(value).__name__}) for "
+                            f"{where}; return a float")
+        value = float(value)
+        if not math.isfinite(value):
+            raise TaskError(f"reward function {self.name} returned {value} for {where}; return a finite float")
+        return value
+
+
+class CustomRewardTask:
+    """``base`` with its reward replaced by one or more reward functions: the weighted sum of their scores.
+
+    A function is ``reward_fn(prompt, completion, answer, **facts) -> float`` (the facts it names, see
+    `REWARD_FACTS`) or TRL-style batched, ``reward_fn(prompts, completions, **kwargs) -> list[float]`` (called
+    with one completion, its ``completion_ids`` and the row's columns as one-element lists). Everything else
+    (problems, eval set, demonstrations, alphabet) is the base task's. A score must be a finite real number;
+    anything else, an exception inside a function, or no result within ``timeout_s`` seconds (None: no limit)
+    raises TaskError naming the function and the row.
     """
 
-    def __init__(self, base: Task, reward_fn: RewardFn,
-                 timeout_s: float | None = TaskConfig.reward_timeout_s) -> None:
-        if not callable(reward_fn):
-            raise TaskError(f"reward_fn {reward_fn!r} is not callable; pass a (prompt, completion, answer) -> float")
+    def __init__(self, base: Task, reward_fn: RewardFn | Sequence[RewardFn],
+                 timeout_s: float | None = TaskConfig.reward_timeout_s,
+                 weights: Sequence[float] | None = None) -> None:
+        fns = list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn]
+        if not fns:
+            raise TaskError("give at least one reward function")
+        weights = [1.0] * len(fns) if weights is None else list(weights)
+        if len(weights) != len(fns):
+            raise TaskError(f"{len(weights)} reward weights (task.reward_weights) for {len(fns)} reward functions; "
+                            "give one weight per function")
+        if not all(isinstance(w, numbers.Real) and math.isfinite(w) for w in weights):
+            raise TaskError(f"reward weights {weights} must be finite numbers")
         self.base = base
-        self.reward_fn = reward_fn
-        self.facts = accepted_facts(reward_fn)
-        self._call = TimedCall(reward_fn, timeout_s)
+        self.scorers = [_Scorer(fn, float(w), timeout_s) for fn, w in zip(fns, weights)]
+        self.reward_fn = fns[0]
         self.name = base.name
 
     def alphabet(self) -> str:
@@ -170,31 +233,12 @@ class CustomRewardTask:
         return self.base.demonstration(problem)
 
     def reward(self, problem: Problem, completion: str) -> float:
-        """The function's score of a text alone (no token ids or stop reason: see `reward_with_facts`)."""
+        """The functions' score of a text alone (no token ids or stop reason: see `reward_with_facts`)."""
         return self.reward_with_facts(problem, completion)
 
     def reward_with_facts(self, problem: Problem, completion: str, **facts) -> float:
-        """The function's score, given the `REWARD_FACTS` it takes (``row`` is built here from the problem)."""
-        name = _describe(self.reward_fn)
+        """The weighted sum of the functions' scores, each given the `REWARD_FACTS` it takes (``row`` is built here
+        from the problem)."""
         where = f"problem {problem.problem_id!r}, prompt {problem.prompt[:60]!r}, completion {completion[:60]!r}"
         facts["row"] = {"prompt": problem.prompt, "answer": problem.answer, **problem.data}
-        given = {f: facts[f] for f in self.facts if f in facts}  # scoring text alone has no token ids
-        try:
-            value = self._call(problem.prompt, completion, problem.answer, **given)
-        except CallTimedOut:
-            raise TaskError(
-                f"reward function {name} did not return within {self._call.timeout_s:g} s (task.reward_timeout_s, "
-                f"{where}); make it faster, or raise the limit with "
-                "task.reward_timeout_s=SECONDS (null: no limit)"
-            ) from None
-        except Exception as err:
-            raise TaskError(
-                f"reward function {name} raised {type(err).__name__}: {err} ({where})"
-            ) from err
-        if not isinstance(value, numbers.Real):
-            raise TaskError(f"reward function {name} returned {value!r} ({type(value).__name__}) for {where}; "
-                            "return a float")
-        value = float(value)
-        if not math.isfinite(value):
-            raise TaskError(f"reward function {name} returned {value} for {where}; return a finite float")
-        return value
+        return sum(s.weight * s(problem, completion, facts, where) for s in self.scorers)

@@ -12,7 +12,7 @@ from collections import deque
 
 import pytest
 
-from heterorl.errors import TaskError
+from heterorl.errors import ConfigError, TaskError
 from heterorl.tasks import TASKS, Problem, Task, make_task, make_task_from
 from heterorl.tasks.answers import answers_match, extract_boxed_answer, extract_hash_answer
 from heterorl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
@@ -650,3 +650,21 @@ def test_bad_tables_are_errors_naming_the_file_row_and_columns(tmp_path):
     splits.save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(TaskError, match=r"holds splits \['train'\], not one table: name the split's folder"):
         make_task("jsonl", {"path": str(tmp_path / "dd")})
+
+
+def test_trl_style_batched_reward_functions_summed_with_weights():
+    from heterorl.config import load_config
+    from heterorl.engines.base import SampleOutput
+
+    task = make_task("arithmetic", {"answer_format": "digits", "eval_size": 4},
+                     reward_fn="tests.token_reward:trl_exact, tests.token_reward:trl_short", reward_weights=[1.0, 0.25])
+    problem = Problem(problem_id="p", prompt="123+456=", answer="579")
+    sample = SampleOutput(tokens=[5, 7, 9, 0], logprobs=[-0.1] * 4, stop_reason="eos", text="579")
+    assert score(task, problem, sample) == 1.25 and task.reward(problem, "5790") == 0.0
+    with pytest.raises(TaskError, match=r"trl_wrong_length returned \[0.0, 0.0\] for 1 completion: a batched reward "
+                                        "function returns a list with one float per completion"):
+        make_task("arithmetic", {"eval_size": 4}, reward_fn="tests.token_reward:trl_wrong_length").reward(problem, "1")
+    with pytest.raises(TaskError, match="2 reward weights .* for 1 reward functions"):
+        make_task("arithmetic", {"eval_size": 4}, reward_fn="tests.token_reward:trl_exact", reward_weights=[1, 2])
+    with pytest.raises(ConfigError, match="`task.reward_weights`.*one weight per reward function \\(2 in"):
+        load_config(None, ["task.reward_fn=a:b,c:d", "task.reward_weights=[1.0]"])
