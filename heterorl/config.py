@@ -246,6 +246,9 @@ class TaskConfig:
     # "my_pkg.rewards:score" replaces the task's reward; several, comma-separated, are summed with reward_weights
     reward_fn: Optional[str] = None
     reward_weights: Optional[List[float]] = None  # one per reward_fn (default: 1 each), as TRL's reward_weights
+    # render each prompt as a user message with the tokenizer's chat template (chat models), everywhere prompts
+    # are encoded; false: the prompt text with the tokenizer's own special tokens
+    chat_template: bool = False
     # a reward_fn call that has not returned after this long is an error that stops the run (it runs in a
     # helper thread for this); null: no limit, and the call runs in the caller's thread (a function that uses
     # signals needs that)

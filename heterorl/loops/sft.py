@@ -29,12 +29,14 @@ class SFTResult:
     history: list[dict] = field(default_factory=list)
 
 
-def demonstration_datums(task: Task, tokenizer, rng: random.Random, batch_size: int) -> list[Datum]:
-    """``batch_size`` fresh training problems with their demonstrations (+ EOS) as datums."""
+def demonstration_datums(task: Task, tokenizer, rng: random.Random, batch_size: int,
+                         chat_template: bool = False) -> list[Datum]:
+    """``batch_size`` fresh training problems with their demonstrations (+ EOS) as datums, the prompts encoded
+    as everywhere else (`encode_prompt`)."""
     datums = []
     for _ in range(batch_size):
         problem = task.sample_train(rng)
-        prompt = encode_prompt(tokenizer, problem.prompt)
+        prompt = encode_prompt(tokenizer, problem.prompt, chat_template)
         completion = encode_text(tokenizer, task.demonstration(problem), "demonstration") + [tokenizer.eos_token_id]
         datums.append(Datum(tokens=prompt + completion, prompt_len=len(prompt)))
     return datums
@@ -47,14 +49,15 @@ def run_sft(cfg: Config, training: TrainingClient, task: Task, logger=None, prog
     eval_problems = task.eval_problems()
     start, success, history = time.time(), 0.0, []
     for step in range(1, cfg.sft.steps + 1):
-        datums = demonstration_datums(task, training.tokenizer, rng, cfg.sft.batch_size)
+        datums = demonstration_datums(task, training.tokenizer, rng, cfg.sft.batch_size, cfg.task.chat_template)
         out = training.forward_backward(datums, "cross_entropy").result()
         lr = learning_rate(step, cfg.sft.lr, cfg.sft.steps, cfg.sft.warmup_steps, "constant")
         training.optim_step(AdamParams(learning_rate=lr, grad_clip_norm=cfg.optim.grad_clip_norm)).result()
         metrics = {"sft/loss": out.loss, "optim/lr": lr}
         if step % cfg.sft.eval_every == 0 or step == cfg.sft.steps:
             sampler = training.save_weights_and_get_sampling_client()
-            success = evaluate(sampler, task, eval_problems, cfg.rollout.max_tokens).success
+            success = evaluate(sampler, task, eval_problems, cfg.rollout.max_tokens,
+                               chat_template=cfg.task.chat_template).success
             metrics["eval/success"] = success
             history.append({"step": step, "eval/success": success, "time_s": time.time() - start})
         if logger:

@@ -28,7 +28,7 @@ from heterorl.training.textcodec import encode_prompt
 def rollout_datums(sampler, task: Task, problems, cfg: Config, seed: int) -> tuple[list[Datum], dict]:
     """Sample a group per problem, score it, and turn it into datums with rewards and group ids."""
     tokenizer = sampler.tokenizer
-    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+    prompts = [encode_prompt(tokenizer, p.prompt, cfg.task.chat_template) for p in problems]
     params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, seed=seed)
     groups = sampler.sample(prompts, cfg.rollout.group_size, params).result()
@@ -58,7 +58,8 @@ def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, 
     eval_tokens = cfg.rl.eval_max_tokens or cfg.rollout.max_tokens
     start = time.time()
     sampler = training.save_weights_and_get_sampling_client()
-    recorder = StepRecorder(cfg, lambda: evaluate(sampler, task, eval_problems, eval_tokens).success, logger, progress)
+    recorder = StepRecorder(cfg, lambda: evaluate(sampler, task, eval_problems, eval_tokens,
+                                                  chat_template=cfg.task.chat_template).success, logger, progress)
     recorder.start()
     total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
     for step in range(1, cfg.rl.steps + 1):

@@ -210,7 +210,7 @@ def _histogram(values: list[int]) -> list[int]:
 def held_out_success(cfg: Config, sampler: SamplingClient, task: Task) -> float:
     """Greedy success of ``sampler``'s weights on the task's held-out problems."""
     tokens = cfg.rl.eval_max_tokens or cfg.rollout.max_tokens
-    return evaluate(sampler, task, task.eval_problems(), tokens).success
+    return evaluate(sampler, task, task.eval_problems(), tokens, chat_template=cfg.task.chat_template).success
 
 
 def step_metrics(groups: list[Group], staleness: list[int], staleness_s: list[float], *, version: int,

@@ -200,7 +200,7 @@ class Simulation:
                 return
         self._started += n
         problems = [self.task.sample_train(w.rng) for _ in range(n)]
-        prompts = [encode_prompt(self._sampler.tokenizer, p.prompt) for p in problems]
+        prompts = [encode_prompt(self._sampler.tokenizer, p.prompt, self.cfg.task.chat_template) for p in problems]
         if self._sampler.version != w.version:
             self._sampler.load_weights(w.version, self._weights[w.version])
         groups = self._sampler.sample(prompts, cfg.rollout.group_size,
@@ -287,7 +287,7 @@ class Simulation:
         for i, w in enumerate(self.workers):
             n = share + (i < cfg.rl.prompts_per_step % len(self.workers))
             problems = [self.task.sample_train(w.rng) for _ in range(n)]
-            prompts = [encode_prompt(self._sampler.tokenizer, p.prompt) for p in problems]
+            prompts = [encode_prompt(self._sampler.tokenizer, p.prompt, self.cfg.task.chat_template) for p in problems]
             sampled = self._sampler.sample(prompts, cfg.rollout.group_size,
                                            sampling_params(cfg, w.worker_id, w.groups_sent)).result()
             stamped = stamp_groups(self.task, w.worker_id, w.groups_sent, source, problems, prompts, sampled,

@@ -225,7 +225,7 @@ class RolloutWorker:
 
     def _generate_and_send(self, cfg: Config, task, problems) -> None:
         worker_id = self.options.worker_id
-        prompts = [encode_prompt(self.sampler.tokenizer, p.prompt) for p in problems]
+        prompts = [encode_prompt(self.sampler.tokenizer, p.prompt, cfg.task.chat_template) for p in problems]
         params = self._sampling_params(cfg, prompts)
         start_wall, start = time.time(), time.monotonic()
         groups = self.sampler.sample(prompts, cfg.rollout.group_size, params).result()

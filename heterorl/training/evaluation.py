@@ -19,10 +19,10 @@ class EvalResult:
 
 
 def evaluate(sampling_client, task: Task, problems: Sequence[Problem], max_tokens: int,
-             temperature: float = 0.0, seed: int = 0) -> EvalResult:
+             temperature: float = 0.0, seed: int = 0, chat_template: bool = False) -> EvalResult:
     """Mean reward of one completion per problem (greedy by default)."""
     tokenizer = sampling_client.tokenizer
-    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+    prompts = [encode_prompt(tokenizer, p.prompt, chat_template) for p in problems]
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     groups = sampling_client.sample(prompts, 1, params).result()
     rewards, lengths, truncated = [], [], []

@@ -94,3 +94,26 @@ def test_a_policy_that_solves_nothing_at_step_0_is_warned_about(caplog):
         caplog.clear()
         StepRecorder(cfg, lambda: success).start()
         assert ("solves none of the held-out problems" in caplog.text and "BOS token" in caplog.text) == warned
+
+
+def test_a_chat_template_renders_every_prompt_when_the_task_asks(bos_policy):
+    model, tokenizer = bos_policy
+    template = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}#{% endif %}")
+    problem = TASK.eval_problems()[0]
+    with pytest.raises(SamplingError, match="task.chat_template is true but this policy's tokenizer .* has no chat "
+                                            "template"):
+        encode_prompt(tokenizer, problem.prompt, chat_template=True)
+    tokenizer.chat_template = template
+    try:
+        expected = encode_prompt(tokenizer, problem.prompt) + tokenizer("#", add_special_tokens=False).input_ids
+        assert encode_prompt(tokenizer, problem.prompt, chat_template=True) == expected  # one BOS, then '#'
+        sampler = RecordingSampler(TrainingClient(model, tokenizer).save_weights_and_get_sampling_client())
+        cfg = load_config(None, ["rollout.group_size=2", "rollout.max_tokens=3", "task.chat_template=true"])
+        datums, _ = rollout_datums(sampler, TASK, [problem], cfg, seed=0)
+        evaluate(sampler, TASK, [problem], max_tokens=3, chat_template=True)
+        assert sampler.prompts == [expected, expected] and datums[0].tokens[:datums[0].prompt_len] == expected
+        sft = demonstration_datums(TASK, tokenizer, random.Random(0), 2, chat_template=True)
+        assert all(d.tokens[d.prompt_len - 1] == expected[-1] for d in sft)  # the assistant's turn opened
+    finally:
+        tokenizer.chat_template = None
