@@ -136,7 +136,8 @@ def dapo(batch: LossBatch, config: DAPOConfig):
     """DAPO's token-level policy loss (Yu et al. 2025, arXiv 2503.14476): every token of the batch weighs the same,
     so long completions are not down-weighted as in GRPO's per-sequence mean.
 
-    L = Σ_{i,t} m_it · −min(r_it·A_i, clip(r_it, 1−ε, 1+ε_high)·A_i) / Σ_{i,t} m_it,  A = (r − mean_G) / std_G
+    L = Σ_{i,t} m_it · −min(r_it·A_i, clip(r_it, 1−ε, 1+ε_high)·A_i) / Σ_{i,t} m_it
+    A = (r − mean_G) / std_G
     (TRL normalises by the active tokens of the whole accumulated batch; here, of the minibatch the loss sees.)
     """
     log_ratio = batch.token("logprobs") - batch.token("behaviour_logprobs")

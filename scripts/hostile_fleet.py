@@ -34,7 +34,8 @@ from heterorl.transport.protocol import Hello, Trajectory, encode
 
 # the 5x5 maze from the shipped maze base (maze_rl.yaml; the poison below is sized for its tokenizer and context),
 # GEPO, asynchronous, small and quick, without delays
-OVERRIDES = ["loss.name=gepo", "runtime.mode=async", "task.options.eval_size=8", "rollout.group_size=4", "rl.prompts_per_step=4", "rl.eval_every=1000",
+OVERRIDES = ["loss.name=gepo", "runtime.mode=async", "task.options.eval_size=8", "rollout.group_size=4",
+             "rl.prompts_per_step=4", "rl.eval_every=1000",
              "runtime.workers=2", "runtime.groups_per_call=2", "runtime.checkpoint_every=5", "runtime.fleet_wait_s=600",
              "delay.up.kind=none", "delay.down.kind=none", "transport.heartbeat_interval_s=0.5",
              "transport.heartbeat_timeout_s=2.0", "logging.wandb_mode=disabled", "logging.progress=false",

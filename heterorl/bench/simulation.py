@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             simulated = dataclasses.asdict(Simulation(cfg, training, task, logger).run())
         finally:
             logger.close()
-    print(f"1 learner + {args.workers} workers, {args.prompts} prompts x {args.group_size} per step, {args.steps} steps, "
+    print(f"1 learner + {args.workers} workers, {args.prompts} prompts x {args.group_size} per step, "
+          f"{args.steps} steps, "
           f"weights delayed {args.weights_delay_s} s, buffer.max_staleness_steps={args.max_staleness}")
     print(f"measured live: {step_s:.3f} s per learner step, {call_s:.3f} s per engine call "
           f"(= {args.weights_delay_s / step_s:.1f} steps of weights delay)")

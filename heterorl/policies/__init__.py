@@ -8,7 +8,8 @@ from heterorl.config import TinyModelConfig
 from heterorl.policies.hf_folder import load_hf_folder, validate_hf_folder
 from heterorl.policies.tiny import build_char_tokenizer, build_tiny_policy, save_policy
 
-SHIPPED = ("maze-sft-base", "maze4-sft-base", "add3-sft-base")  # policy folders inside the package (heterorl/assets/NAME)
+# policy folders inside the package (heterorl/assets/NAME)
+SHIPPED = ("maze-sft-base", "maze4-sft-base", "add3-sft-base")
 
 
 def shipped_policy(name: str) -> Path:

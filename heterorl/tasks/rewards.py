@@ -6,9 +6,11 @@ end-of-sequence token, the problem's reference answer) and returns a finite
 real number (bool, int or float; the task contract expects [0, 1]). It may also take, by keyword, the facts a
 text cannot carry (`REWARD_FACTS`): ``token_ids`` (the completion's token ids, its stop token included),
 ``stop_reason`` (``"eos"``, ``"stop"`` or ``"length"``) and ``row`` (the problem's prompt, answer and other
-columns as a dict); it gets those its signature names, or all of them through ``**kwargs``. A call that has not returned within
-``task.reward_timeout_s`` seconds is an error (`TimedCall`): a thread cannot be killed, so the call runs in a
-daemon helper thread that the caller stops waiting for, and the error ends the process without it.
+columns as a dict); it gets those its signature names, or all of them through ``**kwargs``. TRL-style batched
+functions, ``(prompts, completions, **kwargs) -> list[float]``, are called as they are (`is_batched`). A call that
+has not returned within ``task.reward_timeout_s`` seconds is an error (`TimedCall`): a thread cannot be killed, so
+the call runs in a daemon helper thread that the caller stops waiting for, and the error ends the process without
+it.
 """
 
 from __future__ import annotations

@@ -604,7 +604,8 @@ def test_jsonl_split_without_an_eval_file_says_which_lines_it_held_out(tmp_path,
 
 
 def test_jsonl_columns_and_eval_file_errors_name_file_line_and_keys(tmp_path):
-    path = write_lines(tmp_path / "d.jsonl", ['{"question": "1+1=", "solution": 2}', '{"question": "2+2=", "solution": 4}'])
+    path = write_lines(tmp_path / "d.jsonl", ['{"question": "1+1=", "solution": 2}',
+                                              '{"question": "2+2=", "solution": 4}'])
     with pytest.raises(TaskError, match=r"d.jsonl, line 1: 'prompt' missing \(its keys: 'question', 'solution'; "
                                         r"name the columns with task.options.prompt_column / answer_column\)"):
         JsonlTask(JsonlConfig(path=path))
