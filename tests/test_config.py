@@ -78,3 +78,21 @@ def test_every_packaged_config_loads_and_names_what_it_starts_from(name):
     cfg = load_config(packaged(name))
     if cfg.rl.base is not None:  # a run config: it starts from a policy the package ships
         assert cfg.rl.base in SHIPPED, (name, cfg.rl.base)
+
+
+_EXPERIMENTS = Path(__file__).parents[1] / "experiments" / "configs"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in _EXPERIMENTS.glob("*.yaml")))
+def test_every_experiment_config_loads(name, tmp_path):
+    """A sweep spec resolves every cell to a valid run config; any other file there is a valid run config."""
+    import yaml
+
+    from heterorl.sweeps.runner import SweepRunner
+
+    path = _EXPERIMENTS / name
+    if "losses" in yaml.safe_load(path.read_text()):
+        runner = SweepRunner(path, out=tmp_path / "out")
+        assert runner.cells and all(runner.resolve(cell) for cell in runner.cells[:3])
+    else:
+        load_config(path)

