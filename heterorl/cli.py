@@ -12,7 +12,7 @@
     heterorl keys revoke --name NAME --allow-keys D   refuse a worker's key (no restart)
     heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async)
     heterorl learner --bind ADDR        the learner alone (remote workers connect to it)
-    heterorl rollout --connect ADDR     one rollout worker (on any machine that reaches the learner)
+    heterorl rollout --connect ADDR     one rollout worker (on any machine that reaches the learner; --engine vllm)
     heterorl sweep SWEEP.yaml [k=v..]   a delay sweep: losses x delays x seeds, resumable, K cells at once
     heterorl report SWEEP_DIR           tables, plots and a Markdown summary of a sweep
     heterorl compare --losses gepo,grpo --delay lag16 --seeds 0,1,2   losses side by side, online and at a delay
@@ -31,7 +31,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from heterorl.config import packaged
+from heterorl.config import ENGINES, packaged
 from heterorl.errors import ConfigError, HeteroRLError
 
 DEMO_CONFIG = "demo.yaml"
@@ -313,7 +313,7 @@ def cmd_rollout(args) -> int:
     options = WorkerOptions(
         address=args.connect, worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
         curve=_curve(args.curve_secret, server_key=args.server_key), throttle=args.throttle, policy=args.policy,
-        connect_timeout_s=args.connect_timeout, allow_plaintext=args.allow_plaintext)
+        connect_timeout_s=args.connect_timeout, allow_plaintext=args.allow_plaintext, engine=args.engine)
     return run_rollout_worker(options)
 
 
@@ -494,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=_positive(float), default=120.0,
                    help="seconds to wait for the learner (> 0)")
     p.add_argument("--allow-plaintext", action="store_true", help="allow plaintext to a non-loopback address")
+    p.add_argument("--engine", choices=ENGINES, default="torch",
+                   help="sampling engine: torch (default) or vllm (run from a Python that has vLLM: `make vllm`, "
+                        "then .venv-vllm/bin/heterorl rollout ...)")
     p.set_defaults(fn=cmd_rollout)
     p = sub.add_parser("sweep", help="a delay sweep: losses x delays x seeds (resumable), then its report")
     p.add_argument("sweep", help="sweep YAML (see experiments/configs/)")

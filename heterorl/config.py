@@ -28,6 +28,7 @@ import gepo
 from heterorl.errors import ConfigError, DelayConfigError, HeteroRLError
 
 SFT_BASE = "maze-sft-base"  # the shipped SFT base of the 5x5 maze (heterorl/assets/)
+ENGINES = ("torch", "vllm")  # sampling engines a rollout worker can run (runtime.engines, --engine)
 
 
 def packaged(name: str) -> Path:
@@ -394,13 +395,24 @@ class RuntimeConfig:
     # a run does not start on whichever worker loaded its model first (0: start on the first data)
     fleet_wait_s: float = 120.0
     learner_timeout_s: float = 300.0  # a worker exits if the learner stays silent this long
+    # the sampling engine of worker i = engines[i % len] (`heterorl train`): torch | vllm. A vLLM worker runs
+    # under vllm_python (its own venv: `make vllm`), with vllm_dtype and a KV cache of vllm_kv_cache_gib
+    engines: List[str] = field(default_factory=lambda: ["torch"])
+    vllm_python: str = ".venv-vllm/bin/python"
+    vllm_dtype: str = "float32"
+    vllm_kv_cache_gib: float = 1.0
 
     def validate(self, key: str = "runtime") -> None:
         _one_of(f"{key}.mode", self.mode, ("async", "sync"))
         _one_of(f"{key}.execution", self.execution, ("live", "simulated"))
-        _positive(self, key, "workers", "groups_per_call", "threads", "learner_ranks")
+        _positive(self, key, "workers", "groups_per_call", "threads", "learner_ranks", "vllm_kv_cache_gib")
         if any(f < 1 for f in self.throttle):
             _fail(f"{key}.throttle", self.throttle, "factors must be >= 1 (2 = a device half as fast)")
+        if not self.engines:
+            _fail(f"{key}.engines", self.engines, f"name at least one engine ({', '.join(ENGINES)})")
+        for engine in self.engines:
+            _one_of(f"{key}.engines", engine, ENGINES)
+        _one_of(f"{key}.vllm_dtype", self.vllm_dtype, ("float32", "bfloat16", "float16", "auto"))
 
 
 @dataclass

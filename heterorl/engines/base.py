@@ -93,3 +93,6 @@ class SamplingEngine(ABC):
     @abstractmethod
     def load_state_dict(self, state_dict) -> None:
         """Replace the engine's weights."""
+
+    def close(self) -> None:
+        """Release what the engine holds beyond this process's memory (vLLM's engine processes)."""

@@ -38,6 +38,20 @@ def load_policy(model: str, *, alphabet: str | None = None, tiny: TinyModelConfi
     return load_hf_folder(Path(model).expanduser(), device=device)
 
 
+def policy_folder(model: str) -> Path | None:
+    """The Hugging Face folder behind a ``policy.model`` / ``rl.base`` value (an engine that loads weights
+    itself, such as vLLM, needs one); None for "tiny", which exists only in memory until saved."""
+    if model == "tiny":
+        return None
+    if model == "smollm2":
+        from heterorl.policies.smollm2 import smollm2_folder
+
+        return smollm2_folder()
+    if model in SHIPPED:
+        return shipped_policy(model)
+    return validate_hf_folder(Path(model).expanduser())
+
+
 def quiet_transformers() -> None:
     """Our own progress bar is the one to watch: hide transformers' load/save bars."""
     from transformers.utils import logging as hf_logging

@@ -3,8 +3,11 @@
 `heterorl train` starts one learner and ``runtime.workers`` workers as separate
 processes on this machine, over real sockets on loopback, each with its log in
 ``RUN_DIR/logs/``. It follows the learner's metrics for its progress bar. A
-process that dies with an error stops the run: its log tail is printed and the
-others are stopped; the exit status is non-zero. Ctrl-C stops everything.
+worker that dies with an error leaves the fleet (its log tail is printed) and the
+run goes on with the others; when the learner or the last worker dies, its log
+tail is printed, the others are stopped and the exit status is non-zero. Ctrl-C
+stops everything. Worker i samples with engine ``runtime.engines[i % len]``; a
+vLLM worker runs under ``runtime.vllm_python`` (its own venv).
 """
 
 from __future__ import annotations
@@ -213,13 +216,14 @@ def _checkpoint_step(run_dir: Path) -> int | None:
 
 
 class _Child:
-    def __init__(self, name: str, argv: list[str], log_path: Path, ranks: int = 1) -> None:
+    def __init__(self, name: str, argv: list[str], log_path: Path, ranks: int = 1,
+                 python: str = sys.executable) -> None:
         self.name, self.log_path = name, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
-        self.proc = subprocess.Popen([sys.executable, *launcher, "-m", "heterorl.cli", *argv], stdout=self._log,
+        self.proc = subprocess.Popen([python, *launcher, "-m", "heterorl.cli", *argv], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def tail(self, lines: int = 30) -> str:
@@ -235,6 +239,19 @@ class _Child:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def worker_python(cfg: Config, engine: str) -> str:
+    """The Python a worker of ``engine`` runs under: this one for torch; ``runtime.vllm_python`` for vLLM
+    (its own venv), which must exist."""
+    if engine != "vllm":
+        return sys.executable
+    python = Path(cfg.runtime.vllm_python).expanduser()
+    if not python.is_file():
+        raise HeteroRLError(f"runtime.engines asks for a vLLM worker, but runtime.vllm_python ({python}) does not "
+                            "exist: run `make vllm` to build .venv-vllm, or set runtime.vllm_python to a Python "
+                            "that has vLLM and this package")
+    return str(python)
 
 
 def _wait_for_endpoint(child: _Child, timeout_s: float) -> str:
@@ -266,6 +283,8 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
     if not resume and (run_dir / "checkpoints").is_dir():
         raise HeteroRLError(f"{run_dir} already holds a run; pass --resume {run_dir} to continue it, "
                             "or choose another logging.run_dir")
+    engines = [cfg.runtime.engines[i % len(cfg.runtime.engines)] for i in range(cfg.runtime.workers)]
+    pythons = [worker_python(cfg, engine) for engine in engines]  # a missing vLLM venv fails before anything starts
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "train_config.yaml"
     config_path.write_text(to_yaml(cfg))
@@ -282,10 +301,12 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
                          ranks=cfg.runtime.learner_ranks)
         children.append(learner)
         endpoint = _wait_for_endpoint(learner, 300)
-        for i in range(cfg.runtime.workers):
+        for i, (engine, python) in enumerate(zip(engines, pythons)):
             throttle = cfg.runtime.throttle[i % len(cfg.runtime.throttle)] if cfg.runtime.throttle else 1.0
             children.append(_Child(f"worker-{i}", ["rollout", "--connect", endpoint, "--worker-id", f"worker-{i}",
-                                                   "--throttle", str(throttle)], logs / f"worker-{i}.log"))
+                                                   "--throttle", str(throttle), "--engine", engine],
+                                   logs / f"worker-{i}.log", python=python))
+        left: set[str] = set()
         while True:
             seen = _follow(metrics_path, seen, progress)
             status = learner.proc.poll()
@@ -296,8 +317,15 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
                 break
             for child in children[1:]:
                 code = child.proc.poll()
-                if code not in (None, 0):
-                    raise HeteroRLError(f"{child.name} failed (exit {code}); log {child.log_path}:\n{child.tail()}")
+                if code in (None, 0) or child.name in left:
+                    continue
+                left.add(child.name)
+                if len(left) == len(children) - 1:
+                    raise HeteroRLError(f"{child.name} failed (exit {code}), the last worker; log "
+                                        f"{child.log_path}:\n{child.tail()}")
+                print(f"heterorl train: {child.name} failed (exit {code}) and left the fleet; the run goes on "
+                      f"with {len(children) - 1 - len(left)} worker(s). Its log {child.log_path}:\n"
+                      f"{child.tail(10)}", file=sys.stderr, flush=True)
             time.sleep(0.5)
         deadline = time.monotonic() + 30
         for child in children[1:]:

@@ -26,19 +26,21 @@ import dataclasses
 import logging
 import random
 import secrets
+import tempfile
 import time
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from heterorl.config import Config, TransportConfig, load_config
+from heterorl.config import ENGINES, Config, TransportConfig, load_config
 from heterorl.delay.clock import delay_clock
 from heterorl.delay.links import DelayLink
 from heterorl.engines.base import SamplingParams
 from heterorl.errors import HeteroRLError
-from heterorl.policies import load_policy
+from heterorl.policies import load_policy, policy_folder
 from heterorl.tasks import make_task_from
 from heterorl.tasks.rewards import score
 from heterorl.training.session import SamplingClient
@@ -58,6 +60,7 @@ class WorkerOptions:
     policy: str | None = None  # override the learner config's starting policy (a local folder on this machine)
     connect_timeout_s: float = 120.0
     allow_plaintext: bool = False
+    engine: str = "torch"  # the sampling engine: torch (TorchEngine) | vllm (VLLMEngine; needs vLLM installed)
 
 
 def shard_rng(seed: int, worker_id: str) -> random.Random:
@@ -111,6 +114,8 @@ class RolloutWorker:
     def __init__(self, options: WorkerOptions) -> None:
         if options.throttle < 1:
             raise HeteroRLError(f"--throttle {options.throttle}: must be >= 1 (2 = a device half as fast)")
+        if options.engine not in ENGINES:
+            raise HeteroRLError(f"--engine {options.engine!r}: must be one of {', '.join(ENGINES)}")
         self.options = options
         transport = TransportConfig(allow_plaintext=options.allow_plaintext)
         self.client = WorkerClient(options.address, options.worker_id, transport, curve=options.curve)
@@ -121,6 +126,8 @@ class RolloutWorker:
         self.groups_sent = 0
         self.busy_s = 0.0
         self.idle_s = 0.0
+        self.sampler: SamplingClient | None = None
+        self._scratch: tempfile.TemporaryDirectory | None = None  # a fresh tiny policy saved for vLLM
 
     # -- set-up from the learner's config ---------------------------------------------------------
     def _configure(self) -> Config:
@@ -161,7 +168,7 @@ class RolloutWorker:
         model, tokenizer = load_policy(base, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=cfg.policy.device)
         self._check_policy(model, base)
         model.eval()
-        self.sampler = SamplingClient.for_model(model, tokenizer, device=cfg.policy.device)
+        self.sampler = self._make_sampler(cfg, base, model, tokenizer)
         got = self._wait(self.client.wait_weights, -1, cfg.runtime.learner_timeout_s)
         if got is None:
             raise HeteroRLError(f"no weights from the learner within {cfg.runtime.learner_timeout_s} s")
@@ -200,6 +207,23 @@ class RolloutWorker:
         log.info("worker %s: the learner ended the run after %d groups (holding version %d)", worker_id,
                  self.groups_sent, self.version)
         return 0
+
+    def _make_sampler(self, cfg: Config, base: str, model, tokenizer) -> SamplingClient:
+        """The sampler over the chosen engine. vLLM loads the policy's Hugging Face folder itself (a fresh
+        tiny policy is saved to a temporary one first); its weights are replaced by the learner's at once."""
+        if self.options.engine == "torch":
+            return SamplingClient.for_model(model, tokenizer, device=cfg.policy.device)
+        from heterorl.engines.vllm_engine import VLLMEngine
+
+        folder = policy_folder(base)
+        if folder is None:  # a fresh tiny policy: vLLM needs it as a folder
+            self._scratch = tempfile.TemporaryDirectory(prefix="heterorl-vllm-")
+            folder = Path(self._scratch.name)
+            model.save_pretrained(folder)
+        engine = VLLMEngine(folder, eos_token_id=tokenizer.eos_token_id, seed=cfg.seed,
+                            dtype=cfg.runtime.vllm_dtype, kv_cache_gib=cfg.runtime.vllm_kv_cache_gib)
+        log.info("worker %s: vLLM engine on %s (%s)", self.options.worker_id, folder, cfg.runtime.vllm_dtype)
+        return SamplingClient(engine, tokenizer, version=-1)
 
     def _check_policy(self, model, base: str) -> None:
         """Refuse to start with a policy whose token ids the learner's model cannot take (a wrong tokenizer)."""
@@ -260,6 +284,10 @@ class RolloutWorker:
 
     def close(self) -> None:
         self.client.close()
+        if self.sampler is not None:
+            self.sampler.close()
+        if self._scratch is not None:
+            self._scratch.cleanup()
 
 
 def run_rollout_worker(options: WorkerOptions) -> int:

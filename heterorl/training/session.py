@@ -156,6 +156,11 @@ class SamplingClient:
         """Future of the teacher-forced log-probs of ``tokens[1:]``."""
         return self._executor.submit(lambda: self.engine.compute_logprobs([tokens])[0])
 
+    def close(self) -> None:
+        """Finish the queued calls, then release the engine."""
+        self._executor.shutdown()
+        self.engine.close()
+
 
 def resolve_loss(loss_fn: LossFnArg, loss_config) -> tuple[Callable, Any]:
     """The loss function and its config for ``loss_fn`` (a registered gepo loss name, or a callable passed

@@ -86,6 +86,16 @@ def test_train_reports_a_crashed_worker_and_stops(tmp_path):
     assert "reward service unreachable" in out.stderr  # the crashed worker's log tail
 
 
+def test_a_vllm_worker_without_its_venv_is_a_clear_error_before_anything_starts(tmp_path):
+    out = run_cli("train", "--config", str(write_config(tmp_path)), "runtime.engines=[torch,vllm]",
+                  f"runtime.vllm_python={tmp_path / 'no-venv' / 'python'}")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "runtime.vllm_python" in out.stderr and "make vllm" in out.stderr
+    assert not (tmp_path / "run" / "logs").exists()  # no learner was started
+    out = run_cli("train", "--config", str(write_config(tmp_path)), "runtime.engines=[torch,tpu]", "--dry-run")
+    assert out.returncode == 2 and "runtime.engines" in out.stderr and "torch, vllm" in out.stderr
+
+
 def test_train_refuses_to_overwrite_a_run_and_resume_needs_one(tmp_path):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     out = run_cli("train", "--config", str(write_config(tmp_path)))

@@ -1,0 +1,42 @@
+"""A mixed fleet over ZeroMQ (`make test-vllm`): one learner fed at once by a torch worker and a vLLM worker.
+
+Synchronous mode, so that each worker samples its share of every batch whatever the arrival order: both
+workers' trajectories are trained at every step, whichever engine is faster to start.
+"""
+
+import re
+import sys
+
+import pytest
+
+from heterorl.runs import read_metrics
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm", reason="the vLLM lane: `make vllm`, then `make test-vllm`")
+
+
+def test_a_torch_worker_and_a_vllm_worker_feed_one_learner(tmp_path):
+    run = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(f"""
+seed: 0
+task: {{name: arithmetic, options: {{digits: 3, ops: "+", answer_format: digits, eval_size: 32, eval_seed: 54321}}}}
+rollout: {{group_size: 4, max_tokens: 6}}
+loss: {{name: gepo}}
+rl: {{base: add3-sft-base, steps: 3, prompts_per_step: 4, eval_every: 3}}
+runtime: {{mode: sync, workers: 2, engines: [torch, vllm], vllm_python: {sys.executable}, vllm_kv_cache_gib: 0.25,
+           groups_per_call: 2, fleet_wait_s: 300}}
+logging: {{run_dir: {run}, wandb_mode: disabled, progress: false}}
+""")
+    out = run_cli("train", "--config", str(config), timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr + (run / "logs" / "worker-1.log").read_text()[-3000:]
+    records = [r for r in read_metrics(run / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["staleness/versions_max"] == 0 for r in records)
+    torch_log = (run / "logs" / "worker-0.log").read_text()
+    vllm_log = (run / "logs" / "worker-1.log").read_text()
+    assert "vLLM engine on" in vllm_log and "vLLM engine on" not in torch_log
+    for log in (torch_log, vllm_log):  # each sampled its share (2 groups) of each of the 3 batches
+        sent = re.search(r"ended the run after (\d+) groups", log)
+        assert sent and int(sent.group(1)) >= 6, log[-2000:]
