@@ -72,8 +72,9 @@ class VLLMEngine(SamplingEngine):
 
     ``eos_token_id``: the tokenizer's end-of-sequence id (always a stop token unless ``ignore_eos``; reported
     as ``STOP_EOS``). ``dtype`` is the dtype vLLM runs in ("float32" on CPU keeps its log-probs within ~1e-5
-    of the learner's); ``kv_cache_gib`` the KV-cache memory (on CPU, ``VLLM_CPU_KVCACHE_SPACE``); other
-    keyword arguments go to ``vllm.LLM``.
+    of the learner's); ``kv_cache_gib`` the KV-cache memory on CPU (vLLM's ``kv_cache_memory_bytes``; on GPU
+    vLLM sizes it from ``gpu_memory_utilization``, which may be passed); other keyword arguments go to
+    ``vllm.LLM``.
     """
 
     def __init__(self, folder: str | Path, *, eos_token_id: int, dtype: str = "float32", seed: int = 0,
