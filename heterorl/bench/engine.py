@@ -1,4 +1,4 @@
-"""``heterorl bench engine``: sampling tokens/s of the torch engine vs transformers ``generate``.
+"""``heterorl bench engine``: sampling tokens/s of the torch engine vs transformers ``generate`` (and vLLM).
 
 Both run the same model, prompts, batch, sampling settings and seed, in one
 process, alternating, best of ``--repeats``. EOS is ignored by both, so every
@@ -7,7 +7,9 @@ Measured twice: ``--batch`` distinct prompts, then the same number of rows as
 groups (``--batch / --group-size`` prompts × ``--group-size`` samples, as RL
 draws them; ``generate`` gets ``num_return_sequences``). Last, the training
 forward + backward of that grouped batch (GRPO on random rewards): each group
-packed behind one copy of its prompt vs one row per sequence.
+packed behind one copy of its prompt vs one row per sequence. With ``--engine vllm`` (run from a Python that
+has vLLM, e.g. ``.venv-vllm/bin/heterorl``) vLLM samples the same prompts with the same settings, in float32
+like the others, and its ratio to the torch engine is printed too.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--engine", choices=("torch", "vllm"), default="torch",
+                        help="vllm: add vLLM to the sampling comparisons (needs vLLM: `make vllm`)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -76,15 +80,34 @@ def main(argv: list[str] | None = None) -> int:
                              num_return_sequences=args.group_size)
         return (out.shape[1] - ids.shape[1]) * out.shape[0]
 
+    runs = [(f"{args.batch} distinct prompts", {"heterorl TorchEngine": ours, "transformers generate": hf}),
+            (f"{len(grouped)} prompts x {args.group_size} samples",
+             {"heterorl TorchEngine": ours_grouped, "transformers generate": hf_grouped})]
+    vllm = None
+    if args.engine == "vllm":
+        from heterorl.engines.vllm_engine import VLLMEngine
+        from heterorl.policies import policy_folder
+
+        vllm = VLLMEngine(policy_folder(args.policy), eos_token_id=tokenizer.eos_token_id, dtype="float32",
+                          max_num_seqs=max(args.batch, 1))
+        runs[0][1]["vLLM"] = lambda: sum(len(s.tokens) for g in vllm.generate(prompts, params) for s in g)
+        runs[1][1]["vLLM"] = lambda: sum(len(s.tokens) for g in vllm.generate(grouped, params, args.group_size)
+                                         for s in g)
     print(f"policy={args.policy} max_tokens={args.max_tokens} threads={torch.get_num_threads()} "
           f"repeats={args.repeats} (best of)")
-    for title, pair in ((f"{args.batch} distinct prompts", (ours, hf)),
-                        (f"{len(grouped)} prompts x {args.group_size} samples", (ours_grouped, hf_grouped))):
-        best = _best_rates({"heterorl TorchEngine": pair[0], "transformers generate": pair[1]}, args.repeats)
-        print(f"sampling, {title}:")
-        for name, rate in best.items():
-            print(f"  {name:24s} {rate:10.0f} tokens/s")
-        print(f"  ratio (ours / generate)  {best['heterorl TorchEngine'] / best['transformers generate']:10.2f}x")
+    try:
+        for title, fns in runs:
+            best = _best_rates(fns, args.repeats)
+            print(f"sampling, {title}:")
+            for name, rate in best.items():
+                print(f"  {name:24s} {rate:10.0f} tokens/s")
+            print(f"  ratio (ours / generate)  {best['heterorl TorchEngine'] / best['transformers generate']:10.2f}x")
+            if "vLLM" in best:
+                print(f"  ratio (vLLM / ours)      {best['vLLM'] / best['heterorl TorchEngine']:10.2f}x")
+                print(f"  ratio (vLLM / generate)  {best['vLLM'] / best['transformers generate']:10.2f}x")
+    finally:
+        if vllm is not None:
+            vllm.close()
     _bench_training(model, tokenizer, engine, grouped, args)
     return 0
 

@@ -18,6 +18,17 @@ def test_bench_engine_prints_a_ratio():
     assert packed > 0
 
 
+@pytest.mark.vllm
+def test_bench_engine_with_vllm_prints_its_ratios():
+    pytest.importorskip("vllm", reason="the vLLM lane: `make vllm`, then `make test-vllm`")
+    out = run_cli("bench", "engine", "--engine", "vllm", "--batch", "8", "--group-size", "4", "--max-tokens", "4",
+                  "--repeats", "1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    ratios = [float(part.split("x")[0]) for part in out.stdout.split("ratio (vLLM / ours)")[1:]]
+    assert len(ratios) == 2 and min(ratios) > 0, out.stdout
+    assert out.stdout.count("vLLM   ") >= 2  # its tokens/s line in both comparisons
+
+
 def test_bench_losses_times_every_loss_against_grpo():
     out = run_cli("bench", "losses", "--batch", "16", "--length", "32", "--repeats", "1", "--warmup", "0")
     assert out.returncode == 0, out.stderr
