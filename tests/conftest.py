@@ -2,6 +2,7 @@
 test objects (one of each: a trajectory, a small tiny policy)."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,6 +12,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
+
+# Ctrl-C reaches the processes the tests start, and the tests that send SIGINT test it, even when the suite
+# itself was started where SIGINT is ignored (`cmd &` in a non-interactive shell): an ignored SIGINT is
+# inherited across exec, and Python then installs no KeyboardInterrupt handler; a handler is reset to the
+# default instead.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

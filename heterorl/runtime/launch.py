@@ -315,17 +315,7 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
                 if status != 0:
                     raise HeteroRLError(f"the learner failed (exit {status}); log {learner.log_path}:\n{learner.tail()}")
                 break
-            for child in children[1:]:
-                code = child.proc.poll()
-                if code in (None, 0) or child.name in left:
-                    continue
-                left.add(child.name)
-                if len(left) == len(children) - 1:
-                    raise HeteroRLError(f"{child.name} failed (exit {code}), the last worker; log "
-                                        f"{child.log_path}:\n{child.tail()}")
-                print(f"heterorl train: {child.name} failed (exit {code}) and left the fleet; the run goes on "
-                      f"with {len(children) - 1 - len(left)} worker(s). Its log {child.log_path}:\n"
-                      f"{child.tail(10)}", file=sys.stderr, flush=True)
+            _check_workers(children[1:], left)
             time.sleep(0.5)
         deadline = time.monotonic() + 30
         for child in children[1:]:
@@ -337,6 +327,22 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
     finally:
         for child in reversed(children):
             child.stop()
+
+
+def _check_workers(workers: list[_Child], left: set[str]) -> None:
+    """A worker that failed leaves the fleet (named in ``left``, its log tail printed) and the run goes on;
+    HeteroRLError when the last one has failed."""
+    for child in workers:
+        code = child.proc.poll()
+        if code in (None, 0) or child.name in left:
+            continue
+        left.add(child.name)
+        if len(left) == len(workers):
+            raise HeteroRLError(f"{child.name} failed (exit {code}), the last worker; log {child.log_path}:\n"
+                                f"{child.tail()}")
+        print(f"heterorl train: {child.name} failed (exit {code}) and left the fleet; the run goes on with "
+              f"{len(workers) - len(left)} worker(s). Its log {child.log_path}:\n{child.tail(10)}",
+              file=sys.stderr, flush=True)
 
 
 def _follow(path: Path, offset: int, progress) -> int:
