@@ -77,6 +77,34 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[
     return checked
 
 
+def validate_request(prompts: Sequence[Sequence[int]], params: SamplingParams, num_samples: int, vocab_size: int,
+                     max_positions: int | None) -> list[list[int]]:
+    """`validate_prompts`, and check that ``num_samples`` is a positive integer and that the longest prompt plus
+    ``max_tokens`` fits the model's positions; return the prompts as lists."""
+    prompts = validate_prompts(prompts, vocab_size)
+    if not isinstance(num_samples, int) or num_samples < 1:
+        raise SamplingError(f"num_samples must be a positive integer, got {num_samples!r}")
+    longest = max(len(p) for p in prompts) + params.max_tokens
+    if max_positions is not None and longest > max_positions:
+        raise SamplingError(
+            f"prompt length + max_tokens = {longest} exceeds the model's max_position_embeddings "
+            f"({max_positions}); lower max_tokens or shorten the prompt"
+        )
+    return prompts
+
+
+def stop_reason(tokens: Sequence[int], params: SamplingParams, eos_token_id: int, *, cut: bool) -> str:
+    """Why a completion ended: ``cut`` when it reached ``max_tokens`` without a stop token as its last."""
+    last = tokens[-1] if tokens else None
+    if cut or last is None:
+        return STOP_LENGTH
+    if last == eos_token_id and not params.ignore_eos:
+        return STOP_EOS
+    if last in params.stop_token_ids:
+        return STOP_TOKEN
+    return STOP_LENGTH
+
+
 class SamplingEngine(ABC):
     """Generates completions from a fixed set of weights."""
 

@@ -14,16 +14,14 @@ from typing import Sequence
 import torch
 
 from heterorl.engines.base import (
-    STOP_EOS,
-    STOP_LENGTH,
-    STOP_TOKEN,
     SampleOutput,
     SamplingEngine,
     SamplingParams,
+    stop_reason,
     validate_prompts,
+    validate_request,
 )
 from heterorl.engines.logprobs import pad_right, selected_logprobs, token_logprobs
-from heterorl.errors import SamplingError
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -77,15 +75,7 @@ class TorchEngine(SamplingEngine):
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, num_samples: int = 1
     ) -> list[list[SampleOutput]]:
-        prompts = validate_prompts(prompts, self.vocab_size)
-        if not isinstance(num_samples, int) or num_samples < 1:
-            raise SamplingError(f"num_samples must be a positive integer, got {num_samples!r}")
-        longest = max(len(p) for p in prompts) + params.max_tokens
-        if self.max_positions is not None and longest > self.max_positions:
-            raise SamplingError(
-                f"prompt length + max_tokens = {longest} exceeds the model's max_position_embeddings "
-                f"({self.max_positions}); lower max_tokens or shorten the prompt"
-            )
+        prompts = validate_request(prompts, params, num_samples, self.vocab_size, self.max_positions)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         per_batch = max(1, self.max_batch_sequences // num_samples)
@@ -159,15 +149,8 @@ class TorchEngine(SamplingEngine):
         for i in range(batch):
             n = int(lengths[i])
             row_tokens = tokens[i, :n].tolist()
-            last = row_tokens[-1] if row_tokens else None
-            if n == params.max_tokens and last not in stop_set:
-                reason = STOP_LENGTH
-            elif last == self.eos_token_id:
-                reason = STOP_EOS
-            elif last in params.stop_token_ids:
-                reason = STOP_TOKEN
-            else:
-                reason = STOP_LENGTH
+            cut = n == params.max_tokens and (not row_tokens or row_tokens[-1] not in stop_set)
+            reason = stop_reason(row_tokens, params, self.eos_token_id, cut=cut)
             results.append(SampleOutput(tokens=row_tokens, logprobs=logprobs[i, :n].tolist(), stop_reason=reason))
         return results
 

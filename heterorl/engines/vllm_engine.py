@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Sequence
 
 from heterorl.engines.base import (
-    STOP_EOS,
-    STOP_LENGTH,
-    STOP_TOKEN,
     SampleOutput,
     SamplingEngine,
     SamplingParams,
+    stop_reason,
     validate_prompts,
+    validate_request,
 )
 from heterorl.errors import SamplingError
 
@@ -120,15 +119,7 @@ class VLLMEngine(SamplingEngine):
     ) -> list[list[SampleOutput]]:
         from vllm.inputs import TokensPrompt
 
-        prompts = validate_prompts(prompts, self.vocab_size)
-        if not isinstance(num_samples, int) or num_samples < 1:
-            raise SamplingError(f"num_samples must be a positive integer, got {num_samples!r}")
-        longest = max(len(p) for p in prompts) + params.max_tokens
-        if self.max_positions is not None and longest > self.max_positions:
-            raise SamplingError(
-                f"prompt length + max_tokens = {longest} exceeds the model's max_position_embeddings "
-                f"({self.max_positions}); lower max_tokens or shorten the prompt"
-            )
+        prompts = validate_request(prompts, params, num_samples, self.vocab_size, self.max_positions)
         # one seed per prompt: the same seed on every prompt would draw the same noise for all of them
         per_prompt = [self._params(params, num_samples, None if params.seed is None else params.seed + i)
                       for i in range(len(prompts))]
@@ -144,15 +135,7 @@ class VLLMEngine(SamplingEngine):
                                 f"log-probs for {len(tokens)} tokens; this vLLM build does not report sample "
                                 "log-probs as the engine asks (logprobs=0)")
         logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens)]
-        last = tokens[-1] if tokens else None
-        if completion.finish_reason == "length" or last is None:
-            reason = STOP_LENGTH
-        elif last == self.eos_token_id and not params.ignore_eos:
-            reason = STOP_EOS
-        elif last in params.stop_token_ids:
-            reason = STOP_TOKEN
-        else:
-            reason = STOP_LENGTH
+        reason = stop_reason(tokens, params, self.eos_token_id, cut=completion.finish_reason == "length")
         return SampleOutput(tokens=tokens, logprobs=logprobs, stop_reason=reason)
 
     def compute_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
