@@ -372,6 +372,16 @@ def _print_runtime_summary(summary: dict, run_dir: Path) -> None:
           f"{summary['tokens_per_s']:.0f} tokens/s{clock} trained; "
           f"learner idle {summary['learner_idle_frac']:.0%}, workers idle {summary['worker_idle_frac']:.0%}{clock}"
           + _without_update(summary.get("steps_without_update", 0)))
+    if summary.get("engines"):
+        print("\nby sampling engine (mismatch: learner vs worker log-probs of the tokens sampled at staleness 0)")
+        print(format_table(
+            ["engine", "trained", "samples/s", "staleness mean/max", "tokens measured", "mean |Δ logp|",
+             "max |Δ logp|", "p/q var"],
+            [[name, e["trajectories_trained"], f"{e['samples_per_s']:.1f}",
+              f"{e['staleness_mean']:.2f}/{e['staleness_max']}", e["mismatch_tokens"],
+              *(("-",) * 3 if e["mismatch_abs_mean"] is None else
+                (f"{e['mismatch_abs_mean']:.2e}", f"{e['mismatch_abs_max']:.2e}", f"{e['is_ratio_var']:.2e}"))]
+             for name, e in summary["engines"].items()]))
     print(f"logs:   {run_dir / 'metrics.jsonl'}" + ("" if simulated else f" and {run_dir / 'logs'}/"))
     print(f"plot:   {run_dir / 'success.png'}")
 

@@ -14,6 +14,7 @@ span sections. Code that builds a section by hand (a `TransportConfig` for a tes
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -400,7 +401,13 @@ class RuntimeConfig:
     engines: List[str] = field(default_factory=lambda: ["torch"])
     vllm_python: str = ".venv-vllm/bin/python"
     vllm_dtype: str = "float32"
-    vllm_kv_cache_gib: float = 1.0
+    vllm_kv_cache_gib: float = 1.0  # on CPU; on a GPU vLLM takes vllm_gpu_memory_utilization of its device
+    vllm_gpu_memory_utilization: float = 0.85
+    vllm_max_model_len: Optional[int] = None  # prompt + completion vLLM makes room for (None: the model's context)
+    # the GPUs each process sees (CUDA_VISIBLE_DEVICES), e.g. learner_devices: "0", worker_devices: ["1", "2,3"]:
+    # worker i gets worker_devices[i % len]; empty = every process sees what `heterorl train` sees
+    learner_devices: str = ""
+    worker_devices: List[str] = field(default_factory=list)
 
     def validate(self, key: str = "runtime") -> None:
         _one_of(f"{key}.mode", self.mode, ("async", "sync"))
@@ -413,6 +420,14 @@ class RuntimeConfig:
         for engine in self.engines:
             _one_of(f"{key}.engines", engine, ENGINES)
         _one_of(f"{key}.vllm_dtype", self.vllm_dtype, ("float32", "bfloat16", "float16", "auto"))
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            _fail(f"{key}.vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, "must be in (0, 1]")
+        if self.vllm_max_model_len is not None and self.vllm_max_model_len < 1:
+            _fail(f"{key}.vllm_max_model_len", self.vllm_max_model_len, "must be >= 1 (or null: the model's context)")
+        for name, devices in ([("learner_devices", self.learner_devices)] if self.learner_devices else []) + [
+                ("worker_devices", d) for d in self.worker_devices]:
+            if not isinstance(devices, str) or not re.fullmatch(r"\d+(,\d+)*", devices):
+                _fail(f"{key}.{name}", devices, 'give CUDA device indices as a string, e.g. "0" or "1,2"')
 
 
 @dataclass

@@ -96,3 +96,17 @@ def test_every_experiment_config_loads(name, tmp_path):
         assert runner.cells and all(runner.resolve(cell) for cell in runner.cells[:3])
     else:
         load_config(path)
+
+
+def test_gpu_placement_and_vllm_keys_are_checked():
+    cfg = load_config(overrides=['runtime.worker_devices=[1,"2,3"]', "runtime.learner_devices=0",
+                                 "runtime.vllm_max_model_len=1024"])
+    assert cfg.runtime.worker_devices == ["1", "2,3"] and cfg.runtime.learner_devices == "0"
+    with pytest.raises(ConfigError, match=r"runtime.worker_devices.*cuda:1.*device indices"):
+        load_config(overrides=["runtime.worker_devices=[cuda:1]"])
+    with pytest.raises(ConfigError, match="runtime.learner_devices"):
+        load_config(overrides=["runtime.learner_devices=gpu0"])
+    with pytest.raises(ConfigError, match=r"vllm_gpu_memory_utilization.*\(0, 1\]"):
+        load_config(overrides=["runtime.vllm_gpu_memory_utilization=1.5"])
+    with pytest.raises(ConfigError, match="vllm_max_model_len"):
+        load_config(overrides=["runtime.vllm_max_model_len=0"])

@@ -9,7 +9,8 @@ draws them; ``generate`` gets ``num_return_sequences``). Last, the training
 forward + backward of that grouped batch (GRPO on random rewards): each group
 packed behind one copy of its prompt vs one row per sequence. With ``--engine vllm`` (run from a Python that
 has vLLM, e.g. ``.venv-vllm/bin/heterorl``) vLLM samples the same prompts with the same settings, in float32
-like the others, and its ratio to the torch engine is printed too.
+like the others unless ``--vllm-dtype`` says otherwise and on as many cores as torch's threads, and its ratio to
+the torch engine is printed too.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--engine", choices=("torch", "vllm"), default="torch",
                         help="vllm: add vLLM to the sampling comparisons (needs vLLM: `make vllm`)")
+    parser.add_argument("--no-training", action="store_true", help="measure sampling only")
+    parser.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the dtype vLLM runs in (the torch engine and generate stay in the policy's: float32)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -50,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [encode_prompt(tokenizer, task.sample_train(rng).prompt) for _ in range(args.batch)]
     engine = TorchEngine(model, tokenizer)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0, ignore_eos=True)
-    input_ids = torch.tensor(prompts)  # maze prompts of one size share a length: no padding needed
+    input_ids, attention_mask = _left_padded(prompts, tokenizer.pad_token_id)
 
     def ours() -> int:
         groups = engine.generate(prompts, params)
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     @torch.inference_mode()
     def hf() -> int:
         torch.manual_seed(0)
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+        out = model.generate(input_ids, attention_mask=attention_mask, do_sample=True,
                              temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=args.max_tokens,
                              min_new_tokens=args.max_tokens, pad_token_id=tokenizer.pad_token_id)
         return (out.shape[1] - input_ids.shape[1]) * out.shape[0]
@@ -73,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     @torch.inference_mode()
     def hf_grouped() -> int:
         torch.manual_seed(0)
-        ids = torch.tensor(grouped)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+        ids, mask = _left_padded(grouped, tokenizer.pad_token_id)
+        out = model.generate(ids, attention_mask=mask, do_sample=True,
                              temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=args.max_tokens,
                              min_new_tokens=args.max_tokens, pad_token_id=tokenizer.pad_token_id,
                              num_return_sequences=args.group_size)
@@ -88,13 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         from heterorl.engines.vllm_engine import VLLMEngine
         from heterorl.policies import policy_folder
 
-        vllm = VLLMEngine(policy_folder(args.policy), eos_token_id=tokenizer.eos_token_id, dtype="float32",
-                          max_num_seqs=max(args.batch, 1))
+        vllm = VLLMEngine(policy_folder(args.policy), eos_token_id=tokenizer.eos_token_id, dtype=args.vllm_dtype,
+                          max_num_seqs=max(args.batch, 1), cpu_threads=torch.get_num_threads())
         runs[0][1]["vLLM"] = lambda: sum(len(s.tokens) for g in vllm.generate(prompts, params) for s in g)
         runs[1][1]["vLLM"] = lambda: sum(len(s.tokens) for g in vllm.generate(grouped, params, args.group_size)
                                          for s in g)
     print(f"policy={args.policy} max_tokens={args.max_tokens} threads={torch.get_num_threads()} "
-          f"repeats={args.repeats} (best of)")
+          f"repeats={args.repeats} (best of)" + (f" vllm_dtype={args.vllm_dtype}" if vllm is not None else ""))
     try:
         for title, fns in runs:
             best = _best_rates(fns, args.repeats)
@@ -108,8 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if vllm is not None:
             vllm.close()
-    _bench_training(model, tokenizer, engine, grouped, args)
+    if not args.no_training:
+        _bench_training(model, tokenizer, engine, grouped, args)
     return 0
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as ``generate`` takes a batch of them: padded on the left, with the attention mask."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
 
 
 def _best_rates(fns: dict, repeats: int) -> dict[str, float]:

@@ -93,6 +93,23 @@ def validate_request(prompts: Sequence[Sequence[int]], params: SamplingParams, n
     return prompts
 
 
+def check_weights(state_dict, expected: dict[str, tuple[int, ...]], model: str, skip: Sequence[str] = ()) -> dict:
+    """The tensors of ``state_dict`` to load, after checking each name and shape against ``expected`` (the engine's
+    model; ``skip``: names the state may hold that the model does not load, e.g. a tied ``lm_head.weight``): a
+    missing, unknown or misshapen weight is a `SamplingError` naming it, raised before anything is loaded."""
+    state = {name: t for name, t in state_dict.items() if name not in skip}
+    unknown = sorted(set(state) - set(expected))
+    missing = sorted(set(expected) - set(state))
+    misshapen = [f"{n} {tuple(state[n].shape)} (the engine's model has {tuple(expected[n])})"
+                 for n in sorted(set(state) & set(expected)) if tuple(state[n].shape) != tuple(expected[n])]
+    if unknown or missing or misshapen:
+        parts = ([f"unknown {unknown[:5]}"] if unknown else []) + ([f"missing {missing[:5]}"] if missing else [])
+        parts += [f"misshapen {misshapen[:3]}"] if misshapen else []
+        raise SamplingError(f"these weights do not fit {model}: {'; '.join(parts)}; was this version made from "
+                            "another model? (a worker's policy must be the learner's)")
+    return state
+
+
 def stop_reason(tokens: Sequence[int], params: SamplingParams, eos_token_id: int, *, cut: bool) -> str:
     """Why a completion ended: ``cut`` when it reached ``max_tokens`` without a stop token as its last."""
     last = tokens[-1] if tokens else None

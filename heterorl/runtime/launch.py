@@ -217,11 +217,13 @@ def _checkpoint_step(run_dir: Path) -> int | None:
 
 class _Child:
     def __init__(self, name: str, argv: list[str], log_path: Path, ranks: int = 1,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, devices: str = "") -> None:
         self.name, self.log_path = name, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
+        if devices:  # runtime.learner_devices / worker_devices: the GPUs this process sees
+            env["CUDA_VISIBLE_DEVICES"] = devices
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
         self.proc = subprocess.Popen([python, *launcher, "-m", "heterorl.cli", *argv], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -298,14 +300,16 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
     try:
         learner = _Child("learner", ["learner", "--config", str(config_path), "--bind", cfg.runtime.address,
                                      *(["--resume"] if resume else [])], logs / "learner.log",
-                         ranks=cfg.runtime.learner_ranks)
+                         ranks=cfg.runtime.learner_ranks, devices=cfg.runtime.learner_devices)
         children.append(learner)
         endpoint = _wait_for_endpoint(learner, 300)
         for i, (engine, python) in enumerate(zip(engines, pythons)):
             throttle = cfg.runtime.throttle[i % len(cfg.runtime.throttle)] if cfg.runtime.throttle else 1.0
+            devices = cfg.runtime.worker_devices[i % len(cfg.runtime.worker_devices)] if cfg.runtime.worker_devices \
+                else ""
             children.append(_Child(f"worker-{i}", ["rollout", "--connect", endpoint, "--worker-id", f"worker-{i}",
                                                    "--throttle", str(throttle), "--engine", engine],
-                                   logs / f"worker-{i}.log", python=python))
+                                   logs / f"worker-{i}.log", python=python, devices=devices))
         left: set[str] = set()
         while True:
             seen = _follow(metrics_path, seen, progress)

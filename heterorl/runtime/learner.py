@@ -35,6 +35,7 @@ from heterorl.errors import HeteroRLError
 from heterorl.files import write_atomically
 from heterorl.runs import RunResult, StepRecorder, finish_run, idle_fraction
 from heterorl.runtime.buffer import Group, GroupBuffer
+from heterorl.runtime.engine_stats import UNKNOWN_ENGINE, EngineTally, step_mismatch, tallies_to_json
 from heterorl.tasks.base import Task
 from heterorl.training.evaluation import evaluate
 from heterorl.training.session import Datum, SamplingClient, TrainingClient, read_training_state
@@ -63,6 +64,8 @@ class LearnerResult(RunResult):
     tokens_per_s: float  # completion tokens trained per second of wall (or virtual) time
     learner_idle_frac: float
     worker_idle_frac: float
+    # per sampling engine of the fleet: samples/s, staleness, training–inference mismatch (runtime.engine_stats)
+    engines: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass
@@ -82,6 +85,7 @@ class LearnerState:
     idle_s: float = 0.0
     elapsed_s: float = 0.0
     version: int = -1  # the policy version of the checkpoint's weights (-1: not recorded, older run dirs)
+    engines: dict[str, dict] = field(default_factory=dict)  # engine name → `EngineTally` fields
     weights: str = CHECKPOINT  # the checkpoint's weights file in checkpoints/: model, optimizer, version, RNG
 
 
@@ -262,6 +266,8 @@ class Learner:
         self._buffer_lock = threading.Condition()
         self._stop_ingest = threading.Event()
         self._ingest_error: BaseException | None = None
+        self._engine_of: dict[str, str] = {}  # sampler id → the engine its hello named
+        self._tallies: dict[str, EngineTally] = {}  # engine → its totals (saved in the learner state)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
@@ -273,6 +279,8 @@ class Learner:
         folder.mkdir(parents=True, exist_ok=True)
         state = self.state
         state.trained_ids = sorted(self._trained)
+        with self._buffer_lock:
+            state.engines = tallies_to_json(self._tallies)
         if self.recorder is not None:
             state.steps_without_update = self.recorder.steps_without_update
         state.version, state.weights = self.training.version, f"checkpoint-{state.step:06d}.pt"
@@ -301,6 +309,7 @@ class Learner:
         self.state.publish_wall_s.update(checkpoint.published_wall_s)
         self._since_checkpoint = dict(checkpoint.published_wall_s)
         self._trained = set(self.state.trained_ids)
+        self._tallies = {name: EngineTally.from_json(raw) for name, raw in self.state.engines.items()}
         self._resumed_step = self.state.step
         self.training.version = checkpoint.newest_published
         log.info("resumed at step %d from version %d; the newest version published was %d, the next is %d",
@@ -336,18 +345,24 @@ class Learner:
 
     def _await_fleet(self) -> None:
         """Wait up to ``runtime.fleet_wait_s`` until ``runtime.workers`` live workers hold weights (they said
-        hello, loaded their model and applied a version); start with those present when the wait runs out."""
+        hello, loaded their model and applied a version); start with those present when the wait runs out. A
+        worker that said hello and then left (it failed to start: a model its engine cannot load, weights that
+        do not fit) is not waited for: then the wait ends once every other worker is ready."""
         cfg = self.cfg.runtime
         deadline = time.monotonic() + cfg.fleet_wait_s
 
-        def ready() -> int:
-            return sum(w.alive and w.version_held >= 0 for w in self.server.workers())
+        def counts() -> tuple[int, int]:
+            workers = self.server.workers()
+            return sum(w.alive and w.version_held >= 0 for w in workers), sum(not w.alive for w in workers)
 
-        while ready() < cfg.workers and time.monotonic() < deadline:
+        ready, gone = counts()
+        while ready < cfg.workers - gone and time.monotonic() < deadline:
             time.sleep(0.05)
-        if cfg.fleet_wait_s > 0 and ready() < cfg.workers:
-            log.warning("%d of %d workers ready after runtime.fleet_wait_s = %.0f s; training starts with them",
-                        ready(), cfg.workers, cfg.fleet_wait_s)
+            ready, gone = counts()
+        if cfg.fleet_wait_s > 0 and ready < cfg.workers:
+            log.warning("%d of %d workers ready (%d left) after %.0f s of runtime.fleet_wait_s = %.0f s; training "
+                        "starts with them", ready, cfg.workers, gone, cfg.fleet_wait_s - (deadline - time.monotonic()),
+                        cfg.fleet_wait_s)
 
     def _ingest(self) -> None:
         """Background thread: move arrived trajectories from the transport into the buffer while the learner
@@ -375,6 +390,7 @@ class Learner:
                     if traj.key in self._trained:
                         self.dropped_trained += 1  # already trained before a restart: never twice
                         continue
+                    self._tally(traj.sampler_id).received += 1
                     self.buffer.add(traj, now)
                 self.buffer.expire_partial(now)
                 self._buffer_lock.notify_all()
@@ -436,7 +452,8 @@ class Learner:
             **staleness_percentiles({int(k): n for k, n in state.staleness_counts.items()}),
             tokens_per_s=state.tokens_trained / max(state.elapsed_s, 1e-9),
             learner_idle_frac=state.idle_s / max(state.elapsed_s, 1e-9),
-            worker_idle_frac=idle_fraction(fleet["idle_s"], fleet["busy_s"]))
+            worker_idle_frac=idle_fraction(fleet["idle_s"], fleet["busy_s"]),
+            engines={name: t.summary(state.elapsed_s) for name, t in sorted(self._tallies.items())})
 
     def _step(self, start: float, version: int) -> int:
         """One learner step: wait for a batch, train on it, publish, record; returns the new version."""
@@ -452,8 +469,10 @@ class Learner:
         datums, _ = self.ranks.share((group_datums(groups), self.training.version))
         total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
         skipped: list[SkippedUpdate] = []
+        fresh: dict[int, list[float]] = {}
         metrics = optimize_batch(self.training, datums, cfg, total_updates, (self.ranks.rank, self.ranks.world),
-                                 skipped=skipped)
+                                 skipped=skipped, fresh_logprobs=fresh)
+        engine_metrics = self._tally_step(groups, staleness, fresh, version)
         self._keep_skipped(groups, skipped)
         with self._buffer_lock:
             for g in groups:
@@ -469,12 +488,55 @@ class Learner:
             state.staleness_counts[str(gap)] = state.staleness_counts.get(str(gap), 0) + 1
         state.elapsed_s = time.monotonic() - start
         metrics.update(self._step_metrics(groups, staleness, staleness_s, version))
+        metrics.update(engine_metrics)
         metrics.update({"learner/wait_s": waited, "learner/train_s": time.monotonic() - step_start})
         self.recorder.record(state.step, metrics, state.elapsed_s)
         every = cfg.runtime.checkpoint_every
         if (every and state.step % every == 0) or state.step == cfg.rl.steps:
             self.save_checkpoint()
         return version
+
+    def _engine(self, sampler_id: str) -> str:
+        """The engine ``sampler_id``'s worker named in its hello (a worker's hello precedes its trajectories; one
+        removed from the registry before the learner first looks is `UNKNOWN_ENGINE`)."""
+        engine = self._engine_of.get(sampler_id)
+        if engine is None:
+            self._engine_of.update((w.worker_id, w.engine) for w in self.server.workers())
+            engine = self._engine_of.setdefault(sampler_id, UNKNOWN_ENGINE)
+        return engine
+
+    def _tally(self, sampler_id: str) -> EngineTally:
+        return self._tallies.setdefault(self._engine(sampler_id), EngineTally())
+
+    def _tally_step(self, groups: list[Group], staleness: list[int], fresh: dict[int, list[float]],
+                    version: int) -> dict:
+        """Add a trained batch to its engines' tallies; the step's per-engine metrics: trajectories and staleness,
+        and the training–inference mismatch of the trajectories sampled by ``version`` (the weights the batch was
+        trained from) whose learner log-probs ``fresh`` holds (`heterorl.runtime.engine_stats`)."""
+        metrics: dict = {}
+        deltas: dict[str, list[np.ndarray]] = {}
+        row = 0
+        with self._buffer_lock:
+            for group, gap in zip(groups, staleness):
+                engines = set()
+                for t in group.trajectories:
+                    engine = self._engine(t.sampler_id)
+                    tally = self._tally(t.sampler_id)
+                    engines.add(engine)
+                    tally.trained += 1
+                    tally.tokens_trained += len(t.completion_tokens)
+                    metrics[f"engine/{engine}/trajectories"] = metrics.get(f"engine/{engine}/trajectories", 0) + 1
+                    if row in fresh and bool((t.policy_versions == version).all()):
+                        delta = np.asarray(fresh[row], np.float64) - t.behaviour_logprobs.astype(np.float64)
+                        tally.add_mismatch(delta)
+                        deltas.setdefault(engine, []).append(delta)
+                    row += 1
+                for engine in engines:
+                    tally = self._tallies[engine]
+                    tally.groups_trained += 1
+                    tally.staleness_sum += gap
+                    tally.staleness_max = max(tally.staleness_max, gap)
+        return {**metrics, **step_mismatch(deltas)}
 
     def _keep_skipped(self, groups: list[Group], skipped: list[SkippedUpdate]) -> None:
         """Append each minibatch the loss refused to ``RUN_DIR/skipped_batches.jsonl``: the step, the version,

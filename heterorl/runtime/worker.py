@@ -118,7 +118,8 @@ class RolloutWorker:
             raise HeteroRLError(f"--engine {options.engine!r}: must be one of {', '.join(ENGINES)}")
         self.options = options
         transport = TransportConfig(allow_plaintext=options.allow_plaintext)
-        self.client = WorkerClient(options.address, options.worker_id, transport, curve=options.curve)
+        self.client = WorkerClient(options.address, options.worker_id, transport, curve=options.curve,
+                                   engine=options.engine)
         self.version = -1
         self.learner_timeout_s = 300.0  # from the learner's config once it answers
         self.contract: TrajectoryContract | None = None  # what the learner takes, from its ready answer
@@ -165,10 +166,13 @@ class RolloutWorker:
         worker_id = self.options.worker_id
         task = make_task_from(cfg.task)
         base = self.options.policy or cfg.rl.base or cfg.policy.model
-        model, tokenizer = load_policy(base, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=cfg.policy.device)
+        # a vLLM worker only checks the policy (and saves a fresh tiny one for vLLM): its copy stays on the CPU
+        device = cfg.policy.device if self.options.engine == "torch" else "cpu"
+        model, tokenizer = load_policy(base, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=device)
         self._check_policy(model, base)
         model.eval()
         self.sampler = self._make_sampler(cfg, base, model, tokenizer)
+        del model  # the sampler holds what it samples with (the torch engine: this model; vLLM: its own)
         got = self._wait(self.client.wait_weights, -1, cfg.runtime.learner_timeout_s)
         if got is None:
             raise HeteroRLError(f"no weights from the learner within {cfg.runtime.learner_timeout_s} s")
@@ -221,7 +225,9 @@ class RolloutWorker:
             folder = Path(self._scratch.name)
             model.save_pretrained(folder)
         engine = VLLMEngine(folder, eos_token_id=tokenizer.eos_token_id, seed=cfg.seed,
-                            dtype=cfg.runtime.vllm_dtype, kv_cache_gib=cfg.runtime.vllm_kv_cache_gib)
+                            dtype=cfg.runtime.vllm_dtype, kv_cache_gib=cfg.runtime.vllm_kv_cache_gib,
+                            gpu_memory_utilization=cfg.runtime.vllm_gpu_memory_utilization,
+                            max_model_len=cfg.runtime.vllm_max_model_len)
         log.info("worker %s: vLLM engine on %s (%s)", self.options.worker_id, folder, cfg.runtime.vllm_dtype)
         return SamplingClient(engine, tokenizer, version=-1)
 

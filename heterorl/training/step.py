@@ -77,7 +77,8 @@ def refused_on_any_rank(loss_fn, rank: int, world: int):
 
 
 def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, total_updates: int,
-                   shard: tuple[int, int] = (0, 1), skipped: list[SkippedUpdate] | None = None) -> dict:
+                   shard: tuple[int, int] = (0, 1), skipped: list[SkippedUpdate] | None = None,
+                   fresh_logprobs: dict[int, list[float]] | None = None) -> dict:
     """``forward_backward`` + ``optim_step`` on ``cfg.rl.updates_per_batch`` minibatches of whole groups.
 
     A minibatch in which every group scored alike carries no learning signal and is skipped; with
@@ -90,6 +91,10 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
     A minibatch whose loss raises ``gepo.LossInputError`` (a non-finite loss, inconsistent input) is skipped
     without a step and logged; ``optim/bad_batches`` (present only when > 0) counts them,
     and ``skipped``, when given, receives a `SkippedUpdate` for each, so the caller can keep its rows.
+
+    ``fresh_logprobs``, when given, receives {row: the learner's log-probs of its completion tokens} for the rows
+    this rank forwarded before the first ``optim_step``, i.e. under the weights the batch started from (the
+    learner compares them with the workers' behaviour log-probs: `heterorl.runtime.engine_stats`).
 
     ``shard = (rank, world)``: under data parallelism every rank is given the whole batch, makes the same
     minibatch and skip decisions, and runs ``forward_backward`` on its share of each minibatch's groups
@@ -126,6 +131,8 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
             if skipped is not None:
                 skipped.append(SkippedUpdate([row_of[id(d)] for d in batch], str(exc)))
             continue
+        if fresh_logprobs is not None and not metrics["optim/updates"]:
+            fresh_logprobs.update((row_of[id(d)], lp) for d, lp in zip(share, out.logprobs))
         lr = learning_rate(training.step + 1, cfg.optim.lr, total_updates, cfg.optim.warmup_steps,
                            cfg.optim.schedule, cfg.optim.min_lr_ratio)
         optim = training.optim_step(AdamParams(

@@ -98,7 +98,7 @@ class WorkerClient(_Endpoint):
     def __init__(self, address: str, worker_id: str, config: TransportConfig | None = None,
                  curve: CurveConfig | None = None, limits: Limits = DEFAULT_LIMITS,
                  trajectory_delay: DelaySchedule | None = None, clock: Callable[[], float] = time.monotonic,
-                 version_held: int = -1) -> None:
+                 version_held: int = -1, engine: str = "torch") -> None:
         self.config = config or TransportConfig()
         self.config.validate()
         _require_security(address, curve, self.config, (
@@ -106,6 +106,7 @@ class WorkerClient(_Endpoint):
             "this worker's secret key (--curve-secret), or allow_plaintext=True on a trusted network"))
         self.address = address
         self.worker_id = worker_id
+        self.engine = engine  # named in each hello: the learner splits its metrics by engine
         self.limits = limits
         self._curve = curve
         self._delay = trajectory_delay
@@ -344,7 +345,8 @@ class WorkerClient(_Endpoint):
                 self.learner_alive = False
         if not self.learner_alive and now - self._last_hello >= self.config.hello_interval_s:
             self._last_hello = now
-            hello = Hello(self.worker_id, pysocket.gethostname(), os.getpid(), self._version_held, time.time())
+            hello = Hello(self.worker_id, pysocket.gethostname(), os.getpid(), self._version_held, time.time(),
+                          self.engine)
             _send(control, encode(hello), self.stats, "hello")
         if self.learner_alive and now - self._last_beat >= self.config.heartbeat_interval_s:
             self._last_beat = now

@@ -178,6 +178,7 @@ class Message:
 
     kind: ClassVar[str] = ""
     data_frames: ClassVar[int] = 0  # raw frames after the header
+    optional_fields: ClassVar[frozenset] = frozenset()  # header keys a peer may leave out (added since the schema)
 
     def to_wire(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -201,6 +202,8 @@ class Hello(Message):
     pid: int
     version_held: int = -1
     sent_at: float = 0.0
+    engine: str = "torch"  # the worker's sampling engine, for the learner's per-engine metrics (absent: torch)
+    optional_fields: ClassVar[frozenset] = frozenset({"engine"})  # a worker of an earlier version sends none
 
     @classmethod
     def from_wire(cls, body, limits, data=()):
@@ -210,6 +213,8 @@ class Hello(Message):
             pid=_int("pid", body["pid"], 0, _INT32_MAX),
             version_held=_int("version_held", body["version_held"], -1, _INT32_MAX),
             sent_at=_float("sent_at", body["sent_at"]),
+            # optional: workers of earlier versions (all of them torch workers) send no engine
+            engine=_str("engine", body.get("engine", "torch"), 32, _ID_PATTERN),
         )
 
 
@@ -887,11 +892,13 @@ def _decode(frames: list, limits: Limits) -> Message:
                             "unknown_kind")
     expected = _wire_fields(cls)
     if body.keys() != expected:
-        missing = sorted(expected - body.keys())
+        missing = sorted(expected - body.keys() - cls.optional_fields)
         if missing:
             raise ProtocolError(missing[0], f"missing from {kind} message", "missing_field")
         unknown = sorted(str(k) for k in body.keys() - expected)
-        raise ProtocolError(unknown[0][:40], f"is not a field of {kind} (schema v{SCHEMA_VERSION})", "unknown_field")
+        if unknown:
+            raise ProtocolError(unknown[0][:40], f"is not a field of {kind} (schema v{SCHEMA_VERSION})",
+                                "unknown_field")
     if len(frames) != 1 + cls.data_frames:
         raise ProtocolError("frame", f"{kind} takes {1 + cls.data_frames} frame(s), got {len(frames)}", "malformed")
     return cls.from_wire(body, limits, [_buffer(f) for f in frames[1:]])

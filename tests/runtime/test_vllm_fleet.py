@@ -4,6 +4,7 @@ Synchronous mode, so that each worker samples its share of every batch whatever 
 workers' trajectories are trained at every step, whichever engine is faster to start.
 """
 
+import json
 import re
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 
 from heterorl.runs import read_metrics
 from tests.conftest import run_cli
+from tests.runtime.test_processes import run_with_a_misfit_worker
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="the vLLM lane: `make vllm`, then `make test-vllm`")
@@ -40,3 +42,17 @@ logging: {{run_dir: {run}, wandb_mode: disabled, progress: false}}
     for log in (torch_log, vllm_log):  # each sampled its share (2 groups) of each of the 3 batches
         sent = re.search(r"ended the run after (\d+) groups", log)
         assert sent and int(sent.group(1)) >= 6, log[-2000:]
+    # the summary splits the fleet by engine, and the training–inference mismatch of each is measured at
+    # staleness 0: vLLM in float32 agrees with the learner's teacher-forced log-probs to rounding, as torch does
+    engines = json.loads((run / "summary.json").read_text())["engines"]
+    assert sorted(engines) == ["torch", "vllm"], engines
+    for name, e in engines.items():
+        assert e["trajectories_trained"] > 0 and e["staleness_max"] == 0, (name, e)
+        if e["mismatch_tokens"]:
+            assert e["mismatch_abs_max"] < 1e-3 and e["is_ratio_var"] < 1e-6, (name, e)
+    assert any(e["mismatch_tokens"] for e in engines.values()) or all(r["optim/updates"] == 0 for r in records)
+    assert "by sampling engine" in out.stdout
+
+
+def test_a_vllm_worker_the_weights_do_not_fit_leaves_and_the_run_goes_on(tmp_path):
+    run_with_a_misfit_worker(tmp_path, "vllm", sys.executable)

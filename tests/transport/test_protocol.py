@@ -78,6 +78,7 @@ def test_arrays_are_little_endian_raw_buffers_and_decoded_as_views():
 
 @pytest.mark.parametrize("message", [
     Hello("w0", "host-a", 123, 4, 1.5),
+    Hello("w1", "host-b", 9, -1, 2.5, engine="vllm"),
     Ready("w0", credits=64, newest_version=3, heartbeat_interval_s=1.0, settings={"weights_port": 5556, "x": "y"}),
     Heartbeat("w0", 7, 2.0, 3.5, 0.25),
     Ack(["a", "b"], ["c: bad"], 70, 12),
@@ -87,6 +88,14 @@ def test_arrays_are_little_endian_raw_buffers_and_decoded_as_views():
 ])
 def test_control_messages_round_trip(message):
     assert decode(encode(message)) == message
+
+
+def test_a_hello_without_an_engine_is_a_torch_workers_and_a_bad_engine_is_named():
+    body = header_of(Hello("w0", "h", 1, -1, 1.0, engine="vllm"))
+    del body["engine"]  # a worker of an earlier version
+    assert decode([msgpack.packb(body)]).engine == "torch"
+    rejects([msgpack.packb(body | {"engine": "v llm"})], "engine", "bounds")
+    rejects([msgpack.packb(body | {"engine": 3})], "engine", "type")
 
 
 def test_id_lists_are_checked_in_bulk_and_the_culprit_named():

@@ -1,0 +1,100 @@
+"""What each sampling engine of a fleet contributed, and how far its log-probs sit from the learner's.
+
+A mixed fleet (torch and vLLM workers feeding one learner) is only trustworthy if the two engines' samples are
+alike to the loss. The learner keeps one `EngineTally` per engine name (the one each worker states in its
+``hello``): trajectories received and trained, tokens, staleness, and the **training–inference mismatch** —
+the learner's teacher-forced log-probs against the worker's behaviour log-probs of the same tokens, on the
+trajectories sampled by the very weights the learner holds when it trains them (staleness 0). There every
+difference is the engines' own (kernels, dtype, sampling processors), not the policy's drift, so it is the part
+of the importance ratio that TIS / IcePop / GEPO absorb even in a synchronous run:
+
+- ``mismatch_abs_mean`` / ``mismatch_abs_max``: |log p_learner − log q_worker| over those tokens;
+- ``is_ratio_var``: the variance of the per-token ratio p/q = exp(log p − log q) over them (0 when the engines
+  agree exactly; the variance staleness 0 alone puts into a token-level importance weight).
+
+The learner's log-probs come from the first update of each step (the weights it was published as, before any
+``optim_step``), so measuring costs no extra forward pass; the tokens of minibatches without learning signal
+(skipped, no forward) and of later updates are not measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+UNKNOWN_ENGINE = "unknown"  # a trajectory whose worker left the registry before the learner saw its hello
+
+
+@dataclass
+class EngineTally:
+    """Running totals of one engine's trajectories (JSON-serialisable: it is part of the learner's checkpoint)."""
+
+    received: int = 0  # trajectories taken in from the transport
+    trained: int = 0  # trajectories in the batches trained
+    tokens_trained: int = 0
+    staleness_sum: float = 0.0  # over trained groups, in versions
+    groups_trained: int = 0
+    staleness_max: int = 0
+    mismatch_tokens: int = 0  # tokens measured at staleness 0
+    mismatch_abs_sum: float = 0.0
+    mismatch_abs_max: float = 0.0
+    ratio_sum: float = 0.0
+    ratio_sq_sum: float = 0.0
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "EngineTally":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+    def add_mismatch(self, delta: np.ndarray) -> None:
+        """Account the per-token log-prob differences (learner − worker) of one trajectory at staleness 0."""
+        if not len(delta):
+            return
+        ratio = np.exp(np.clip(delta, -50.0, 50.0))
+        self.mismatch_tokens += len(delta)
+        self.mismatch_abs_sum += float(np.abs(delta).sum())
+        self.mismatch_abs_max = max(self.mismatch_abs_max, float(np.abs(delta).max()))
+        self.ratio_sum += float(ratio.sum())
+        self.ratio_sq_sum += float((ratio * ratio).sum())
+
+    def summary(self, elapsed_s: float) -> dict:
+        """The run summary's entry: rates over the learner's elapsed time, means, and the mismatch (None: no
+        token of this engine was measured at staleness 0)."""
+        n = self.mismatch_tokens
+        mean_ratio = self.ratio_sum / n if n else math.nan
+        return {
+            "trajectories_received": self.received,
+            "trajectories_trained": self.trained,
+            "samples_per_s": self.trained / max(elapsed_s, 1e-9),
+            "tokens_per_s": self.tokens_trained / max(elapsed_s, 1e-9),
+            "staleness_mean": self.staleness_sum / max(self.groups_trained, 1),
+            "staleness_max": self.staleness_max,
+            "mismatch_tokens": n,
+            "mismatch_abs_mean": self.mismatch_abs_sum / n if n else None,
+            "mismatch_abs_max": self.mismatch_abs_max if n else None,
+            "is_ratio_mean": mean_ratio if n else None,
+            "is_ratio_var": max(self.ratio_sq_sum / n - mean_ratio ** 2, 0.0) if n else None,
+        }
+
+
+def step_mismatch(deltas: dict[str, list[np.ndarray]]) -> dict[str, float]:
+    """One step's mismatch metrics per engine (``mismatch/<engine>/abs_mean`` ...) from its per-trajectory
+    deltas."""
+    metrics = {}
+    for engine, parts in sorted(deltas.items()):
+        tally = EngineTally()
+        for delta in parts:
+            tally.add_mismatch(delta)
+        if tally.mismatch_tokens:
+            s = tally.summary(1.0)
+            metrics.update({f"mismatch/{engine}/abs_mean": s["mismatch_abs_mean"],
+                            f"mismatch/{engine}/abs_max": s["mismatch_abs_max"],
+                            f"mismatch/{engine}/is_ratio_var": s["is_ratio_var"],
+                            f"mismatch/{engine}/tokens": tally.mismatch_tokens})
+    return metrics
+
+
+def tallies_to_json(tallies: dict[str, EngineTally]) -> dict[str, dict]:
+    return {name: asdict(t) for name, t in tallies.items()}
