@@ -40,8 +40,9 @@ class EngineTally:
     mismatch_tokens: int = 0  # tokens measured at staleness 0
     mismatch_abs_sum: float = 0.0
     mismatch_abs_max: float = 0.0
-    ratio_sum: float = 0.0
-    ratio_sq_sum: float = 0.0
+    # sums of (p/q − 1) and its square: near 1 the variance is a difference of small numbers, not of two ≈ 1
+    excess_sum: float = 0.0
+    excess_sq_sum: float = 0.0
 
     @classmethod
     def from_json(cls, raw: dict) -> "EngineTally":
@@ -52,18 +53,18 @@ class EngineTally:
         """Account the per-token log-prob differences (learner − worker) of one trajectory at staleness 0."""
         if not len(delta):
             return
-        ratio = np.exp(np.clip(delta, -50.0, 50.0))
+        excess = np.expm1(np.clip(delta, -50.0, 50.0))  # p/q − 1, exact for tiny differences
         self.mismatch_tokens += len(delta)
         self.mismatch_abs_sum += float(np.abs(delta).sum())
         self.mismatch_abs_max = max(self.mismatch_abs_max, float(np.abs(delta).max()))
-        self.ratio_sum += float(ratio.sum())
-        self.ratio_sq_sum += float((ratio * ratio).sum())
+        self.excess_sum += float(excess.sum())
+        self.excess_sq_sum += float((excess * excess).sum())
 
     def summary(self, elapsed_s: float) -> dict:
         """The run summary's entry: rates over the learner's elapsed time, means, and the mismatch (None: no
         token of this engine was measured at staleness 0)."""
         n = self.mismatch_tokens
-        mean_ratio = self.ratio_sum / n if n else math.nan
+        mean_excess = self.excess_sum / n if n else math.nan
         return {
             "trajectories_received": self.received,
             "trajectories_trained": self.trained,
@@ -74,8 +75,8 @@ class EngineTally:
             "mismatch_tokens": n,
             "mismatch_abs_mean": self.mismatch_abs_sum / n if n else None,
             "mismatch_abs_max": self.mismatch_abs_max if n else None,
-            "is_ratio_mean": mean_ratio if n else None,
-            "is_ratio_var": max(self.ratio_sq_sum / n - mean_ratio ** 2, 0.0) if n else None,
+            "is_ratio_mean": 1.0 + mean_excess if n else None,
+            "is_ratio_var": max(self.excess_sq_sum / n - mean_excess ** 2, 0.0) if n else None,
         }
 
 

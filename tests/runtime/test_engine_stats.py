@@ -41,3 +41,12 @@ def test_tallies_survive_the_learner_state_json():
     raw = json.loads(json.dumps(tallies_to_json({"vllm": tally})))
     assert EngineTally.from_json(raw["vllm"]) == tally
     assert EngineTally.from_json({**raw["vllm"], "from_a_newer_version": 1}) == tally
+
+
+def test_the_ratio_variance_stays_exact_when_the_engines_all_but_agree():
+    """float32 engines differ by ~1e-6 in log-prob: a variance of ~1e-12 must not drown in the rounding of ≈ 1."""
+    delta = np.random.default_rng(1).normal(0.0, 1e-6, 20_000)
+    tally = EngineTally()
+    for part in np.array_split(delta, 7):
+        tally.add_mismatch(part)
+    assert tally.summary(1.0)["is_ratio_var"] == pytest.approx(np.var(np.expm1(delta)), rel=1e-6)
