@@ -346,21 +346,21 @@ class Learner:
     def _await_fleet(self) -> None:
         """Wait up to ``runtime.fleet_wait_s`` until ``runtime.workers`` live workers hold weights (they said
         hello, loaded their model and applied a version); start with those present when the wait runs out. A
-        worker that said hello and then left (it failed to start: a model its engine cannot load, weights that
-        do not fit) is not waited for: then the wait ends once every other worker is ready."""
+        worker whose bye said it failed (a model its engine cannot load, weights that do not fit:
+        `BYE_WORKER_FAILED`) is not waited for: then the wait ends once every other worker is ready."""
         cfg = self.cfg.runtime
         deadline = time.monotonic() + cfg.fleet_wait_s
 
         def counts() -> tuple[int, int]:
             workers = self.server.workers()
-            return sum(w.alive and w.version_held >= 0 for w in workers), sum(not w.alive for w in workers)
+            return sum(w.alive and w.version_held >= 0 for w in workers), sum(w.failed for w in workers)
 
         ready, gone = counts()
         while ready < cfg.workers - gone and time.monotonic() < deadline:
             time.sleep(0.05)
             ready, gone = counts()
         if cfg.fleet_wait_s > 0 and ready < cfg.workers:
-            log.warning("%d of %d workers ready (%d left) after %.0f s of runtime.fleet_wait_s = %.0f s; training "
+            log.warning("%d of %d workers ready (%d failed) after %.0f s of runtime.fleet_wait_s = %.0f s; training "
                         "starts with them", ready, cfg.workers, gone, cfg.fleet_wait_s - (deadline - time.monotonic()),
                         cfg.fleet_wait_s)
 

@@ -46,7 +46,7 @@ from heterorl.tasks.rewards import score
 from heterorl.training.session import SamplingClient
 from heterorl.training.textcodec import encode_prompt
 from heterorl.transport import CurveConfig, TransportTimeout, WorkerClient
-from heterorl.transport.protocol import MIN_LOGPROB, Trajectory, TrajectoryContract
+from heterorl.transport.protocol import BYE_WORKER_FAILED, MIN_LOGPROB, Trajectory, TrajectoryContract
 
 log = logging.getLogger("heterorl.runtime.worker")
 
@@ -288,8 +288,9 @@ class RolloutWorker:
                 if time.monotonic() - silent_since > self.learner_timeout_s:
                     raise HeteroRLError(f"the learner has been silent for {self.learner_timeout_s:.0f} s") from None
 
-    def close(self) -> None:
-        self.client.close()
+    def close(self, failure: Exception | None = None) -> None:
+        """Leave: the bye tells the learner when this worker failed (`BYE_WORKER_FAILED`), so it stops waiting."""
+        self.client.close("done" if failure is None else f"{BYE_WORKER_FAILED}{str(failure)[:900]}")
         if self.sampler is not None:
             self.sampler.close()
         if self._scratch is not None:
@@ -298,7 +299,11 @@ class RolloutWorker:
 
 def run_rollout_worker(options: WorkerOptions) -> int:
     worker = RolloutWorker(options)
+    failure: Exception | None = None
     try:
         return worker.run()
+    except Exception as exc:  # an interrupt is not a failure: that worker may well come back
+        failure = exc
+        raise
     finally:
-        worker.close()
+        worker.close(failure)

@@ -670,6 +670,8 @@ BYE_LEARNER_STOPPING = "learner stopping"  # the learner exits before the run is
 BYE_REFUSED = "refused: "  # prefix: this worker may not join (e.g. its id belongs to another key); it stops
 BYE_BUSY = "busy: "  # prefix: the learner cannot take this worker now (its registry is full); it says hello again
 #   every transport.hello_interval_s until runtime.learner_timeout_s, and names the reason if it gives up
+# What a worker's bye may tell the learner: it failed and will not come back (its fleet wait stops counting it)
+BYE_WORKER_FAILED = "failed: "  # prefix, then the error
 
 
 @dataclass
@@ -692,6 +694,10 @@ class Bye(Message):
     @property
     def busy(self) -> bool:
         return self.reason.startswith(BYE_BUSY)
+
+    @property
+    def failed(self) -> bool:
+        return self.reason.startswith(BYE_WORKER_FAILED)
 
     @classmethod
     def from_wire(cls, body, limits, data=()):

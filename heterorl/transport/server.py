@@ -115,6 +115,7 @@ class WorkerInfo:
     last_seen: float
     version_held: int = -1
     engine: str = "torch"  # its sampling engine, as its latest hello said
+    failed: bool = False  # it left with a bye saying it failed (BYE_WORKER_FAILED): it will not come back
     trajectories: int = 0  # accepted from this worker (all sessions)
     duplicates: int = 0
     buffered: int = 0  # accepted, not yet taken by the consumer
@@ -443,7 +444,7 @@ class LearnerServer(_Endpoint):
                 worker.version_held = message.version_held
                 worker.busy_s, worker.idle_s = message.busy_s, message.idle_s
             elif isinstance(message, Bye):
-                worker.alive = False
+                worker.alive, worker.failed = False, message.failed
                 self._reclaim_starts(worker)
                 log.info("worker %s left: %s", worker.worker_id, message.reason)
             else:
@@ -482,7 +483,7 @@ class LearnerServer(_Endpoint):
             worker.routing_id, worker.host, worker.pid = routing_id, hello.host, hello.pid
         self._by_routing[routing_id] = hello.worker_id
         worker.last_seen, worker.alive, worker.version_held = now, True, hello.version_held
-        worker.engine = hello.engine
+        worker.engine, worker.failed = hello.engine, False
         worker.received_session = 0
         worker.groups_session = worker.starts_granted_session = 0
         worker.last_start_limit_sent = -2

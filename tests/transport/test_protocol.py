@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from heterorl.errors import HeteroRLError
 from heterorl.transport.protocol import (
+    BYE_RUN_FINISHED,
+    BYE_WORKER_FAILED,
     MIN_LOGPROB,
     SCHEMA_VERSION,
     Ack,
@@ -96,6 +98,11 @@ def test_a_hello_without_an_engine_is_a_torch_workers_and_a_bad_engine_is_named(
     assert decode([msgpack.packb(body)]).engine == "torch"
     rejects([msgpack.packb(body | {"engine": "v llm"})], "engine", "bounds")
     rejects([msgpack.packb(body | {"engine": 3})], "engine", "type")
+
+
+def test_a_worker_that_failed_says_so_in_its_bye():
+    assert decode(encode(Bye("w0", f"{BYE_WORKER_FAILED}weights do not fit"))).failed
+    assert not Bye("w0", "done").failed and not Bye("learner", BYE_RUN_FINISHED).failed
 
 
 def test_id_lists_are_checked_in_bulk_and_the_culprit_named():
