@@ -304,9 +304,7 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
         children.append(learner)
         endpoint = _wait_for_endpoint(learner, 300)
         for i, (engine, python) in enumerate(zip(engines, pythons)):
-            throttle = cfg.runtime.throttle[i % len(cfg.runtime.throttle)] if cfg.runtime.throttle else 1.0
-            devices = cfg.runtime.worker_devices[i % len(cfg.runtime.worker_devices)] if cfg.runtime.worker_devices \
-                else ""
+            throttle, devices = _nth(cfg.runtime.throttle, i, 1.0), _nth(cfg.runtime.worker_devices, i, "")
             children.append(_Child(f"worker-{i}", ["rollout", "--connect", endpoint, "--worker-id", f"worker-{i}",
                                                    "--throttle", str(throttle), "--engine", engine],
                                    logs / f"worker-{i}.log", python=python, devices=devices))
@@ -331,6 +329,11 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
     finally:
         for child in reversed(children):
             child.stop()
+
+
+def _nth(values: list, i: int, default):
+    """``values[i % len(values)]``, or ``default`` when there are none (runtime.throttle, runtime.worker_devices)."""
+    return values[i % len(values)] if values else default
 
 
 def _check_workers(workers: list[_Child], left: set[str]) -> None:
