@@ -295,7 +295,7 @@ def cmd_learner(args) -> int:
     _log_to_console()
     result = serve_learner(cfg, args.bind or cfg.runtime.address, resume=args.resume,
                            curve=_curve(args.curve_secret, allowed=args.allow_keys),
-                           allow_plaintext=args.allow_plaintext)
+                           allow_plaintext=args.allow_plaintext, share_machine=args.share_machine)
     if result is None:
         return 0  # a learner rank > 0 under torchrun: rank 0 reports
     print(f"learner done: success {result.base_success:.3f} -> {result.final_success:.3f} "
@@ -372,6 +372,8 @@ def _print_runtime_summary(summary: dict, run_dir: Path) -> None:
           f"{summary['tokens_per_s']:.0f} tokens/s{clock} trained; "
           f"learner idle {summary['learner_idle_frac']:.0%}, workers idle {summary['worker_idle_frac']:.0%}{clock}"
           + _without_update(summary.get("steps_without_update", 0)))
+    if summary.get("rollouts"):
+        print(_waste_line(summary["rollouts"]))
     if summary.get("engines"):
         print("\nby sampling engine (mismatch: learner vs worker log-probs of the tokens sampled at staleness 0)")
         print(format_table(
@@ -384,6 +386,14 @@ def _print_runtime_summary(summary: dict, run_dir: Path) -> None:
              for name, e in summary["engines"].items()]))
     print(f"logs:   {run_dir / 'metrics.jsonl'}" + ("" if simulated else f" and {run_dir / 'logs'}/"))
     print(f"plot:   {run_dir / 'success.png'}")
+
+
+def _waste_line(rollouts: dict) -> str:
+    """One line on the rollouts generated, trained and not trained, by reason."""
+    reasons = [f"{n} {reason.replace('_', ' ')}" for reason, n in rollouts["discarded"].items() if n]
+    reasons += [f"{rollouts['left_over']} left over at the end"] if rollouts["left_over"] else []
+    return (f"rollouts: {rollouts['generated']} trajectories generated, {rollouts['trained']} trained; "
+            f"{rollouts['wasted_frac']:.1%} wasted" + (f" ({', '.join(reasons)})" if reasons else ""))
 
 
 def _without_update(count: int) -> str:
@@ -493,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-secret", help="the learner's *.key_secret file (turns on CurveZMQ)")
     p.add_argument("--allow-keys", help="folder of the public *.key files of the workers allowed in")
     p.add_argument("--allow-plaintext", action="store_true", help="allow plaintext on a non-loopback address")
+    p.add_argument("--share-machine", action="store_true",
+                   help="the workers run on this machine (as `heterorl train` starts them): in async mode split its "
+                        "cores between learner and workers by measured phase times (runtime.thread_split)")
     p.set_defaults(fn=cmd_learner)
     p = sub.add_parser("rollout", help="a rollout worker: connects to a learner and streams scored groups")
     p.add_argument("--connect", required=True, help="the learner's control address, e.g. tcp://10.0.0.5:5555")

@@ -84,8 +84,11 @@ BUFFER_POLICIES = ("window", "drop_stale", "count_only", "admission")
 class BufferConfig:
     """The learner's staleness-aware buffer (heterorl/runtime/buffer.py has the policies' rules)."""
 
-    policy: str = "window"  # window | drop_stale | count_only | admission
+    policy: str = "admission"  # admission | window | drop_stale | count_only
     max_staleness_steps: int = 8
+    # admission: how many steps of groups ahead of the learner the fleet may start; None (the default) paces
+    # adaptively, from 1 step up to max_staleness_steps while the learner waits on a fleet out of permits
+    pace_steps: Optional[int] = None
     select: str = "newest"  # window only: newest | oldest groups first
     max_groups: int = 256  # complete groups the learner holds; when full it stops pulling (back-pressure)
     partial_group_timeout_s: float = 600.0  # a group still incomplete after this long is discarded (worker died)
@@ -95,6 +98,9 @@ class BufferConfig:
         _one_of(f"{key}.select", self.select, ("newest", "oldest"))
         if self.max_staleness_steps < 0:
             _fail(f"{key}.max_staleness_steps", self.max_staleness_steps, "must be >= 0")
+        if self.pace_steps is not None and not 0 <= self.pace_steps <= self.max_staleness_steps:
+            _fail(f"{key}.pace_steps", self.pace_steps, f"must be in [0, `{key}.max_staleness_steps`] (now "
+                  f"{self.max_staleness_steps}), or null to pace adaptively")
         if self.max_groups < 1:
             _fail(f"{key}.max_groups", self.max_groups, "must be >= 1")
 
@@ -389,8 +395,16 @@ class RuntimeConfig:
     groups_per_call: int = 4  # groups a worker samples per engine call
     throttle: List[float] = field(default_factory=list)  # slowdown factor of worker i = throttle[i % len]; 1 = full
     threads: int = 1  # torch threads per learner / worker / simulated process (`sft` and `rl` use torch's default)
+    learner_threads: Optional[int] = None  # the learner's torch threads (None: runtime.threads)
+    worker_threads: Optional[int] = None  # each worker's torch threads (None: runtime.threads)
+    # async `heterorl train`, one machine: adaptive gives the spare cores to the slower of training and sampling,
+    # measured over the first steps (heterorl/runtime/cores.py) | fixed: the threads above throughout
+    thread_split: str = "adaptive"
     learner_ranks: int = 1  # > 1: `heterorl train` runs the learner under torchrun as this many DDP ranks
     checkpoint_every: int = 25  # learner steps between checkpoints (0: only at the end)
+    # async: a worker takes a newer version between decode steps of a generation in progress (torch engine;
+    # each token stamped with its version). Off: new weights are applied between generations
+    inflight_updates: bool = False
     worker_timeout_s: float = 300.0  # learner fails if no data arrives and no worker is alive for this long
     # before its first step the learner waits up to this long for `workers` workers to hold its weights, so
     # a run does not start on whichever worker loaded its model first (0: start on the first data)
@@ -412,7 +426,9 @@ class RuntimeConfig:
     def validate(self, key: str = "runtime") -> None:
         _one_of(f"{key}.mode", self.mode, ("async", "sync"))
         _one_of(f"{key}.execution", self.execution, ("live", "simulated"))
+        _one_of(f"{key}.thread_split", self.thread_split, ("adaptive", "fixed"))
         _positive(self, key, "workers", "groups_per_call", "threads", "learner_ranks", "vllm_kv_cache_gib")
+        _optional_positive(self, key, "learner_threads", "worker_threads")
         if any(f < 1 for f in self.throttle):
             _fail(f"{key}.throttle", self.throttle, "factors must be >= 1 (2 = a device half as fast)")
         if not self.engines:

@@ -35,7 +35,8 @@ def _overrides(args, run_dir: Path) -> list[str]:
 
 def _row(name: str, summary: dict) -> str:
     return (f"  {name:<10} {summary['staleness_mean']:>6.2f} {summary['staleness_p50']:>5.1f} "
-            f"{summary['staleness_p95']:>5.1f} {summary['staleness_max']:>5.1f}")
+            f"{summary['staleness_p95']:>5.1f} {summary['staleness_max']:>5.1f} "
+            f"{summary['rollouts']['wasted_frac']:>8.1%}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
           f"weights delayed {args.weights_delay_s} s, buffer.max_staleness_steps={args.max_staleness}")
     print(f"measured live: {step_s:.3f} s per learner step, {call_s:.3f} s per engine call "
           f"(= {args.weights_delay_s / step_s:.1f} steps of weights delay)")
-    print(f"  {'run':<10} {'mean':>6} {'p50':>5} {'p95':>5} {'max':>5}   staleness in versions")
+    print(f"  {'run':<10} {'mean':>6} {'p50':>5} {'p95':>5} {'max':>5} {'wasted':>8}   staleness in versions; "
+          "rollouts never trained")
     print(_row("live", live))
     print(_row("simulated", simulated))
     ratio = simulated["staleness_mean"] / live["staleness_mean"] if live["staleness_mean"] else float("nan")

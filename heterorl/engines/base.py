@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from heterorl.errors import SamplingError
 
@@ -50,12 +50,34 @@ class SamplingParams:
 
 @dataclass
 class SampleOutput:
-    """One completion: its tokens (the stop token included), their log-probs, and the stop reason."""
+    """One completion: its tokens (the stop token included), their log-probs, and the stop reason. ``versions``:
+    the policy version that sampled each token, when the generation took in-flight weight updates
+    (`WeightUpdates`); None when one set of weights sampled it all."""
 
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str
     text: str = field(default="", compare=False)
+    versions: list[int] | None = field(default=None, compare=False)
+
+
+class WeightUpdates:
+    """Newer weights for a generation in progress (in-flight updates, as PipelineRL applies them): an engine that
+    supports them calls `poll` between decode steps, loads what it returns, and stamps each later token with the
+    new version. ``version``: the version of the weights the generation starts with."""
+
+    def __init__(self, version: int, poll: Callable[[], tuple[int, dict] | None]) -> None:
+        self.version = version
+        self._poll = poll
+        self.applied = 0  # updates applied during generations
+
+    def poll(self) -> tuple[int, dict] | None:
+        """(version, state dict) of newer weights, or None; the caller loads them."""
+        got = self._poll()
+        if got is not None:
+            self.version = got[0]
+            self.applied += 1
+        return got
 
 
 def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
@@ -124,6 +146,8 @@ def stop_reason(tokens: Sequence[int], params: SamplingParams, eos_token_id: int
 
 class SamplingEngine(ABC):
     """Generates completions from a fixed set of weights."""
+
+    supports_inflight_updates = False  # generate takes ``updates`` (`WeightUpdates`) between decode steps
 
     @abstractmethod
     def generate(

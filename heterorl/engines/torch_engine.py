@@ -17,6 +17,7 @@ from heterorl.engines.base import (
     SampleOutput,
     SamplingEngine,
     SamplingParams,
+    WeightUpdates,
     check_weights,
     stop_reason,
     validate_prompts,
@@ -44,8 +45,12 @@ class TorchEngine(SamplingEngine):
     """Sampling engine over a Hugging Face ``*ForCausalLM`` module.
 
     ``max_batch_sequences`` bounds how many sequences decode together (memory); the samples of one prompt
-    always decode together.
+    always decode together. In-flight updates (``generate(..., updates=)``): newer weights are loaded between
+    two decode steps and the KV cache is recomputed with them over prompt + tokens so far (one prefill), so
+    every later token's log-prob is exactly that of the version stamped on it.
     """
+
+    supports_inflight_updates = True
 
     def __init__(self, model, tokenizer, *, device: str | torch.device = "cpu", max_batch_sequences: int = 1024):
         self.model = model.to(device).eval()
@@ -76,7 +81,8 @@ class TorchEngine(SamplingEngine):
 
     @torch.inference_mode()
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, num_samples: int = 1
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, num_samples: int = 1,
+        updates: WeightUpdates | None = None,
     ) -> list[list[SampleOutput]]:
         prompts = validate_request(prompts, params, num_samples, self.vocab_size, self.max_positions)
         generator = torch.Generator(device=self.device)
@@ -84,11 +90,12 @@ class TorchEngine(SamplingEngine):
         per_batch = max(1, self.max_batch_sequences // num_samples)
         outputs: list[SampleOutput] = []
         for start in range(0, len(prompts), per_batch):
-            outputs.extend(self._generate_batch(prompts[start : start + per_batch], num_samples, params, generator))
+            outputs.extend(self._generate_batch(prompts[start : start + per_batch], num_samples, params, generator,
+                                                updates))
         return [outputs[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
 
     def _generate_batch(self, prompts: list[list[int]], num_samples: int, params: SamplingParams,
-                        generator) -> list[SampleOutput]:
+                        generator, updates: WeightUpdates | None = None) -> list[SampleOutput]:
         """Rows ``num_samples`` per prompt, prompt-major. Each prompt is prefilled once and its KV cache
         repeated for its samples (when the model's cache can be repeated), else prefilled once per row."""
         batch = len(prompts) * num_samples
@@ -119,6 +126,7 @@ class TorchEngine(SamplingEngine):
         logprobs = torch.zeros((batch, params.max_tokens), dtype=torch.float32, device=self.device)
         lengths = torch.full((batch,), params.max_tokens, dtype=torch.long, device=self.device)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        versions = None if updates is None else torch.zeros((batch, params.max_tokens), dtype=torch.long)
 
         if cache is None:  # one sample per prompt, or a cache that cannot be repeated: prefill every row
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -129,6 +137,8 @@ class TorchEngine(SamplingEngine):
             token, token_logprob = self._sample(next_logits, params, generator)
             token = torch.where(done, torch.full_like(token, self.pad_token_id), token)
             tokens[:, step], logprobs[:, step] = token, token_logprob
+            if versions is not None:
+                versions[:, step] = updates.version
             stopped_now = ~done & torch.isin(token, stop_ids)
             lengths = torch.where(stopped_now, torch.full_like(lengths, step + 1), lengths)
             done |= stopped_now
@@ -137,13 +147,18 @@ class TorchEngine(SamplingEngine):
             if attention_mask is not None:
                 ones = torch.ones((batch, 1), dtype=torch.long, device=self.device)
                 attention_mask = torch.cat([attention_mask, ones], 1)
-            out = self.model(
-                input_ids=token[:, None],
-                attention_mask=attention_mask,
-                position_ids=next_position,
-                use_cache=True,
-                **{self._cache_kwarg: cache},
-            )
+            newer = updates.poll() if updates is not None else None
+            if newer is not None:  # newer weights: load them, and rebuild the cache with them
+                self.load_state_dict(newer[1])
+                out = self._prefill(torch.cat([input_ids, tokens[:, : step + 1]], 1), attention_mask)
+            else:
+                out = self.model(
+                    input_ids=token[:, None],
+                    attention_mask=attention_mask,
+                    position_ids=next_position,
+                    use_cache=True,
+                    **{self._cache_kwarg: cache},
+                )
             cache, next_logits = self._cache_of(out), out.logits[:, -1]
             next_position = next_position + 1
 
@@ -154,8 +169,19 @@ class TorchEngine(SamplingEngine):
             row_tokens = tokens[i, :n].tolist()
             cut = n == params.max_tokens and (not row_tokens or row_tokens[-1] not in stop_set)
             reason = stop_reason(row_tokens, params, self.eos_token_id, cut=cut)
-            results.append(SampleOutput(tokens=row_tokens, logprobs=logprobs[i, :n].tolist(), stop_reason=reason))
+            results.append(SampleOutput(tokens=row_tokens, logprobs=logprobs[i, :n].tolist(), stop_reason=reason,
+                                        versions=None if versions is None else versions[i, :n].tolist()))
         return results
+
+    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+        """A forward over whole (left-padded) rows that returns their KV cache; ``attention_mask`` None: no
+        padding."""
+        if attention_mask is None:
+            position_ids = torch.arange(input_ids.shape[1], device=self.device).expand(input_ids.shape[0], -1)
+        else:
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=True)
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw one token per row; return it with its log-prob under the sampling distribution."""

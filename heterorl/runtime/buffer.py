@@ -12,13 +12,17 @@ sampled any of its tokens. Policies:
                 ``select`` picks the newest groups first (default) or the oldest inside the window.
 ``drop_stale``  arrival order; groups staler than the bound are discarded; never waits for fresher data.
 ``count_only``  arrival order; nothing is discarded; staleness is only measured.
-``admission``   arrival order, nothing discarded, and workers may only *start* groups the learner can consume
-                within the bound (AReaL / SkyRL): see :meth:`GroupBuffer.admission_limit`.
+``admission``   (the default) arrival order, nothing discarded: workers may only *start* groups the learner can
+                consume within the bound (AReaL / SkyRL), and no more than the run will train; see
+                :meth:`GroupBuffer.admission_limit`. A `Pacer` decides how many steps ahead of the learner the
+                fleet may run: one, raised while the learner waits on a fleet that has used every permit.
+
+Every trajectory discarded is counted by reason in ``GroupBuffer.discarded`` (the run summary's waste report).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from heterorl.config import BufferConfig
@@ -60,6 +64,7 @@ class GroupBuffer:
         self._groups: OrderedDict[str, Group] = OrderedDict()  # complete, in arrival order
         self.counters = {"groups_in": 0, "dropped_stale": 0, "dropped_overflow": 0, "dropped_partial": 0,
                          "inconsistent": 0, "groups_out": 0}
+        self.discarded: Counter = Counter()  # trajectories discarded by reason: stale|overflow|partial|inconsistent
 
     def add(self, traj: Trajectory, now_s: float) -> Group | None:
         """Add one trajectory; returns its group when this completes it."""
@@ -69,6 +74,7 @@ class GroupBuffer:
             partial = self._partial[key] = _Partial(group_size=traj.group_size, first_s=now_s)
         if traj.group_size != partial.group_size:
             self.counters["inconsistent"] += 1  # one group, two sizes: refuse the newcomer
+            self.discarded["inconsistent"] += 1
             return None
         partial.members[traj.trajectory_id] = traj
         if len(partial.members) < partial.group_size:
@@ -78,15 +84,16 @@ class GroupBuffer:
         self._groups[key] = group
         self.counters["groups_in"] += 1
         while len(self._groups) > self.config.max_groups:
-            self._groups.popitem(last=False)
+            _, dropped = self._groups.popitem(last=False)
             self.counters["dropped_overflow"] += 1
+            self.discarded["overflow"] += len(dropped.trajectories)
         return group
 
     def expire_partial(self, now_s: float) -> int:
         """Discard groups incomplete for longer than ``partial_group_timeout_s``; returns how many."""
         expired = [gid for gid, p in self._partial.items() if now_s - p.first_s > self.config.partial_group_timeout_s]
         for gid in expired:
-            del self._partial[gid]
+            self.discarded["partial"] += len(self._partial.pop(gid).members)
         self.counters["dropped_partial"] += len(expired)
         return len(expired)
 
@@ -107,7 +114,7 @@ class GroupBuffer:
         policy = self.config.policy
         if policy in ("window", "drop_stale"):
             for key in [key for key, g in self._groups.items() if current_version - g.oldest_version > bound]:
-                del self._groups[key]
+                self.discarded["stale"] += len(self._groups.pop(key).trajectories)
                 self.counters["dropped_stale"] += 1
         if len(self._groups) < n_groups:
             return None
@@ -121,16 +128,60 @@ class GroupBuffer:
         self.counters["groups_out"] += len(chosen)
         return chosen
 
-    def admission_limit(self, current_version: int, groups_per_step: int) -> int | None:
-        """Under ``admission``: how many groups the fleet may have started in total, so that every started
-        group is consumed at most ``max_staleness_steps`` versions after the version it starts with.
+    @property
+    def held_trajectories(self) -> int:
+        """Trajectories held: in complete groups waiting for a batch, and in incomplete ones."""
+        return (sum(len(g.trajectories) for g in self._groups.values())
+                + sum(len(p.members) for p in self._partial.values()))
 
-        A group started at version v is trained by step ≤ v + bound only if at most (v + bound + 1) ·
+    def admission_limit(self, current_version: int, groups_per_step: int, *, total_steps: int | None = None,
+                        ahead_steps: int | None = None) -> int | None:
+        """Under ``admission``: how many groups the fleet may have started in total, so that every started
+        group is consumed at most ``ahead_steps`` (default ``max_staleness_steps``) versions after the version
+        it starts with, and, given ``total_steps``, no group is started that the run will not train.
+
+        A group started at version v is trained by step ≤ v + ahead only if at most (v + ahead + 1) ·
         groups_per_step groups were started before it (batches take groups in arrival order). Groups this
         buffer discarded (incomplete past their timeout, or overflow) were started but will never be trained,
         so they widen the limit. None for other policies (no limit).
         """
         if self.config.policy != "admission":
             return None
+        ahead = self.config.max_staleness_steps if ahead_steps is None else ahead_steps
+        steps = current_version + ahead + 1
+        if total_steps is not None:
+            steps = min(steps, total_steps)
         discarded = sum(self.counters[k] for k in ("dropped_stale", "dropped_overflow", "dropped_partial"))
-        return (current_version + self.config.max_staleness_steps + 1) * groups_per_step + discarded
+        return steps * groups_per_step + discarded
+
+
+class Pacer:
+    """How many steps ahead of the learner the fleet may start groups under ``admission`` (``ahead``).
+
+    ``buffer.pace_steps`` fixes it. Unset, it starts at one step (the next batch is sampled while the learner
+    trains on this one: sampling and training overlap, and staleness stays near one version) and rises by one,
+    up to ``max_staleness_steps``, after each step on which the learner waited for data (over a quarter of its
+    training time) while the fleet could start no group (every permit used: the pace, not the fleet's speed,
+    held the batch back — a link's latency, a slow worker's long calls). The learner leaves out its first step
+    (start-up) and the last ones, where the run's end caps the permits. It never falls: a run pays the
+    staleness its links need, once.
+    """
+
+    WAIT_FRACTION = 0.25  # a wait counts when longer than this share of the step's training (and 50 ms)
+
+    def __init__(self, config: BufferConfig) -> None:
+        self.fixed = config.pace_steps is not None
+        self.bound = config.max_staleness_steps
+        self.ahead = config.pace_steps if self.fixed else min(1, self.bound)
+        self.raised = 0  # times the adaptive pace rose
+
+    def observe(self, waited_s: float, train_s: float, starved: bool) -> bool:
+        """After a step: ``waited_s`` for its batch, ``train_s`` to train it, and whether the fleet ran out of
+        permits during the wait (``starved``). True when the pace rose."""
+        if self.fixed or not starved or self.ahead >= self.bound:
+            return False
+        if waited_s <= max(0.05, self.WAIT_FRACTION * train_s):
+            return False
+        self.ahead += 1
+        self.raised += 1
+        return True

@@ -62,7 +62,7 @@ def _follow_rank(cfg: Config, resume: bool) -> None:
 
 
 def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, allow_plaintext: bool = False,
-                  progress=None):
+                  progress=None, share_machine: bool = False):
     """The learner process: bind, train ``rl.steps`` steps, say bye to the workers, write the summary. With
     ``resume``, continue from the run dir's checkpoint, read and checked before anything is bound or written;
     the metrics of the steps after it are dropped, as they are trained again. The workers hear `BYE_RUN_FINISHED`
@@ -76,7 +76,7 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
     from heterorl.runtime.learner import Learner, finish_learner_run, read_checkpoint
     from heterorl.transport.protocol import BYE_LEARNER_STOPPING, BYE_RUN_FINISHED
 
-    torch.set_num_threads(cfg.runtime.threads)
+    torch.set_num_threads(cfg.runtime.learner_threads or cfg.runtime.threads)
     if _init_ranks(cfg) > 0:
         _follow_rank(cfg, resume)
         return None
@@ -88,7 +88,7 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
     server = _learner_server(cfg, learner_addresses(cfg, bind, resume), training, curve=curve,
                              allow_plaintext=allow_plaintext,
                              published_before=checkpoint.newest_published if checkpoint is not None else -1)
-    learner = Learner(cfg, training, task, server, run_dir, logger, progress)
+    learner = Learner(cfg, training, task, server, run_dir, logger, progress, share_machine=share_machine)
     reason = BYE_LEARNER_STOPPING
     try:
         if checkpoint is not None:
@@ -98,9 +98,10 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
     finally:
         server.close(reason)
         logger.close()
-    counted = ("rejected", "dropped_groups", "duplicates", "workers_removed", "revoked")
+    counted = ("rejected", "dropped_groups", "dropped_trajectories", "duplicates", "workers_removed", "revoked")
     finish_learner_run(cfg, task, training, run_dir, result,
                        {"execution": "live", "transport_rejected": server.stats["rejected"],
+                        "thread_split": None if learner.split is None else vars(learner.split),
                         # what the learner refused or dropped, by reason (docs/RELIABILITY.md)
                         "transport": {k: v for k, v in sorted(server.stats.items()) if k.startswith(counted)}})
     return result
@@ -298,8 +299,7 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
         keep_metrics_until(metrics_path, step)  # as the learner will: the progress follows from what stays
     seen = metrics_path.stat().st_size if resume and metrics_path.exists() else 0
     try:
-        learner = _Child("learner", ["learner", "--config", str(config_path), "--bind", cfg.runtime.address,
-                                     *(["--resume"] if resume else [])], logs / "learner.log",
+        learner = _Child("learner", _learner_argv(cfg, config_path, resume), logs / "learner.log",
                          ranks=cfg.runtime.learner_ranks, devices=cfg.runtime.learner_devices)
         children.append(learner)
         endpoint = _wait_for_endpoint(learner, 300)
@@ -329,6 +329,12 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
     finally:
         for child in reversed(children):
             child.stop()
+
+
+def _learner_argv(cfg: Config, config_path: Path, resume: bool) -> list[str]:
+    """The learner's command line; one learner rank shares this machine's cores with its workers."""
+    return ["learner", "--config", str(config_path), "--bind", cfg.runtime.address,
+            *(["--resume"] if resume else []), *(["--share-machine"] if cfg.runtime.learner_ranks == 1 else [])]
 
 
 def _nth(values: list, i: int, default):

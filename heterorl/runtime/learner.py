@@ -28,13 +28,15 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from heterorl.config import Config, to_yaml
 from heterorl.errors import HeteroRLError
 from heterorl.files import write_atomically
 from heterorl.runs import RunResult, StepRecorder, finish_run, idle_fraction
-from heterorl.runtime.buffer import Group, GroupBuffer
+from heterorl.runtime.buffer import Group, GroupBuffer, Pacer
+from heterorl.runtime.cores import PROBE_STEPS, Split, decide_split, machine_cores
 from heterorl.runtime.engine_stats import UNKNOWN_ENGINE, EngineTally, step_mismatch, tallies_to_json
 from heterorl.tasks.base import Task
 from heterorl.training.evaluation import evaluate
@@ -66,6 +68,8 @@ class LearnerResult(RunResult):
     worker_idle_frac: float
     # per sampling engine of the fleet: samples/s, staleness, training–inference mismatch (runtime.engine_stats)
     engines: dict[str, dict] = field(default_factory=dict)
+    # trajectories generated, trained and discarded by reason, and the fraction wasted (`rollout_waste`)
+    rollouts: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -225,6 +229,8 @@ def step_metrics(groups: list[Group], staleness: list[int], staleness_s: list[fl
     fractions and trained-token throughput (per second of the run's clock)."""
     rewards = [t.reward for g in groups for t in g.trajectories]
     tokens = sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
+    stamps = [t.policy_versions for g in groups for t in g.trajectories if len(t.policy_versions)]
+    token_gaps = version - 1 - np.concatenate(stamps) if stamps else np.zeros(1)
     return {
         "rollout/reward_mean": float(np.mean(rewards)),
         "rollout/reward_std": float(np.std(rewards)),
@@ -232,6 +238,9 @@ def step_metrics(groups: list[Group], staleness: list[int], staleness_s: list[fl
         "staleness/versions_mean": float(np.mean(staleness)),
         "staleness/versions_max": int(max(staleness)),
         "staleness/versions_hist": _histogram(staleness),
+        # per token (the version that drew each one: several in a trajectory that took in-flight updates)
+        "staleness/token_versions_mean": float(token_gaps.mean()),
+        "staleness/spanning_frac": float(np.mean([s.min() != s.max() for s in stamps])) if stamps else 0.0,
         "staleness/seconds_mean": float(np.mean(staleness_s)),
         "staleness/seconds_max": float(max(staleness_s)),
         "policy/version": version,
@@ -243,9 +252,23 @@ def step_metrics(groups: list[Group], staleness: list[int], staleness_s: list[fl
     }
 
 
+def rollout_waste(*, generated: int, trained: int, buffer: GroupBuffer, left_over: int, **more: int) -> dict:
+    """The run's rollouts: ``generated`` (trajectories that reached the learner, refused ones included),
+    ``trained``, ``discarded`` by reason (the buffer's `GroupBuffer.discarded`, and ``more``: refused by the
+    transport, dropped with their group, already trained before a restart), ``left_over`` (buffered, never
+    trained: the run ended), ``discarded_frac`` and ``wasted_frac``: the shares of generated trajectories
+    discarded, and not trained (discarded or left over)."""
+    discarded = {**{k: 0 for k in ("stale", "overflow", "partial", "inconsistent")}, **buffer.discarded, **more}
+    share = (lambda n: n / generated) if generated else (lambda n: 0.0)
+    return {"generated": generated, "trained": trained, "discarded": discarded, "left_over": left_over,
+            "discarded_frac": share(sum(discarded.values())), "wasted_frac": share(max(0, generated - trained))}
+
+
 class Learner:
     def __init__(self, cfg: Config, training: TrainingClient, task: Task, server: LearnerServer | None,
-                 run_dir: str | Path, logger=None, progress=None) -> None:
+                 run_dir: str | Path, logger=None, progress=None, *, share_machine: bool = False) -> None:
+        """``share_machine``: the workers run on this machine (`heterorl train`): split its cores between
+        learner and workers by measured phase times (heterorl.runtime.cores)."""
         self.cfg, self.training, self.task, self.server = cfg, training, task, server
         self.ranks = Ranks()
         per_update = cfg.rl.prompts_per_step // cfg.rl.updates_per_batch
@@ -256,6 +279,12 @@ class Learner:
         self.run_dir = Path(run_dir)
         self.logger, self.progress = logger, progress
         self.buffer = GroupBuffer(cfg.buffer)
+        self.pacer = Pacer(cfg.buffer)
+        self._starved = False  # during the last wait for a batch the fleet could start no group (out of permits)
+        self._trained_here = 0  # trajectories this learner process trained (the waste report is per process)
+        self._share_machine = share_machine and cfg.runtime.mode == "async" and cfg.runtime.thread_split == "adaptive"
+        self._train_times: list[float] = []  # training seconds of the steps measured for the core split
+        self.split: Split | None = None  # the core split decided (`_split_cores`)
         self.state = LearnerState()
         self._trained: set[str] = set()
         self._eval_sampler = training.live_sampling_client()
@@ -336,9 +365,16 @@ class Learner:
         record = {"version": version, "publish_wall_s": self._since_checkpoint}
         write_atomically(folder / PUBLISHED, json.dumps(record).encode())
 
-    def _admit(self) -> None:
-        per_step = self.cfg.rl.prompts_per_step
-        cap = self.buffer.admission_limit(self.state.step, per_step)
+    def _admit(self, waited_s: float = 0.0, train_s: float = 0.0) -> None:
+        """Hand the fleet its admission cap for the learner's current step, after letting the pacer see the
+        step's wait for data and training time (`Pacer.observe`)."""
+        per_step, steps = self.cfg.rl.prompts_per_step, self.cfg.rl.steps
+        # the first batch waits for start-up, and near the end the run's last step caps the permits
+        starved = self._starved and 1 < self.state.step < steps - self.pacer.ahead
+        if self.pacer.observe(waited_s, train_s, starved):
+            log.info("pace raised to %d step(s) ahead: the learner waited %.2f s for data while the fleet was out "
+                     "of permits", self.pacer.ahead, waited_s)
+        cap = self.buffer.admission_limit(self.state.step, per_step, total_steps=steps, ahead_steps=self.pacer.ahead)
         if cap is not None:  # the server counts the groups started in this learner's life: the steps before it
             cap -= self._resumed_step * per_step  # consumed theirs, so the fleet stays as far ahead as ever
         self.server.set_admission(cap, ahead=self.cfg.runtime.groups_per_call)
@@ -399,6 +435,7 @@ class Learner:
         """Block until the buffer policy hands out a batch."""
         cfg = self.cfg
         silent_since, waiting_since, reported = None, time.monotonic(), 0
+        self._starved = False
         with self._buffer_lock:
             while True:
                 groups = self.buffer.take(cfg.rl.prompts_per_step, version)
@@ -407,6 +444,7 @@ class Learner:
                 if self._ingest_error is not None:
                     raise HeteroRLError(f"the learner's ingest thread failed: {self._ingest_error!r}")
                 self._buffer_lock.wait(0.05)
+                self._starved = self._starved or self.server.permits_left() == 0
                 now = time.monotonic()
                 if now - waiting_since > 30 * (reported + 1):
                     reported += 1
@@ -453,7 +491,39 @@ class Learner:
             tokens_per_s=state.tokens_trained / max(state.elapsed_s, 1e-9),
             learner_idle_frac=state.idle_s / max(state.elapsed_s, 1e-9),
             worker_idle_frac=idle_fraction(fleet["idle_s"], fleet["busy_s"]),
-            engines={name: t.summary(state.elapsed_s) for name, t in sorted(self._tallies.items())})
+            engines={name: t.summary(state.elapsed_s) for name, t in sorted(self._tallies.items())},
+            rollouts=self._waste(fleet))
+
+    def _split_cores(self, train_s: float) -> None:
+        """With ``share_machine``: after `PROBE_STEPS` steps (start-up's left out), split the machine's cores by
+        the measured training time per step and a worker's sampling time for its share (`decide_split`)."""
+        if not self._share_machine or self.split is not None:
+            return
+        self._train_times.append(train_s)
+        fleet, workers = self.server.fleet_totals(), sum(w.alive for w in self.server.workers())
+        if len(self._train_times) <= PROBE_STEPS or not fleet["trajectories"] or not workers:
+            return
+        cfg = self.cfg
+        per_group = fleet["busy_s"] * cfg.rollout.group_size / fleet["trajectories"]
+        base_learner = cfg.runtime.learner_threads or cfg.runtime.threads
+        base_worker = cfg.runtime.worker_threads or cfg.runtime.threads
+        self.split = decide_split(float(np.mean(self._train_times[1:])), per_group * cfg.rl.prompts_per_step / workers,
+                                  cores=machine_cores(), workers=workers, learner_threads=base_learner,
+                                  worker_threads=base_worker)
+        torch.set_num_threads(self.split.learner_threads)
+        if self.split.worker_threads != base_worker:
+            self.server.advise_local_threads(self.split.worker_threads)
+        log.info("cores: learner %d thread(s), each worker %d (%s)", self.split.learner_threads,
+                 self.split.worker_threads, self.split.reason)
+
+    def _waste(self, fleet: dict) -> dict:
+        """`rollout_waste` of this learner process (a resumed learner counts from its restart)."""
+        stats = self.server.stats
+        with self._buffer_lock:
+            return rollout_waste(generated=int(fleet["trajectories"]) + stats["rejected"], trained=self._trained_here,
+                                 buffer=self.buffer, left_over=self.buffer.held_trajectories + self.server.buffered(),
+                                 rejected=stats["rejected"], dropped_with_group=stats["dropped_trajectories"],
+                                 already_trained=self.dropped_trained)
 
     def _step(self, start: float, version: int) -> int:
         """One learner step: wait for a batch, train on it, publish, record; returns the new version."""
@@ -479,7 +549,9 @@ class Learner:
                 self._trained.update(t.key for t in g.trajectories)
         state.step += 1
         version = self._publish()
-        self._admit()
+        self._admit(waited, time.monotonic() - step_start)
+        self._trained_here += len(datums)
+        self._split_cores(time.monotonic() - step_start)
         state.tokens_trained += sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
         state.groups_trained += len(groups)
         state.staleness_sum += sum(staleness)
@@ -574,6 +646,9 @@ class Learner:
             # incomplete groups the server dropped (docs/RELIABILITY.md, "Bounds per worker"): refused with a
             # member, timed out, or left behind by a worker that said hello again or left the registry
             "transport/dropped_groups": self.server.stats["dropped_groups"],
+            "pace/ahead_steps": self.pacer.ahead,
+            "cores/learner_threads": torch.get_num_threads(),
+            "rollouts/discarded_frac": self._waste(fleet)["discarded_frac"],
         }
 
     def follow(self) -> None:

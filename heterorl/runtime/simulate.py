@@ -39,12 +39,13 @@ from heterorl.delay.links import DelayLink
 from heterorl.delay.queue import DelayQueue
 from heterorl.errors import HeteroRLError
 from heterorl.runs import StepRecorder, idle_fraction, setup_run
-from heterorl.runtime.buffer import Group, GroupBuffer
+from heterorl.runtime.buffer import Group, GroupBuffer, Pacer
 from heterorl.runtime.learner import (
     LearnerResult,
     finish_learner_run,
     group_datums,
     held_out_success,
+    rollout_waste,
     staleness_percentiles,
     step_metrics,
 )
@@ -73,6 +74,7 @@ class _Worker:
     down: DelayLink | None
     next_s: float = 0.0  # when it starts its next engine call; inf while it waits (weights or admission)
     waiting_since: float | None = None
+    waiting_for: str = ""  # what it waits for: weights | credit | admission
     version: int = -1  # the version it holds
     used_version: int = -1  # the version of its last call (sync mode waits for a newer one)
     inbox: DelayQueue = field(default_factory=DelayQueue)  # versions of the weights on their way
@@ -81,8 +83,8 @@ class _Worker:
     busy_s: float = 0.0
     idle_s: float = 0.0
 
-    def wait(self, now: float) -> None:
-        self.next_s, self.waiting_since = math.inf, now
+    def wait(self, now: float, what: str) -> None:
+        self.next_s, self.waiting_since, self.waiting_for = math.inf, now, what
 
     def wake(self, at: float) -> None:
         if self.waiting_since is not None and at < self.next_s:
@@ -113,6 +115,9 @@ class Simulation:
         self._weights: dict[int, dict] = {}  # version -> state dict, while some worker may still sample with it
         self._published_s: dict[int, float] = {}
         self._started = 0  # groups the fleet started (admission control)
+        self.pacer = Pacer(cfg.buffer)
+        self._starved = False  # the fleet could start no group while the learner waited (`Pacer.observe`)
+        self._generated = self._trained = 0  # trajectories sampled, and trained (`rollout_waste`)
         self._steps_done = 0  # learner steps finished and published
         self._lost = 0  # trajectories their link dropped
         self._now = 0.0  # the virtual clock
@@ -163,7 +168,7 @@ class Simulation:
                 room -= 1
         self.buffer.expire_partial(now)
         for w in self.workers:
-            if w.in_transit < self.cfg.transport.credits_per_worker:
+            if w.waiting_for == "credit" and w.in_transit < self.cfg.transport.credits_per_worker:
                 w.wake(now)  # credit back (a no-op unless it waits; it rechecks what it waits for)
 
     def _evaluate(self) -> float:
@@ -184,19 +189,19 @@ class Simulation:
             w.version = max(w.version, version)  # a late older version changes nothing
         sync = cfg.runtime.mode == "sync"
         if w.version < 0 or (sync and w.version <= w.used_version):
-            w.wait(now)
+            w.wait(now, "weights")
             if w.inbox:
                 w.wake(w.inbox.next_due_time())
             return
         if w.in_transit >= cfg.transport.credits_per_worker:
-            w.wait(now)  # out of credit: woken when the learner takes data in
+            w.wait(now, "credit")  # out of credit: woken when the learner takes data in
             return
         n = cfg.rl.prompts_per_step // cfg.runtime.workers if sync else cfg.runtime.groups_per_call
-        cap = self.buffer.admission_limit(self._steps_done, cfg.rl.prompts_per_step)
+        cap = self._admission_cap()
         if cap is not None:
             n = min(n, cap - self._started)
             if n <= 0:
-                w.wait(now)  # woken when the learner steps
+                w.wait(now, "admission")  # woken when the learner steps
                 return
         self._started += n
         problems = [self.task.sample_train(w.rng) for _ in range(n)]
@@ -208,17 +213,22 @@ class Simulation:
         end = now + n * self.group_s * w.throttle
         stamped = stamp_groups(self.task, w.worker_id, w.groups_sent, w.version, problems, prompts, groups, now, end)
         w.groups_sent += n
+        self._generated += sum(map(len, stamped))
         w.busy_s += end - now
         w.used_version = w.version
-        for traj in (t for group in stamped for t in group):
-            traj.sent_at = end
-            arrival = w.up.schedule(end, traj.nbytes) if w.up else end
-            if arrival is None:
-                self._lost += 1
-                continue
-            traj.received_at = arrival
-            w.in_transit += 1
-            self._arrivals.put(arrival, traj)
+        for group in stamped:
+            sent = 0
+            for traj in group:
+                traj.sent_at = end
+                arrival = w.up.schedule(end, traj.nbytes) if w.up else end
+                if arrival is None:
+                    self._lost += 1
+                    continue
+                traj.received_at = arrival
+                w.in_transit += 1
+                sent += 1
+                self._arrivals.put(arrival, traj)
+            self._started -= sent == 0  # a group that never arrives (every completion empty, or lost) starts again
         w.next_s = end
         self._forget_versions()
 
@@ -238,16 +248,20 @@ class Simulation:
         staleness_all: list[int] = []
         lag, base = cfg.delay.fixed_lag_steps, version
         for step in range(1, cfg.rl.steps + 1):
+            idle_before = self._idle_s
             groups = self._next_batch(step, version) if lag is None else self._lagged_batch(version - lag)
             staleness = [version - g.oldest_version for g in groups]
             staleness_s = [self._now - self._published_s.get(g.oldest_version, (g.oldest_version - base) * self.step_s)
                            for g in groups]  # (a version before the base counts as published that many steps before)
             staleness_all += staleness
+            self._trained += sum(len(g.trajectories) for g in groups)
             metrics = optimize_batch(self.training, group_datums(groups), cfg, cfg.rl.steps * cfg.rl.updates_per_batch)
             self._tokens_trained += sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
             self._run_workers(self._now + self.step_s, before=True)  # calls started while the learner trains
             self._now += self.step_s
             self._steps_done = step
+            starved = self._starved and 1 < step < cfg.rl.steps - self.pacer.ahead  # as the live learner
+            self.pacer.observe(self._idle_s - idle_before, self.step_s, starved)
             version = self._publish(self._now)
             metrics.update(self._step_metrics(groups, staleness, staleness_s, version))
             recorder.record(step, metrics, self._now)
@@ -257,11 +271,19 @@ class Simulation:
             staleness_mean=float(np.mean(staleness_all)), staleness_max=int(max(staleness_all)),
             **staleness_percentiles({int(v): n for v, n in zip(*np.unique(staleness_all, return_counts=True))}),
             tokens_per_s=self._tokens_trained / self._now, learner_idle_frac=self._idle_s / self._now,
-            worker_idle_frac=idle_fraction(idle, busy))
+            worker_idle_frac=idle_fraction(idle, busy),
+            rollouts=rollout_waste(generated=self._generated, trained=self._trained, buffer=self.buffer,
+                                   left_over=self.buffer.held_trajectories + len(self._arrivals), lost=self._lost))
+
+    def _admission_cap(self) -> int | None:
+        """`GroupBuffer.admission_limit` at the pace of the run's `Pacer` (None: no admission control)."""
+        return self.buffer.admission_limit(self._steps_done, self.cfg.rl.prompts_per_step,
+                                           total_steps=self.cfg.rl.steps, ahead_steps=self.pacer.ahead)
 
     def _next_batch(self, step: int, version: int) -> list:
         """Run the fleet on the virtual clock until the buffer policy hands out a batch; the learner's wait counts
         as idle time."""
+        self._starved = False
         while True:
             self._run_workers(self._now)
             self._ingest(self._now)
@@ -273,6 +295,8 @@ class Simulation:
                 raise HeteroRLError(f"the simulation stalled at step {step}: no data on its way and every "
                                     f"worker waiting ({len(self.buffer)} groups buffered); check buffer and delays")
             self._idle_s += max(0.0, later - self._now)  # (an arrival held back by a full buffer is not "later")
+            cap = self._admission_cap()
+            self._starved = self._starved or (cap is not None and cap <= self._started)
             self._now = max(self._now, later)
 
     def _lagged_batch(self, source: int) -> list[Group]:
@@ -293,6 +317,7 @@ class Simulation:
             stamped = stamp_groups(self.task, w.worker_id, w.groups_sent, source, problems, prompts, sampled,
                                    self._now, self._now)
             w.groups_sent += n
+            self._generated += sum(map(len, stamped))
             groups += [Group(members[0].group_id, members, self._now) for members in stamped if members]
         return groups
 
@@ -301,7 +326,8 @@ class Simulation:
         shared = step_metrics(groups, staleness, staleness_s, version=version, buffer=self.buffer,
                               idle_s=self._idle_s, elapsed_s=self._now, workers_busy_s=busy, workers_idle_s=idle,
                               tokens_trained=self._tokens_trained)
-        return {**shared, "sim/time_s": self._now, "sim/lost_trajectories": self._lost}
+        return {**shared, "sim/time_s": self._now, "sim/lost_trajectories": self._lost,
+                "pace/ahead_steps": self.pacer.ahead}
 
 
 def simulate_run(cfg: Config, progress=None) -> LearnerResult:

@@ -14,10 +14,12 @@ minutes-long) link before every generation, and a worker whose link is slow
 would starve; with its own shard a worker always has work, stays
 reproducible, and two workers never draw the same stream.
 
-Weights are applied between generations (one policy version per group). A
-worker never waits forever for new weights: in async mode it keeps
-generating with what it has; in sync mode (the on-policy baseline) it waits
-for the next version after each share of a batch, with a timeout.
+Weights are applied between generations (one policy version per group), or,
+with ``runtime.inflight_updates`` in async mode, between decode steps of a
+generation in progress (each token stamped with the version that drew it; the
+torch engine). A worker never waits forever for new weights: in async mode it
+keeps generating with what it has; in sync mode (the on-policy baseline) it
+waits for the next version after each share of a batch, with a timeout.
 """
 
 from __future__ import annotations
@@ -85,8 +87,10 @@ def stamp_groups(task, worker_id: str, first_index: int, version: int, problems,
                  start_wall: float, end_wall: float, min_logprob: float = MIN_LOGPROB, *,
                  session: str = "") -> list[list[Trajectory]]:
     """Score each sampled group and stamp its trajectories (ids, policy version per token, behaviour log-probs,
-    timestamps). Group ids are ``{worker_id}-{session}-{n}`` (``{worker_id}-{n}`` without a session, as in the
-    simulation, which has one life), n counting from ``first_index``; trajectory ids add ``-{j}``. Empty
+    timestamps). ``version`` stamps every token of a sample that names no per-token ``versions`` (a generation
+    that took in-flight updates names them). Group ids are ``{worker_id}-{session}-{n}`` (``{worker_id}-{n}``
+    without a session, as in the simulation, which has one life), n counting from ``first_index``; trajectory
+    ids add ``-{j}``. Empty
     completions are left out (a group is as large as what remains). Behaviour log-probs are clipped to
     [``min_logprob``, 0]: the learner's floor (its contract) exists only to keep the loss finite, and no token a
     sampler draws lies below it but with odds of about e^-50, so clipping there changes nothing else."""
@@ -101,7 +105,8 @@ def stamp_groups(task, worker_id: str, first_index: int, version: int, problems,
             prompt_tokens=np.asarray(prompt, dtype=np.int32),
             completion_tokens=np.asarray(sample.tokens, dtype=np.int32),
             behaviour_logprobs=np.clip(np.asarray(sample.logprobs, dtype=np.float32), min_logprob, 0.0),
-            policy_versions=np.full(len(sample.tokens), version, dtype=np.int32),
+            policy_versions=(np.full(len(sample.tokens), version, dtype=np.int32) if sample.versions is None
+                             else np.asarray(sample.versions, dtype=np.int32)),
             reward=float(score(task, problem, sample)),
             generation_start=start_wall, generation_end=end_wall, stop_reason=sample.stop_reason,
         ) for j, sample in enumerate(group)])
@@ -139,7 +144,7 @@ class RolloutWorker:
         self.contract = TrajectoryContract.from_settings(ready.settings)
         self.client.config = cfg.transport
         self.learner_timeout_s = cfg.runtime.learner_timeout_s
-        torch.set_num_threads(cfg.runtime.threads)
+        torch.set_num_threads(cfg.runtime.worker_threads or cfg.runtime.threads)
         clock = delay_clock(cfg)
         if cfg.delay.up.kind != "none":
             link = DelayLink(cfg.delay.up, name=f"{self.options.worker_id}/trajectories")
@@ -151,6 +156,23 @@ class RolloutWorker:
         self.sampler.load_weights(version, state)
         self.version = version
         self.client.set_version_held(version)
+
+    def _follow_thread_advice(self, cfg: Config) -> None:
+        """Use the torch threads the learner advises a worker on its own machine (`heterorl train`,
+        ``runtime.thread_split: adaptive``: heterorl.runtime.cores), between generations."""
+        advised = self.client.advised_threads
+        if advised and cfg.runtime.thread_split == "adaptive" and advised != torch.get_num_threads():
+            log.info("worker %s: %d torch threads, as the learner advises", self.options.worker_id, advised)
+            torch.set_num_threads(advised)
+
+    def _inflight_weights(self):
+        """In-flight updates: the newest version received since the generation began, or None; the engine
+        loads it between two decode steps."""
+        got = self.client.latest_weights()
+        if got is not None:
+            self.version = got[0]
+            self.client.set_version_held(got[0])
+        return got
 
     def _wait(self, fn, *args):
         start = time.monotonic()
@@ -179,15 +201,19 @@ class RolloutWorker:
         self._apply(got)
         log.info("worker %s (session %s): version %d, task %s, mode %s", worker_id, self.session, self.version,
                  task.name, cfg.runtime.mode)
+        if cfg.runtime.inflight_updates and not self.sampler.engine.supports_inflight_updates:
+            log.warning("worker %s: runtime.inflight_updates is on, but the %s engine takes new weights only "
+                        "between generations; this worker does so", worker_id, self.options.engine)
         rng = shard_rng(cfg.seed, worker_id)
         sync = cfg.runtime.mode == "sync"
         share = cfg.rl.prompts_per_step // cfg.runtime.workers
         last_heard = time.monotonic()
-        used_version = -1
+        used_version, owed = -1, 0  # sync: the version of the share being sampled, and its groups still to start
         while not self.client.finished.is_set():
             got = self.client.latest_weights()
             if got is not None:
                 self._apply(got)
+            self._follow_thread_advice(cfg)
             if not self.client.learner_alive:
                 if time.monotonic() - last_heard > cfg.runtime.learner_timeout_s:
                     log.error("worker %s: learner silent for %.0f s; exiting", worker_id, cfg.runtime.learner_timeout_s)
@@ -195,16 +221,18 @@ class RolloutWorker:
                 self._wait(time.sleep, 0.1)
                 continue
             last_heard = time.monotonic()
-            if sync and self.version <= used_version:
-                got = self._wait(self.client.wait_weights, used_version, 1.0)
-                if got is not None:
-                    self._apply(got)
-                continue
-            wanted = share if sync else cfg.runtime.groups_per_call
-            n = self._wait(self.client.acquire_starts, wanted, 1.0)
+            if sync and owed == 0:
+                if self.version <= used_version:
+                    got = self._wait(self.client.wait_weights, used_version, 1.0)
+                    if got is not None:
+                        self._apply(got)
+                    continue
+                used_version, owed = self.version, share
+            # admission permits may come a few at a time: a sync share is sampled in as many calls as it takes
+            n = self._wait(self.client.acquire_starts, owed if sync else cfg.runtime.groups_per_call, 1.0)
             if n == 0:
                 continue
-            used_version = self.version
+            owed -= n if sync else 0
             self._generate_and_send(cfg, task, [task.sample_train(rng) for _ in range(n)])
         if self.client.refused:
             raise HeteroRLError(f"the learner refused worker {worker_id}: {self.client.refused}")
@@ -257,36 +285,41 @@ class RolloutWorker:
         worker_id = self.options.worker_id
         prompts = [encode_prompt(self.sampler.tokenizer, p.prompt, cfg.task.chat_template) for p in problems]
         params = self._sampling_params(cfg, prompts)
-        start_wall, start = time.time(), time.monotonic()
-        groups = self.sampler.sample(prompts, cfg.rollout.group_size, params).result()
+        start_wall, start, version = time.time(), time.monotonic(), self.version
+        inflight = (cfg.runtime.inflight_updates and cfg.runtime.mode == "async"
+                    and self.sampler.engine.supports_inflight_updates)
+        groups = self.sampler.sample(prompts, cfg.rollout.group_size, params,
+                                     weight_updates=self._inflight_weights if inflight else None).result()
         elapsed = time.monotonic() - start
         if self.options.throttle > 1:
             time.sleep((self.options.throttle - 1) * elapsed)  # a slower device: counted as busy time
         self.busy_s += time.monotonic() - start
         self.client.busy_s = self.busy_s
         floor = self.contract.min_logprob if self.contract is not None else MIN_LOGPROB
-        stamped = stamp_groups(task, worker_id, self.groups_sent, self.version, problems, prompts, groups,
+        stamped = stamp_groups(task, worker_id, self.groups_sent, version, problems, prompts, groups,
                                start_wall, time.time(), floor, session=self.session)
         self.groups_sent += len(stamped)
-        for group in stamped:
-            self._send(list(group))
+        never = sum(not group or self._send(list(group)) == 0 for group in stamped)
+        if never:  # groups the learner will never see: their admission permits are free again
+            self.client.return_starts(never)
 
-    def _send(self, group: list[Trajectory]) -> None:
-        """Queue a group's trajectories in one call, waiting out back-pressure; HeteroRLError once the learner has
-        been silent for ``learner_timeout_s``."""
-        silent_since = None
+    def _send(self, group: list[Trajectory]) -> int:
+        """Queue a group's trajectories in one call, waiting out back-pressure; how many were queued: 0 when the
+        trajectory delay link dropped them all (what a timeout got through counts as queued). HeteroRLError once
+        the learner has been silent for ``learner_timeout_s``."""
+        silent_since, queued = None, 0
         while group and not self.client.finished.is_set():
             try:
-                self._wait(self.client.send_many, group, 1.0)
-                return
+                return queued + self._wait(self.client.send_many, group, 1.0)
             except TransportTimeout as exc:  # back-pressure (the learner is behind) or the learner is gone
-                group = group[exc.done:]
+                group, queued = group[exc.done:], queued + exc.done
                 if self.client.learner_alive:
                     silent_since = None
                     continue
                 silent_since = silent_since or time.monotonic()
                 if time.monotonic() - silent_since > self.learner_timeout_s:
                     raise HeteroRLError(f"the learner has been silent for {self.learner_timeout_s:.0f} s") from None
+        return queued
 
     def close(self, failure: Exception | None = None) -> None:
         """Leave: the bye tells the learner when this worker failed (`BYE_WORKER_FAILED`), so it stops waiting."""

@@ -24,10 +24,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 import gepo
-from heterorl.engines.base import SampleOutput, SamplingEngine, SamplingParams
+from heterorl.engines.base import SampleOutput, SamplingEngine, SamplingParams, WeightUpdates
 from heterorl.engines.logprobs import packed_completion_logprobs, pad_right, prompt_groups, should_pack, token_logprobs
 from heterorl.engines.torch_engine import TorchEngine
-from heterorl.errors import HeteroRLError
+from heterorl.errors import HeteroRLError, SamplingError
 from heterorl.files import write_atomically
 
 
@@ -136,15 +136,30 @@ class SamplingClient:
 
     def sample(
         self, prompt_tokens: Sequence[int] | Sequence[Sequence[int]], num_samples: int = 1,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | None = None, *, weight_updates: Callable | None = None,
     ) -> Future:
-        """Future of ``list[SampleOutput]`` (one prompt) or ``list[list[SampleOutput]]`` (a list of prompts)."""
+        """Future of ``list[SampleOutput]`` (one prompt) or ``list[list[SampleOutput]]`` (a list of prompts).
+
+        ``weight_updates``: in-flight updates, for an engine that takes them (`SamplingEngine.
+        supports_inflight_updates`): a callable polled between decode steps that returns (version, state dict)
+        of newer weights or None; the engine loads them at once and each sample's ``versions`` names the
+        version that drew each token. The sampler then holds the newest version loaded."""
         params = sampling_params or SamplingParams()
         single = len(prompt_tokens) > 0 and isinstance(prompt_tokens[0], int)
         prompts = [prompt_tokens] if single else prompt_tokens
+        if weight_updates is not None and not self.engine.supports_inflight_updates:
+            raise SamplingError(f"{type(self.engine).__name__} cannot take weights during a generation: sample "
+                                "without weight_updates and load new weights between samples (load_weights)")
 
         def run() -> list:
-            groups = self.engine.generate(prompts, params, num_samples)
+            if weight_updates is None:
+                groups = self.engine.generate(prompts, params, num_samples)
+            else:
+                updates = WeightUpdates(self.version, weight_updates)
+                try:
+                    groups = self.engine.generate(prompts, params, num_samples, updates=updates)
+                finally:
+                    self.version = updates.version
             for group in groups:
                 for sample in group:
                     sample.text = self.tokenizer.decode(sample.tokens, skip_special_tokens=True)

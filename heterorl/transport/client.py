@@ -118,6 +118,8 @@ class WorkerClient(_Endpoint):
         self._credit_limit = 0
         self._starts_session = 0
         self._start_limit = -1
+        self._starts_said = 0  # the permits used as the latest heartbeat said
+        self.advised_threads = 0  # torch threads the learner advises (a worker on its machine; 0: no advice)
         self.busy_s = 0.0  # reported in heartbeats; the rollout loop adds to them
         self.idle_s = 0.0
         self.finished = threading.Event()  # the learner said the run is over (or refused this worker: `refused`)
@@ -218,11 +220,20 @@ class WorkerClient(_Endpoint):
                 if free > 0 and self.learner_alive:
                     granted = min(wanted, free)
                     self._starts_session += granted
+                    self._wakeup.wake()  # the next heartbeat says so: the learner can grant more
                     return granted
                 left = deadline - time.monotonic()
                 if left <= 0 or self._stop.is_set():
                     return 0
                 self._lock.wait(min(left, 0.1))
+
+    def return_starts(self, count: int) -> None:
+        """Give back ``count`` admission permits taken by `acquire_starts` for groups that will never reach the
+        learner (every completion empty, or dropped by the trajectory delay link): the learner counts a group
+        started when it arrives, so the permit is still free in its books, and now in this worker's too."""
+        with self._lock:
+            self._starts_session = max(0, self._starts_session - count)
+            self._lock.notify_all()
 
     @property
     def start_limit(self) -> int:
@@ -348,9 +359,11 @@ class WorkerClient(_Endpoint):
             hello = Hello(self.worker_id, pysocket.gethostname(), os.getpid(), self._version_held, time.time(),
                           self.engine)
             _send(control, encode(hello), self.stats, "hello")
-        if self.learner_alive and now - self._last_beat >= self.config.heartbeat_interval_s:
-            self._last_beat = now
-            beat = Heartbeat(self.worker_id, self._version_held, time.time(), self.busy_s, self.idle_s)
+        started = self._starts_session  # permits used: said at once (within 50 ms), the learner grants more
+        if self.learner_alive and (now - self._last_beat >= self.config.heartbeat_interval_s or (
+                started != self._starts_said and now - self._last_beat >= 0.05)):
+            self._last_beat, self._starts_said = now, started
+            beat = Heartbeat(self.worker_id, self._version_held, time.time(), self.busy_s, self.idle_s, started)
             _send(control, encode(beat), self.stats, "heartbeat")
         return control
 
@@ -399,6 +412,7 @@ class WorkerClient(_Endpoint):
             self.rejections.extend(ack.rejected)
             self._credit_limit = max(self._credit_limit, ack.credits)
             self._start_limit = ack.start_limit if ack.start_limit < 0 else max(self._start_limit, ack.start_limit)
+            self.advised_threads = ack.threads
             self._lock.notify_all()
         for reason in ack.rejected[:3]:
             log.warning("learner refused a trajectory: %s", reason)

@@ -242,8 +242,10 @@ class Ready(Message):
 
 @dataclass
 class Heartbeat(Message):
-    """Either direction, every ``heartbeat_interval_s``: I am alive. From a worker also: the version it holds
-    and its cumulative seconds generating (``busy_s``) and waiting for credit or weights (``idle_s``)."""
+    """Either direction, every ``heartbeat_interval_s``: I am alive. From a worker also: the version it holds,
+    its cumulative seconds generating (``busy_s``) and waiting for credit or weights (``idle_s``), and the
+    admission permits it has used this session (``groups_started``; −1: not reported, as by a worker of an
+    earlier version): groups started and still on their way count, which the learner cannot see."""
 
     kind: ClassVar[str] = "heartbeat"
     sender_id: str
@@ -251,6 +253,8 @@ class Heartbeat(Message):
     sent_at: float = 0.0
     busy_s: float = 0.0
     idle_s: float = 0.0
+    groups_started: int = -1
+    optional_fields: ClassVar[frozenset] = frozenset({"groups_started"})
 
     @classmethod
     def from_wire(cls, body, limits, data=()):
@@ -260,6 +264,7 @@ class Heartbeat(Message):
             sent_at=_float("sent_at", body["sent_at"]),
             busy_s=_float("busy_s", body["busy_s"], 1e9),
             idle_s=_float("idle_s", body["idle_s"], 1e9),
+            groups_started=_int("groups_started", body.get("groups_started", -1), -1, _INT32_MAX),
         )
 
 
@@ -530,13 +535,17 @@ def _build_batch(body, prompt, completion, logprobs, versions, prompt_len, compl
 class Ack(Message):
     """Learner → worker: trajectories taken (``accepted``, duplicates included: delivered once) or refused
     ("id: reason"); ``credits``: the cumulative number of trajectories the worker may have sent this session;
-    ``start_limit``: the cumulative number of groups it may have started (admission control), −1 for no limit."""
+    ``start_limit``: the cumulative number of groups it may have started (admission control), −1 for no limit;
+    ``threads``: the torch threads a worker on the learner's own machine should use (0: no advice; a learner of
+    an earlier version sends none)."""
 
     kind: ClassVar[str] = "ack"
     accepted: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
     credits: int = 0
     start_limit: int = -1
+    threads: int = 0
+    optional_fields: ClassVar[frozenset] = frozenset({"threads"})
 
     @classmethod
     def from_wire(cls, body, limits, data=()):
@@ -545,6 +554,7 @@ class Ack(Message):
             rejected=_str_list("rejected", body["rejected"], limits, 65_536),
             credits=_int("credits", body["credits"], 0, _INT32_MAX),
             start_limit=_int("start_limit", body["start_limit"], -1, _INT32_MAX),
+            threads=_int("threads", body.get("threads", 0), 0, 4096),
         )
 
 

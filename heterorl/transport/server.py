@@ -23,6 +23,7 @@ for its chunks. A worker that joins late or misses notices always gets the newes
 from __future__ import annotations
 
 import logging
+import socket as pysocket
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -75,6 +76,7 @@ log = logging.getLogger("heterorl.transport")
 
 GROUP_REJECTED = "group_rejected"  # the reason a member is refused for when another member of its group was refused
 _POISONED_GROUPS_KEPT = 64  # per worker: a worker sends a group's members back to back, so a few recent ones suffice
+_HOST = pysocket.gethostname()  # a worker whose hello names this host shares the learner's machine
 _TOTALS = ("trajectories", "duplicates", "busy_s", "idle_s")  # per-worker counters `fleet_totals` sums
 
 
@@ -127,10 +129,12 @@ class WorkerInfo:
     rejects: list = field(default_factory=list)
     last_credit_sent: int = -1
     busy_s: float = 0.0  # the worker's cumulative seconds generating (from its heartbeats)
+    busy_base: float = 0.0  # busy_s when this session began: its start rate counts the busy seconds since
     idle_s: float = 0.0  # ... and waiting for credit, permits or weights
     groups_session: int = 0  # groups whose first trajectory arrived this session
     last_group_id: str = ""
     starts_granted_session: int = 0  # admission permits granted this session (cumulative)
+    starts_reported: int = -1  # permits it has used this session, as its latest heartbeat said (-1: none said)
     last_start_limit_sent: int = -2
     poisoned_groups: OrderedDict = field(default_factory=OrderedDict)  # recent group ids with a rejected member
     open_groups: OrderedDict = field(default_factory=OrderedDict)  # group id → _OpenGroup, oldest first
@@ -138,8 +142,25 @@ class WorkerInfo:
     rate_tokens: float = 0.0  # transport.max_trajectories_per_s: trajectories it may still send (a token bucket)
     rate_refilled: float = 0.0
 
+    def start_rate(self) -> float | None:
+        """Groups this session started per second of generating: the worker's measured speed (None until it
+        has generated for half a second)."""
+        busy = self.busy_s - self.busy_base
+        return self.groups_session / busy if busy > 0.5 and self.groups_session else None
+
     def credit_limit(self, window: int, rate_room: float = float("inf")) -> int:
         return self.received_session + int(max(0, min(window - self.buffered, rate_room)))
+
+
+def permit_share(rate: float | None, fleet: tuple[float, int] | None, ahead: int) -> int:
+    """The unused admission permits a worker of speed ``rate`` may hold, ``fleet`` being (the live workers'
+    summed speeds, their number): ``ahead`` each until every live worker's speed is measured (``fleet`` None);
+    then the fleet's ``ahead`` × workers shared in proportion to their speeds (at least 1), so that a slow worker
+    starts no more groups than it finishes while a fast one would (and its groups stay as fresh)."""
+    if fleet is None or rate is None:
+        return ahead
+    total, workers = fleet
+    return max(1, round(ahead * workers * rate / total))
 
 
 class LearnerServer(_Endpoint):
@@ -190,7 +211,7 @@ class LearnerServer(_Endpoint):
         self._admission_cap: int | None = None  # total groups the fleet may start (None: no admission control)
         self._starts_granted_total = 0
         self._starts_refused = 0  # groups started on a permit and refused whole: they widen the admission cap
-        self._starts_ahead = 1
+        self._starts_ahead, self._local_threads = 1, 0  # permits a worker may hold; threads advised (0: none)
         self.stats: Counter = Counter()
         self._reject_log = _RateLimitedLog()
         self._removal_log = _RateLimitedLog("worker removed from the registry", logging.INFO)
@@ -262,6 +283,24 @@ class LearnerServer(_Endpoint):
         holds at most ``ahead`` unused permits, so one fast worker cannot take every permit."""
         with self._lock:
             self._admission_cap, self._starts_ahead = cap, max(1, ahead)
+
+    def advise_local_threads(self, threads: int) -> None:
+        """Advise the workers on this machine (their hello named its host) to use ``threads`` torch threads, in
+        their next acks (`heterorl train` shares one machine's cores: heterorl.runtime.cores)."""
+        with self._lock:
+            self._local_threads = threads
+
+    def permits_left(self) -> int | None:
+        """Groups the fleet may still start under admission control: permits not yet granted plus those its live
+        workers hold unused — by their heartbeats' count of permits used, which includes groups still on their
+        way (None: no admission control). 0 while the learner waits: the pace holds it back."""
+        with self._lock:
+            if self._admission_cap is None:
+                return None
+            pool = self._admission_cap + self._starts_refused - self._starts_granted_total
+            held = sum(max(0, w.starts_granted_session - max(w.groups_session, w.starts_reported))
+                       for w in self._workers.values() if w.alive)
+            return max(0, pool) + held
 
     def admission_state(self) -> str:
         """One line on the admission permits (for a learner that waits long for data)."""
@@ -442,7 +481,10 @@ class LearnerServer(_Endpoint):
                     self._reject("forged_id", f"heartbeat names {message.sender_id!r} on {worker.worker_id}'s link")
                     return
                 worker.version_held = message.version_held
+                if message.busy_s < worker.busy_s:  # a new process under the same id: its clock starts at 0
+                    worker.busy_base = 0.0
                 worker.busy_s, worker.idle_s = message.busy_s, message.idle_s
+                worker.starts_reported = message.groups_started
             elif isinstance(message, Bye):
                 worker.alive, worker.failed = False, message.failed
                 self._reclaim_starts(worker)
@@ -486,6 +528,7 @@ class LearnerServer(_Endpoint):
         worker.engine, worker.failed = hello.engine, False
         worker.received_session = 0
         worker.groups_session = worker.starts_granted_session = 0
+        worker.busy_base, worker.starts_reported = worker.busy_s, -1
         worker.last_start_limit_sent = -2
         worker.pending_notices.clear()
         # a (re)joining worker gets the newest whole version this server holds (none before its first publish)
@@ -703,6 +746,7 @@ class LearnerServer(_Endpoint):
         self._starts_refused += 1  # started (and counted), never trained: the admission cap widens
         self.stats["dropped_groups"] += 1
         self.stats[f"dropped_groups/{reason}"] += 1
+        self.stats["dropped_trajectories"] += len(group.members)
         worker.rejects.append(f"{group_id}: {reason}: {len(group.members)} of its {group.size} members dropped "
                               f"unused: {why}"[:256])
 
@@ -777,13 +821,23 @@ class LearnerServer(_Endpoint):
             self._starts_granted_total -= unused
             worker.starts_granted_session = worker.groups_session
 
-    def _grant_starts(self, worker: WorkerInfo) -> int:
+    def _fleet_rate(self) -> tuple[float, int] | None:
+        """The live workers' summed `WorkerInfo.start_rate` and their number; None while one of them is
+        unmeasured (or only one is alive: nothing to share)."""
+        rates = [w.start_rate() for w in self._workers.values() if w.alive]
+        return None if len(rates) < 2 or None in rates else (sum(rates), len(rates))
+
+    def _ahead_of(self, worker: WorkerInfo, fleet_rate: tuple[float, int] | None) -> int:
+        return permit_share(worker.start_rate(), fleet_rate, self._starts_ahead)
+
+    def _grant_starts(self, worker: WorkerInfo, fleet_rate: tuple[float, int] | None = None) -> int:
         """The worker's cumulative start limit this session: −1 without admission control; else top its unused
-        permits up to ``ahead`` while the fleet's total stays within the cap."""
+        permits up to its share (`_ahead_of`) while the fleet's total stays within the cap."""
         if self._admission_cap is None:
             return -1
-        unused = worker.starts_granted_session - worker.groups_session
-        grant = min(self._starts_ahead - unused,
+        # groups started on their way count as used (by its heartbeats), so a link's latency does not cap its rate
+        unused = worker.starts_granted_session - max(worker.groups_session, worker.starts_reported)
+        grant = min(self._ahead_of(worker, fleet_rate) - unused,
                     self._admission_cap + self._starts_refused - self._starts_granted_total)
         if grant > 0:
             worker.starts_granted_session += grant
@@ -812,6 +866,7 @@ class LearnerServer(_Endpoint):
                 self._keys_checked = now
                 if self._reload_keys():
                     self._revoke(sock)
+            fleet_rate = self._fleet_rate() if self._admission_cap is not None else None
             for worker in list(self._workers.values()):
                 if not self._check_alive(worker, now):
                     continue
@@ -821,10 +876,12 @@ class LearnerServer(_Endpoint):
                 if released:
                     outgoing.append((worker.routing_id, WeightsNotice(worker.released_version)))
                 limit = self._credit_limit(worker, now)
-                start_limit = self._grant_starts(worker)
+                start_limit = self._grant_starts(worker, fleet_rate)
                 if (worker.acks or worker.rejects or limit != worker.last_credit_sent
                         or start_limit != worker.last_start_limit_sent or beat):
-                    outgoing.append((worker.routing_id, Ack(worker.acks, worker.rejects, limit, start_limit)))
+                    threads = self._local_threads if worker.host == _HOST else 0
+                    outgoing.append((worker.routing_id, Ack(worker.acks, worker.rejects, limit, start_limit,
+                                                            threads)))
                     worker.acks, worker.rejects, worker.last_credit_sent = [], [], limit
                     worker.last_start_limit_sent = start_limit
             if any(isinstance(m, WeightsNotice) for _, m in outgoing):

@@ -46,16 +46,21 @@ def test_bench_transport_measures_both_channels_against_raw_pyzmq():
     assert "trajectories, 2 workers" in out.stdout and "receiver peak RSS" in out.stdout
 
 
-def test_bench_async_runs_both_modes_and_prints_ratio_and_bound():
-    out = run_cli("bench", "async", "--steps", "3", "--prompts", "4", "--group-size", "4")
-    assert out.returncode == 0, out.stderr
-    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
-            if line.startswith(("  sync ", "  async "))}
-    assert set(rows) == {"sync", "async"} and all(float(r[1]) > 0 for r in rows.values())
-    assert float(rows["sync"][-1]) == 0.0  # sync trains on-policy only
-    ratio = float(out.stdout.split("async / sync:")[1].split("x")[0])
-    bound = float(out.stdout.split("overlap bound of this workload:")[1].split("x")[0])
-    assert ratio > 0 and 1.0 <= bound <= 2.0
+def test_bench_async_runs_both_workloads_and_prints_ratio_waste_and_bound():
+    out = run_cli("bench", "async", "--steps", "3", "--prompts", "4", "--group-size", "4", "--add3-steps", "3",
+                  "task.options.eval_size=16")
+    assert out.returncode == 0, out.stdout + out.stderr
+    maze, add3 = out.stdout.split("\nmaze (balanced)")[1].split("\nadd3 (learner-bound)")
+    for section, modes in ((maze, {"sync", "async"}), (add3, {"sync", "async", "rl"})):
+        rows = {line.split()[0]: line.split() for line in section.splitlines()
+                if line.startswith(tuple(f"  {m} " for m in modes)) and line.split()[1] != "/"}
+        assert set(rows) == modes and all(float(r[1]) > 0 for r in rows.values())
+        assert float(rows["sync"][4]) == 0.0  # sync trains on-policy only
+        assert all(0.0 <= float(r[5].rstrip("%")) <= 100.0 for r in rows.values())  # the share wasted
+        ratio = float(section.split("async / sync:")[1].split("x")[0])
+        bound = float(section.split("overlap bound of this workload:")[1].split("x")[0])
+        assert ratio > 0 and 1.0 <= bound <= 2.0
+    assert "async / rl (one process, all cores per phase):" in add3
 
 
 def test_bench_simulate_prints_live_and_simulated_staleness():

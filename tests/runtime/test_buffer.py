@@ -5,7 +5,8 @@ import pytest
 
 from heterorl.config import BufferConfig
 from heterorl.errors import ConfigError
-from heterorl.runtime.buffer import GroupBuffer
+from heterorl.runtime.buffer import GroupBuffer, Pacer
+from heterorl.runtime.learner import rollout_waste
 from heterorl.transport.protocol import Trajectory
 from tests.conftest import trajectory
 
@@ -93,6 +94,45 @@ def test_admission_limit_is_areal_rule():
     assert GroupBuffer(BufferConfig(policy="window")).admission_limit(10, 8) is None
     buffer.counters["dropped_partial"] += 3  # started, never to be trained: three more may start
     assert buffer.admission_limit(10, 8) == 123
+
+
+def test_admission_limit_follows_the_pace_and_never_passes_the_runs_end():
+    buffer = GroupBuffer(BufferConfig(max_staleness_steps=4))
+    assert buffer.config.policy == "admission"  # the default: pace, don't discard
+    assert buffer.admission_limit(10, 8, ahead_steps=1) == 96  # the next batch may start while this one trains
+    assert buffer.admission_limit(10, 8, total_steps=12, ahead_steps=4) == 96  # the run trains 12 batches in all
+    assert buffer.admission_limit(10, 8, total_steps=100) == 120
+
+
+def test_the_pacer_rises_only_while_the_learner_waits_on_a_fleet_out_of_permits():
+    pacer = Pacer(BufferConfig(max_staleness_steps=3))
+    assert pacer.ahead == 1
+    assert not pacer.observe(waited_s=2.0, train_s=1.0, starved=False)  # the fleet is slow, not held back
+    assert not pacer.observe(waited_s=0.2, train_s=1.0, starved=True)  # a wait too short to count
+    assert pacer.observe(waited_s=0.3, train_s=1.0, starved=True) and pacer.ahead == 2
+    assert pacer.observe(waited_s=0.3, train_s=1.0, starved=True) and pacer.ahead == 3
+    assert not pacer.observe(waited_s=5.0, train_s=1.0, starved=True) and pacer.ahead == 3  # the bound
+    assert pacer.raised == 2
+    fixed = Pacer(BufferConfig(max_staleness_steps=3, pace_steps=2))
+    assert fixed.ahead == 2 and not fixed.observe(9.0, 1.0, True) and fixed.ahead == 2
+    assert Pacer(BufferConfig(max_staleness_steps=0)).ahead == 0  # on-policy: only the batch being trained
+    with pytest.raises(ConfigError, match="buffer.pace_steps"):
+        BufferConfig(max_staleness_steps=2, pace_steps=3).validate()
+
+
+def test_discarded_trajectories_are_counted_by_reason_in_the_waste_report():
+    buffer = GroupBuffer(BufferConfig(policy="window", max_staleness_steps=1, max_groups=2,
+                                      partial_group_timeout_s=10))
+    fill(buffer, {"a": 0, "b": 5, "c": 5})  # a overflows (2 trajectories)
+    buffer.add(member("p", 0, 5), 0.0)  # half a group, expired below
+    buffer.expire_partial(20.0)
+    fill(buffer, {"d": 0})  # b overflows; d is stale at version 5
+    assert ids(buffer.take(1, current_version=5)) == ["c"]
+    assert dict(buffer.discarded) == {"overflow": 4, "partial": 1, "stale": 2}
+    report = rollout_waste(generated=11, trained=2, buffer=buffer, left_over=buffer.held_trajectories, rejected=2)
+    assert report["discarded"] == {"stale": 2, "overflow": 4, "partial": 1, "inconsistent": 0, "rejected": 2}
+    assert report["left_over"] == 0
+    assert report["wasted_frac"] == pytest.approx(9 / 11) and report["discarded_frac"] == pytest.approx(9 / 11)
 
 
 def test_overflow_and_partial_expiry_are_counted():

@@ -43,7 +43,7 @@ def endpoint(run_dir: Path) -> str | None:
 
 @pytest.mark.slow
 def test_train_async_runs_learner_and_workers_and_reports(tmp_path):
-    out = run_cli("train", "--config", str(write_config(tmp_path, steps=4)))
+    out = run_cli("train", "--config", str(write_config(tmp_path, steps=4)), "runtime.inflight_updates=true")
     assert out.returncode == 0, out.stdout + out.stderr
     run = tmp_path / "run"
     summary = json.loads((run / "summary.json").read_text())
@@ -52,8 +52,12 @@ def test_train_async_runs_learner_and_workers_and_reports(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for record in records:
         for key in ("staleness/versions_hist", "staleness/seconds_mean", "learner/idle_frac", "workers/idle_frac",
-                    "throughput/tokens_per_s", "buffer/groups", "optim/updates"):
+                    "throughput/tokens_per_s", "buffer/groups", "optim/updates", "pace/ahead_steps",
+                    "cores/learner_threads"):
             assert key in record, key
+        # per token: with in-flight updates a trajectory may carry several versions (how many: timing)
+        assert 0 <= record["staleness/token_versions_mean"] <= record["staleness/versions_max"]
+        assert 0.0 <= record["staleness/spanning_frac"] <= 1.0
         # which groups make a batch depends on arrival order: a batch whose groups all scored alike runs no
         # update, and then records why instead of the loss's metrics (docs/RUNTIME.md)
         if record["optim/updates"] > 0:
@@ -61,6 +65,11 @@ def test_train_async_runs_learner_and_workers_and_reports(tmp_path):
         else:
             assert record["optim/skip_reason"] == "no_signal" and "is/weight_var" not in record, record
     assert summary["steps_without_update"] == sum(r["optim/updates"] == 0 for r in records)
+    # paced (the default): the fleet starts no group the run will not train, and nothing is discarded
+    rollouts = summary["rollouts"]
+    assert rollouts["generated"] == rollouts["trained"] > 0 and rollouts["wasted_frac"] == 0.0, rollouts
+    assert not any(rollouts["discarded"].values()) and rollouts["left_over"] == 0
+    assert "0.0% wasted" in out.stdout
     # both workers took part: the learner waited for both to hold its weights before its first step
     assert max(r["workers/alive"] for r in records) == 2 and records[-1]["transport/rejected"] == 0
     assert "held-out greedy success" in out.stdout and "staleness mean" in out.stdout
@@ -89,6 +98,7 @@ def test_sync_mode_trains_on_policy(tmp_path):
         assert measured > 0 and torch_engine["mismatch_abs_max"] < 1e-3, torch_engine
         assert torch_engine["is_ratio_var"] < 1e-6
     assert "by sampling engine" in out.stdout
+    assert summary["rollouts"]["wasted_frac"] == 0.0, summary["rollouts"]
 
 
 def test_train_reports_a_crashed_worker_and_stops(tmp_path):

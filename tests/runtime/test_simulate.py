@@ -58,7 +58,7 @@ def test_steps_without_signal_record_why_and_no_loss_metrics(tmp_path):
 def test_staleness_follows_the_weights_delay_and_stays_inside_the_window(tmp_path):
     # a learner step takes 1 virtual second; weights take 3 steps to arrive: data is about 3-4 versions old
     result, records = simulate(tmp_path, 8, "simulate.step_s=1", "delay.down.kind=constant", "delay.down.constant_s=3",
-                               "buffer.max_staleness_steps=16", name="slow")
+                               "buffer.policy=window", "buffer.max_staleness_steps=16", name="slow")
     times = [r["sim/time_s"] for r in records[1:]]
     assert all(b - a >= 1.0 for a, b in zip(times, times[1:]))  # a step takes step_s, waiting comes on top
     assert 3.0 <= statistics.mean(staleness(records)[4:]) <= 5.0
@@ -66,9 +66,23 @@ def test_staleness_follows_the_weights_delay_and_stays_inside_the_window(tmp_pat
     _, fast = simulate(tmp_path, 8, "simulate.step_s=1", name="fast")
     assert max(staleness(fast)) <= 1.5  # no delay: at most the version in training while sampling
     _, bounded = simulate(tmp_path, 8, "simulate.step_s=1", "delay.down.kind=constant", "delay.down.constant_s=3",
-                          "buffer.max_staleness_steps=2", name="bounded")
+                          "buffer.policy=window", "buffer.max_staleness_steps=2", name="bounded")
     assert max(r["staleness/versions_max"] for r in bounded if "staleness/versions_max" in r) <= 2
     assert bounded[-1]["buffer/dropped_stale"] > 0 or bounded[-1]["learner/idle_frac"] > 0
+
+
+def test_pacing_trains_every_group_it_starts_and_rises_to_cover_the_links_latency(tmp_path):
+    # fast workers, trajectories 2.5 learner steps on the way: one step ahead is too little pace for that link
+    common = ["simulate.step_s=1", "simulate.call_s=0.2", "delay.up.kind=constant", "delay.up.constant_s=2.5"]
+    result, records = simulate(tmp_path, 10, *common, name="paced")
+    rollouts = result.rollouts
+    assert rollouts["generated"] == rollouts["trained"] > 0 and rollouts["wasted_frac"] == 0.0, rollouts
+    paces = [r["pace/ahead_steps"] for r in records[1:]]
+    assert paces == sorted(paces) and paces[-1] >= 3, paces  # from 1, it rose with each starved wait
+    assert paces[-1] <= 8  # never past buffer.max_staleness_steps
+    assert statistics.mean(r["learner/idle_frac"] for r in records[-3:]) < records[2]["learner/idle_frac"]
+    windowed, _ = simulate(tmp_path, 10, *common, "buffer.policy=window", name="window")
+    assert windowed.rollouts["wasted_frac"] > 0.2  # the same fleet unpaced samples far more than is trained
 
 
 def test_a_fixed_lag_trains_every_batch_exactly_k_versions_stale_from_the_first_step(tmp_path):

@@ -83,13 +83,26 @@ def test_arrays_are_little_endian_raw_buffers_and_decoded_as_views():
     Hello("w1", "host-b", 9, -1, 2.5, engine="vllm"),
     Ready("w0", credits=64, newest_version=3, heartbeat_interval_s=1.0, settings={"weights_port": 5556, "x": "y"}),
     Heartbeat("w0", 7, 2.0, 3.5, 0.25),
+    Heartbeat("w0", 7, 2.0, 3.5, 0.25, groups_started=40),
     Ack(["a", "b"], ["c: bad"], 70, 12),
+    Ack(["a"], [], 70, 12, threads=2),
     WeightsNotice(9),
     WeightsRequest("w0", have_version=3, version=9, chunk=2),
     Bye("w0", "shutting down"),
 ])
 def test_control_messages_round_trip(message):
     assert decode(encode(message)) == message
+
+
+def test_fields_added_since_the_schema_may_be_left_out_by_an_earlier_peer():
+    beat = header_of(Heartbeat("w0", 1, 2.0, groups_started=5))
+    del beat["groups_started"]  # a worker of an earlier version: its permits used are not reported
+    assert decode([msgpack.packb(beat)]).groups_started == -1
+    rejects([msgpack.packb(beat | {"groups_started": -2})], "groups_started", "bounds")
+    ack = header_of(Ack(["a"], [], 3, 4, threads=2))
+    del ack["threads"]  # a learner of an earlier version advises nothing
+    assert decode([msgpack.packb(ack)]).threads == 0
+    rejects([msgpack.packb(ack | {"threads": 10**6})], "threads", "bounds")
 
 
 def test_a_hello_without_an_engine_is_a_torch_workers_and_a_bad_engine_is_named():

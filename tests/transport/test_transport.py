@@ -30,6 +30,7 @@ from heterorl.transport.protocol import (
     decode,
     encode,
 )
+from heterorl.transport.server import permit_share
 from tests.conftest import ENV, trajectory
 
 FAST = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0, credits_per_worker=8, linger_ms=0)
@@ -516,6 +517,27 @@ def test_admission_control_caps_the_groups_the_fleet_may_start(learner):
     finally:
         for c in clients:
             c.close()
+
+
+def test_permits_are_shared_in_proportion_to_each_workers_measured_speed():
+    """Once every live worker's speed is measured (groups started per second generating, from its heartbeats),
+    the fleet's ahead x workers permits are split in their proportion: a slow worker holds few, never none."""
+    assert permit_share(None, None, 4) == 4  # unmeasured: `ahead` each
+    assert permit_share(4.0, None, 4) == 4  # another worker is still unmeasured
+    fleet = (4.0 + 4 / 3, 2)  # a fast worker (4 groups/s) and a slow one (4/3 groups/s)
+    assert (permit_share(4.0, fleet, 4), permit_share(4 / 3, fleet, 4)) == (6, 2)
+    assert permit_share(0.01, (100.01, 2), 4) == 1
+
+
+def test_a_permit_for_a_group_that_never_arrives_is_given_back(learner, worker):
+    """A group whose completions were all empty (or that the delay link dropped) never reaches the learner, which
+    counts a start when a group arrives: the worker gives the permit back and may start another."""
+    learner.set_admission(cap=2, ahead=2)
+    assert wait_for(lambda: worker.start_limit == 2, 10)
+    assert worker.acquire_starts(2, timeout_s=5) == 2
+    assert worker.acquire_starts(1, timeout_s=0.3) == 0
+    worker.return_starts(1)  # one of the two groups came out empty
+    assert worker.acquire_starts(1, timeout_s=1) == 1
 
 
 def test_permits_held_by_a_worker_that_leaves_go_back_to_the_fleet(learner):
