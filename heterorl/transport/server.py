@@ -298,9 +298,17 @@ class LearnerServer(_Endpoint):
             if self._admission_cap is None:
                 return None
             pool = self._admission_cap + self._starts_refused - self._starts_granted_total
-            held = sum(max(0, w.starts_granted_session - max(w.groups_session, w.starts_reported))
-                       for w in self._workers.values() if w.alive)
+            held = sum(max(0, w.starts_granted_session - self._permits_used(w)) for w in self._workers.values()
+                       if w.alive)
             return max(0, pool) + held
+
+    def _permits_used(self, worker: WorkerInfo) -> int:
+        """The admission permits ``worker`` has used this session: its groups arrived, or, as its heartbeats say,
+        more (groups still on their way) — believed up to 4 × ``ahead`` beyond those arrived, so a worker that
+        claims permits it never uses holds a bounded number of them back from the fleet."""
+        reported = min(worker.starts_reported, worker.groups_session + 4 * self._starts_ahead,
+                       worker.starts_granted_session)
+        return max(worker.groups_session, reported)
 
     def admission_state(self) -> str:
         """One line on the admission permits (for a learner that waits long for data)."""
@@ -836,7 +844,7 @@ class LearnerServer(_Endpoint):
         if self._admission_cap is None:
             return -1
         # groups started on their way count as used (by its heartbeats), so a link's latency does not cap its rate
-        unused = worker.starts_granted_session - max(worker.groups_session, worker.starts_reported)
+        unused = worker.starts_granted_session - self._permits_used(worker)
         grant = min(self._ahead_of(worker, fleet_rate) - unused,
                     self._admission_cap + self._starts_refused - self._starts_granted_total)
         if grant > 0:

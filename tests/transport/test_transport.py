@@ -529,6 +529,20 @@ def test_permits_are_shared_in_proportion_to_each_workers_measured_speed():
     assert permit_share(0.01, (100.01, 2), 4) == 1
 
 
+def test_a_worker_claiming_permits_it_never_uses_holds_a_bounded_number(learner, worker):
+    """Groups on their way count as used by the worker's heartbeats, but a worker that says it used every permit
+    and sends nothing is believed only up to 4 x ahead beyond the groups that arrived."""
+    learner.set_admission(cap=1000, ahead=2)
+    assert wait_for(lambda: worker.start_limit == 2, 10)
+    bound = 2 + 4 * 2  # ahead unused + 4 x ahead believed on their way
+    assert wait_for(lambda: worker.acquire_starts(100, timeout_s=0.05) >= 0 and worker.start_limit >= bound, 10)
+    for _ in range(10):  # take every permit granted and claim them used, again and again: nothing more comes
+        worker.acquire_starts(100, timeout_s=0.1)
+    assert worker.start_limit == bound
+    # in the learner's books the permits beyond what it believes used are still the worker's to use
+    assert learner.permits_left() == 1000 - 4 * 2
+
+
 def test_a_permit_for_a_group_that_never_arrives_is_given_back(learner, worker):
     """A group whose completions were all empty (or that the delay link dropped) never reaches the learner, which
     counts a start when a group arrives: the worker gives the permit back and may start another."""
