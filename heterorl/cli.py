@@ -6,6 +6,8 @@
     heterorl bench engine               sampling throughput: our engine vs transformers generate
     heterorl bench losses               forward+backward time of every gepo loss, relative to grpo
     heterorl bench transport            trajectories and weights over ZeroMQ vs raw pyzmq
+    heterorl bench weights              bytes and publish->applied time of weight deltas vs whole versions
+    heterorl bench deltas               staleness behind bandwidth-limited weights links, deltas on vs off
     heterorl bench async                samples/s of the same run in sync and in async mode
     heterorl bench simulate             staleness of one run live and simulated with its measured timings
     heterorl keys --name NAME [--out D] a CurveZMQ key pair for a learner or a remote worker
@@ -236,6 +238,14 @@ def cmd_bench(args) -> int:
         from heterorl.bench.transport import main as bench_transport
 
         return bench_transport(args.rest)
+    if args.what == "deltas":
+        from heterorl.bench.deltas import main as bench_deltas
+
+        return bench_deltas(args.rest)
+    if args.what == "weights":
+        from heterorl.bench.weights import main as bench_weights
+
+        return bench_weights(args.rest)
     if args.what == "simulate":
         from heterorl.bench.simulation import main as bench_simulate
 
@@ -374,6 +384,12 @@ def _print_runtime_summary(summary: dict, run_dir: Path) -> None:
           + _without_update(summary.get("steps_without_update", 0)))
     if summary.get("rollouts"):
         print(_waste_line(summary["rollouts"]))
+    if summary.get("weights"):
+        from heterorl.runtime.run_report import weights_line
+
+        print(weights_line(summary["weights"]))
+        print(f"staleness in seconds: mean {summary['staleness_seconds_mean']:.2f}; "
+              f"{summary['samples_per_s']:.1f} samples/s{clock} trained")
     if summary.get("engines"):
         print("\nby sampling engine (mismatch: learner vs worker log-probs of the tokens sampled at staleness 0)")
         print(format_table(
@@ -484,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, RL_CONFIG)
     p.set_defaults(fn=cmd_rl)
     p = sub.add_parser("bench", help="benchmarks that print ratios measured in one run")
-    p.add_argument("what", choices=["engine", "losses", "transport", "async", "simulate"])
+    p.add_argument("what", choices=["engine", "losses", "transport", "weights", "deltas", "async", "simulate"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see --help after its name)")
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("train", help="learner + rollout workers as separate processes on this machine "

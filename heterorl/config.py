@@ -121,6 +121,9 @@ class TransportConfig:
     weights_pipeline: int = 8  # chunk requests in flight per fetch
     fetch_timeout_s: float = 30.0  # restart a weights fetch after this long without a chunk
     max_retained_versions: int = 64  # packed versions kept for workers whose release is still delayed
+    # send a version as deltas from the one a worker holds (heterorl.transport.deltas): exact, checked, and a
+    # full snapshot whenever the chain is missing, longer than a snapshot, or doubted. Off: every version whole
+    weights_deltas: bool = True
     dedup_window: int = 1_000_000  # trajectory ids remembered for duplicate detection
     max_workers: int = 1024  # registry size; when full, the entry of the worker silent longest makes room
     worker_expiry_s: float = 600.0  # a worker silent this long leaves the registry (it may say hello again)
@@ -405,6 +408,9 @@ class RuntimeConfig:
     # async: a worker takes a newer version between decode steps of a generation in progress (torch engine;
     # each token stamped with its version). Off: new weights are applied between generations
     inflight_updates: bool = False
+    # what workers receive and sample with: the learner keeps float32 master weights and publishes their cast.
+    # auto: bfloat16 for models of 10M parameters or more, float32 below | bfloat16 | float16 | float32
+    weights_dtype: str = "auto"
     worker_timeout_s: float = 300.0  # learner fails if no data arrives and no worker is alive for this long
     # before its first step the learner waits up to this long for `workers` workers to hold its weights, so
     # a run does not start on whichever worker loaded its model first (0: start on the first data)
@@ -436,6 +442,7 @@ class RuntimeConfig:
         for engine in self.engines:
             _one_of(f"{key}.engines", engine, ENGINES)
         _one_of(f"{key}.vllm_dtype", self.vllm_dtype, ("float32", "bfloat16", "float16", "auto"))
+        _one_of(f"{key}.weights_dtype", self.weights_dtype, ("auto", "bfloat16", "float16", "float32"))
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             _fail(f"{key}.vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, "must be in (0, 1]")
         if self.vllm_max_model_len is not None and self.vllm_max_model_len < 1:

@@ -255,9 +255,10 @@ def _bench_trajectories(ctx, workers: int, n_total: int, repeats: int, prompt_to
 # -- receiver processes (weights) -------------------------------------------------------------------
 
 def _ours_weights_receiver(address: str, worker_id: str, rounds: int, reports: Any) -> None:
+    from heterorl.config import TransportConfig
     from heterorl.transport import WorkerClient
 
-    with WorkerClient(address, worker_id) as client:
+    with WorkerClient(address, worker_id, TransportConfig(weights_deltas=False)) as client:
         client.wait_ready(_TIMEOUT_S)
         rss_ready = _memory_bytes()[0]
         reports.put(("ready", worker_id))
@@ -308,7 +309,9 @@ def _bench_weights(ctx, total_mib: int, receivers: int, repeats: int) -> dict[st
     chunks = [memoryview(buffer)[i:i + chunk_bytes] for i in range(0, len(buffer), chunk_bytes)]
     rounds = repeats + 1  # the first is a warm-up
 
-    server = LearnerServer(f"{_HOST}:0")
+    # whole versions, as raw sends them (the same state each round would otherwise go as an empty delta;
+    # deltas have their own benchmark, `heterorl bench weights`)
+    server = LearnerServer(f"{_HOST}:0", TransportConfig(weights_deltas=False))
     zctx = zmq.Context()
     router = zctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.SNDHWM, 0)  # raw: the whole version is queued at once, no flow control

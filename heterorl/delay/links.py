@@ -203,6 +203,11 @@ class DelayLink:
         self.sent = 0
         self.dropped = 0
 
+    @property
+    def free_at(self) -> float | None:
+        """When the link has finished transmitting what it was given (None: no bandwidth limit)."""
+        return None if self.config.bandwidth_bytes_per_s is None else self._link_free_s
+
     def schedule(self, send_time_s: float, size_bytes: int = 0) -> float | None:
         """Delivery time of a message sent at ``send_time_s`` (calls in send order), or None if it is lost."""
         if not send_time_s >= self._last_send_s:

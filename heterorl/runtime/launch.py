@@ -176,7 +176,7 @@ def _learner_server(cfg: Config, addresses: tuple[str, str | None], training, *,
                                    or cfg.transport.allow_plaintext})
     weights_delay = None
     if cfg.delay.down.kind != "none":
-        weights_delay = lambda worker_id: DelayLink(cfg.delay.down, name=f"{worker_id}/weights").schedule  # noqa: E731
+        weights_delay = lambda worker_id: DelayLink(cfg.delay.down, name=f"{worker_id}/weights")  # noqa: E731
     contract = trajectory_contract(cfg, training.model)  # checked on every trajectory before it is buffered
     server = LearnerServer(bind, transport, curve=curve, weights_address=weights_address, weights_delay=weights_delay,
                            settings=learner_settings(cfg, contract), clock=delay_clock(cfg).now, contract=contract,

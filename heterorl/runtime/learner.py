@@ -38,12 +38,14 @@ from heterorl.runs import RunResult, StepRecorder, finish_run, idle_fraction
 from heterorl.runtime.buffer import Group, GroupBuffer, Pacer
 from heterorl.runtime.cores import PROBE_STEPS, Split, decide_split, machine_cores
 from heterorl.runtime.engine_stats import UNKNOWN_ENGINE, EngineTally, step_mismatch, tallies_to_json
+from heterorl.runtime.run_report import run_staleness, seconds_histogram, weights_summary
 from heterorl.tasks.base import Task
 from heterorl.training.evaluation import evaluate
 from heterorl.training.session import Datum, SamplingClient, TrainingClient, read_training_state
 from heterorl.training.step import SkippedUpdate, optimize_batch
 from heterorl.transport import LearnerServer
 from heterorl.transport.protocol import TrajectoryContract
+from heterorl.transport.weights import wire_dtype
 
 log = logging.getLogger("heterorl.runtime.learner")
 
@@ -70,6 +72,11 @@ class LearnerResult(RunResult):
     engines: dict[str, dict] = field(default_factory=dict)
     # trajectories generated, trained and discarded by reason, and the fraction wasted (`rollout_waste`)
     rollouts: dict = field(default_factory=dict)
+    staleness_hist: list[int] = field(default_factory=list)  # groups trained at staleness 0, 1, 2, ... versions
+    staleness_seconds_mean: float = 0.0  # seconds from a group's oldest version's publish to its training
+    staleness_seconds_hist: dict[str, int] = field(default_factory=dict)  # the same by bin (run_report)
+    samples_per_s: float = 0.0  # trajectories trained per second of wall (or virtual) time
+    weights: dict = field(default_factory=dict)  # the weights path (`run_report.weights_summary`)
 
 
 @dataclass
@@ -83,6 +90,9 @@ class LearnerState:
     staleness_sum: float = 0.0
     staleness_max: int = 0
     staleness_counts: dict[str, int] = field(default_factory=dict)  # staleness in versions → groups trained
+    staleness_seconds_sum: float = 0.0
+    staleness_seconds_counts: dict[str, int] = field(default_factory=dict)  # `run_report.seconds_histogram`
+    trajectories_trained: int = 0
     groups_trained: int = 0
     tokens_trained: int = 0
     steps_without_update: int = 0
@@ -353,7 +363,8 @@ class Learner:
         version, state = self.training.save_weights_for_sampler().result()
         wall_s = self.state.publish_wall_s[str(version)] = time.time()
         self._record_published(version, wall_s)
-        self.server.publish(version, state)
+        parameters = sum(p.numel() for p in self.training.model.parameters())
+        self.server.publish(version, state, dtype=wire_dtype(self.cfg.runtime.weights_dtype, parameters))
         return version
 
     def _record_published(self, version: int, wall_s: float) -> None:
@@ -492,7 +503,10 @@ class Learner:
             learner_idle_frac=state.idle_s / max(state.elapsed_s, 1e-9),
             worker_idle_frac=idle_fraction(fleet["idle_s"], fleet["busy_s"]),
             engines={name: t.summary(state.elapsed_s) for name, t in sorted(self._tallies.items())},
-            rollouts=self._waste(fleet))
+            rollouts=self._waste(fleet), **run_staleness(state.staleness_counts, state.staleness_seconds_counts,
+                                                         state.staleness_seconds_sum, state.groups_trained),
+            samples_per_s=state.trajectories_trained / max(state.elapsed_s, 1e-9),
+            weights=weights_summary(self.server.stats, self.server.weights_dtype, cfg.transport.weights_deltas))
 
     def _split_cores(self, train_s: float) -> None:
         """With ``share_machine``: after `PROBE_STEPS` steps (start-up's left out), split the machine's cores by
@@ -558,6 +572,9 @@ class Learner:
         state.staleness_max = max(state.staleness_max, max(staleness))
         for gap in staleness:
             state.staleness_counts[str(gap)] = state.staleness_counts.get(str(gap), 0) + 1
+        state.staleness_seconds_sum += sum(staleness_s)
+        state.staleness_seconds_counts = seconds_histogram(state.staleness_seconds_counts, staleness_s)
+        state.trajectories_trained += len(datums)
         state.elapsed_s = time.monotonic() - start
         metrics.update(self._step_metrics(groups, staleness, staleness_s, version))
         metrics.update(engine_metrics)
@@ -649,7 +666,19 @@ class Learner:
             "pace/ahead_steps": self.pacer.ahead,
             "cores/learner_threads": torch.get_num_threads(),
             "rollouts/discarded_frac": self._waste(fleet)["discarded_frac"],
+            **self._weights_metrics(),
         }
+
+    def _weights_metrics(self) -> dict:
+        """The newest version's step as deltas (bytes, how much smaller than the version, encode seconds) and
+        what the workers' links have carried so far."""
+        step, stats = self.server.last_step, self.server.stats
+        found = {"weights/link_mb": stats["weights/link_bytes"] / 1e6,
+                 "weights/link_skipped": stats["weights/link_skipped"]}
+        if step is not None:
+            found.update({"weights/step_mb": len(step.blob) / 1e6, "weights/encode_s": step.seconds,
+                          "weights/bytes_ratio": stats["weights/version_bytes"] / max(len(step.blob), 1)})
+        return found
 
     def follow(self) -> None:
         """Ranks > 0: train on each batch rank 0 hands out until it says stop."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,11 +50,14 @@ from heterorl.runtime.learner import (
     staleness_percentiles,
     step_metrics,
 )
+from heterorl.runtime.run_report import run_staleness, seconds_histogram, weights_summary
 from heterorl.runtime.worker import sampling_params, shard_rng, stamp_groups
 from heterorl.tasks import Task
 from heterorl.training.session import SamplingClient, TrainingClient
 from heterorl.training.step import optimize_batch
 from heterorl.training.textcodec import encode_prompt
+from heterorl.transport.deltas import DeltaChain, Layout, encode_step
+from heterorl.transport.weights import PackedWeights, pack_state_dict, unpack_state_dict, wire_dtype
 
 log = logging.getLogger("heterorl.runtime.simulate")
 
@@ -78,6 +82,8 @@ class _Worker:
     version: int = -1  # the version it holds
     used_version: int = -1  # the version of its last call (sync mode waits for a newer one)
     inbox: DelayQueue = field(default_factory=DelayQueue)  # versions of the weights on their way
+    noticed: int = -1  # the newest version sent down its weights link (the base of the next delta)
+    waiting: int = -1  # the newest version published while its bandwidth-limited link was busy
     groups_sent: int = 0
     in_transit: int = 0  # trajectories sent and not yet taken in by the learner (the live system's credits)
     busy_s: float = 0.0
@@ -113,6 +119,12 @@ class Simulation:
         self._by_id = {w.worker_id: w for w in self.workers}
         self._arrivals = DelayQueue()  # trajectories on their way to the learner
         self._weights: dict[int, dict] = {}  # version -> state dict, while some worker may still sample with it
+        # what the live learner sends: the cast to the workers' dtype, as deltas (their bytes load the links)
+        parameters = sum(p.numel() for p in training.model.parameters())
+        self._wire_dtype = wire_dtype(cfg.runtime.weights_dtype, parameters)
+        self._packed: PackedWeights | None = None  # the newest version, packed in the wire dtype
+        self._chain = DeltaChain(cfg.transport.max_retained_versions)
+        self.weights_stats: Counter = Counter()  # `run_report.weights_summary`'s counters
         self._published_s: dict[int, float] = {}
         self._started = 0  # groups the fleet started (admission control)
         self.pacer = Pacer(cfg.buffer)
@@ -124,26 +136,71 @@ class Simulation:
         self._idle_s = 0.0  # virtual seconds the learner waited for a batch
         self._tokens_trained = 0
         # one sampler for the whole fleet, over its own copy of the weights: each call loads its worker's version
-        self._sampler = SamplingClient.for_model(training.frozen_copy(), training.tokenizer, device=cfg.policy.device)
+        self._sampler = SamplingClient.for_model(training.frozen_copy().to(self._wire_dtype), training.tokenizer,
+                                                 device=cfg.policy.device)
         self._eval = training.live_sampling_client()
 
     # -- the learner side -------------------------------------------------------------------------
     def _publish(self, now: float) -> int:
         version, state = self.training.save_weights_for_sampler().result()
-        self._weights[version] = state
+        self._weights[version] = self._pack(version, state)
         self._published_s[version] = now
-        size = int(sum(t.numel() * t.element_size() for t in state.values()))
         for w in self.workers:
-            arrival = w.down.schedule(now, size) if w.down else now
-            if arrival is None:
-                continue  # lost: a newer version will stand in
-            w.inbox.put(arrival, version)
-            if self.cfg.runtime.mode == "sync" or w.version < 0:
-                w.wake(arrival)
+            self._send_down(w, version, now)
             if self.buffer.config.policy == "admission":
                 w.wake(now)  # the learner stepped: more groups may start
         self._forget_versions()
         return version
+
+    def _pack(self, version: int, state: dict) -> dict:
+        """``state`` as the workers receive it (cast to the wire dtype), its step from the previous version
+        encoded as the live learner does (`LearnerServer.publish`): the weights counters take both."""
+        packed = pack_state_dict(state, version, dtype=self._wire_dtype)
+        stats, previous = self.weights_stats, self._packed
+        stats["weights/versions"] += 1
+        stats["weights/version_bytes"] = packed.header.total_bytes
+        if self.cfg.transport.weights_deltas and previous is not None:
+            step = encode_step(Layout.of(packed.header), previous.buffer, packed.buffer, version - 1, version)
+            self._chain.add(version, step, packed.header.total_bytes)
+            stats["weights/steps_encoded"] += 1
+            stats["weights/step_bytes"] += len(step.blob)
+            stats["weights/encode_s"] += step.seconds
+        self._packed = packed
+        return unpack_state_dict(packed.header, packed.buffer)
+
+    def _send_down(self, w: _Worker, version: int, now: float) -> None:
+        """``version`` down the worker's weights link, as the live learner sends it (`LearnerServer.
+        _schedule_notice`): the steps since the version sent before where kept, else the whole version; on a
+        link still transmitting it waits, replacing any older one waiting (`_settle_link`)."""
+        if w.down is None:
+            w.noticed = version
+            w.inbox.put(now, version)
+            if self.cfg.runtime.mode == "sync" or w.version < 0:
+                w.wake(now)
+            return
+        if w.down.free_at is not None and now < w.down.free_at:
+            self.weights_stats["weights/link_skipped"] += w.waiting >= 0
+            w.waiting = version
+            if self.cfg.runtime.mode == "sync" or w.version < 0:
+                w.wake(w.down.free_at)  # to send it once the link is free (its call settles the link first)
+            return
+        steps = self._chain.bytes_between(w.noticed, version) if self.cfg.transport.weights_deltas else None
+        size = self.weights_stats["weights/version_bytes"] if steps is None else steps
+        self.weights_stats["weights/link_transfers"] += 1
+        self.weights_stats["weights/link_bytes"] += size
+        arrival = w.down.schedule(now, size)
+        if arrival is None:
+            return  # lost: a newer version will stand in
+        w.noticed = version
+        w.inbox.put(arrival, version)
+        if self.cfg.runtime.mode == "sync" or w.version < 0:
+            w.wake(arrival)
+
+    def _settle_link(self, w: _Worker, now: float) -> None:
+        """Send the version that waited for the worker's link, from when the link became free (if by ``now``)."""
+        if w.waiting >= 0 and w.down is not None and w.down.free_at <= now:
+            version, w.waiting = w.waiting, -1
+            self._send_down(w, version, w.down.free_at)
 
     def _forget_versions(self) -> None:
         lag = self.cfg.delay.fixed_lag_steps
@@ -153,6 +210,7 @@ class Simulation:
                 del self._weights[v]
             return
         needed = {w.version for w in self.workers} | {v for w in self.workers for v in w.inbox}
+        needed |= {w.waiting for w in self.workers}
         for v in [v for v in self._weights if v not in needed and v != max(self._weights)]:
             del self._weights[v]
 
@@ -185,6 +243,7 @@ class Simulation:
 
     def _worker_call(self, w: _Worker, now: float) -> None:
         cfg = self.cfg
+        self._settle_link(w, now)
         for _, _, version in w.inbox.pop_due(now):
             w.version = max(w.version, version)  # a late older version changes nothing
         sync = cfg.runtime.mode == "sync"
@@ -192,6 +251,8 @@ class Simulation:
             w.wait(now, "weights")
             if w.inbox:
                 w.wake(w.inbox.next_due_time())
+            elif w.waiting >= 0:  # a version waits for its link: sent (and settled) once the link is free
+                w.wake(w.down.free_at)
             return
         if w.in_transit >= cfg.transport.credits_per_worker:
             w.wait(now, "credit")  # out of credit: woken when the learner takes data in
@@ -246,6 +307,8 @@ class Simulation:
         self._now, self._idle_s = 0.0, 0.0
         version = self._publish(self._now)
         staleness_all: list[int] = []
+        seconds: dict[str, int] = {}
+        seconds_sum = 0.0
         lag, base = cfg.delay.fixed_lag_steps, version
         for step in range(1, cfg.rl.steps + 1):
             idle_before = self._idle_s
@@ -254,6 +317,7 @@ class Simulation:
             staleness_s = [self._now - self._published_s.get(g.oldest_version, (g.oldest_version - base) * self.step_s)
                            for g in groups]  # (a version before the base counts as published that many steps before)
             staleness_all += staleness
+            seconds, seconds_sum = seconds_histogram(seconds, staleness_s), seconds_sum + sum(staleness_s)
             self._trained += sum(len(g.trajectories) for g in groups)
             metrics = optimize_batch(self.training, group_datums(groups), cfg, cfg.rl.steps * cfg.rl.updates_per_batch)
             self._tokens_trained += sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
@@ -273,7 +337,11 @@ class Simulation:
             tokens_per_s=self._tokens_trained / self._now, learner_idle_frac=self._idle_s / self._now,
             worker_idle_frac=idle_fraction(idle, busy),
             rollouts=rollout_waste(generated=self._generated, trained=self._trained, buffer=self.buffer,
-                                   left_over=self.buffer.held_trajectories + len(self._arrivals), lost=self._lost))
+                                   left_over=self.buffer.held_trajectories + len(self._arrivals), lost=self._lost),
+            **run_staleness(dict(Counter(map(str, staleness_all))), seconds, seconds_sum, len(staleness_all)),
+            samples_per_s=self._trained / self._now,
+            weights=weights_summary(self.weights_stats, str(self._wire_dtype).removeprefix("torch."),
+                                    cfg.transport.weights_deltas))
 
     def _admission_cap(self) -> int | None:
         """`GroupBuffer.admission_limit` at the pace of the run's `Pacer` (None: no admission control)."""

@@ -49,6 +49,7 @@ from heterorl.training.session import SamplingClient
 from heterorl.training.textcodec import encode_prompt
 from heterorl.transport import CurveConfig, TransportTimeout, WorkerClient
 from heterorl.transport.protocol import BYE_WORKER_FAILED, MIN_LOGPROB, Trajectory, TrajectoryContract
+from heterorl.transport.weights import wire_dtype
 
 log = logging.getLogger("heterorl.runtime.worker")
 
@@ -192,6 +193,8 @@ class RolloutWorker:
         device = cfg.policy.device if self.options.engine == "torch" else "cpu"
         model, tokenizer = load_policy(base, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=device)
         self._check_policy(model, base)
+        # it samples with what the learner sends: the cast of its master weights (runtime.weights_dtype)
+        model = model.to(wire_dtype(cfg.runtime.weights_dtype, sum(p.numel() for p in model.parameters())))
         model.eval()
         self.sampler = self._make_sampler(cfg, base, model, tokenizer)
         del model  # the sampler holds what it samples with (the torch engine: this model; vLLM: its own)
@@ -236,8 +239,10 @@ class RolloutWorker:
             self._generate_and_send(cfg, task, [task.sample_train(rng) for _ in range(n)])
         if self.client.refused:
             raise HeteroRLError(f"the learner refused worker {worker_id}: {self.client.refused}")
-        log.info("worker %s: the learner ended the run after %d groups (holding version %d)", worker_id,
-                 self.groups_sent, self.version)
+        stats = self.client.stats
+        log.info("worker %s: the learner ended the run after %d groups (holding version %d; weights: %d versions "
+                 "whole, %d as deltas, %d resyncs)", worker_id, self.groups_sent, self.version,
+                 stats["weights/full_received"], stats["weights/deltas_applied"], stats["weights/resyncs"])
         return 0
 
     def _make_sampler(self, cfg: Config, base: str, model, tokenizer) -> SamplingClient:

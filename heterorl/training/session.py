@@ -362,7 +362,13 @@ class TrainingClient:
 
     def _export(self) -> tuple[int, dict]:
         self.version += 1
-        return self.version, {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        copies, state = {}, {}
+        for name, tensor in self.model.state_dict().items():  # tied weights stay one tensor (copied once)
+            key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype) if tensor.numel() else name
+            if key not in copies:
+                copies[key] = tensor.detach().to("cpu", copy=True)
+            state[name] = copies[key]
+        return self.version, state
 
     def save_weights_for_sampler(self) -> Future:
         """Future of (version, state dict): bump the version and copy the weights for remote samplers."""

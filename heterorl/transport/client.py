@@ -22,6 +22,7 @@ import zmq
 
 from heterorl.config import TransportConfig
 from heterorl.delay.queue import DelayQueue
+from heterorl.transport.deltas import Layout, apply_steps, same_layout, tensor_checksums
 from heterorl.transport.protocol import (
     DEFAULT_LIMITS,
     Ack,
@@ -387,6 +388,8 @@ class WorkerClient(_Endpoint):
         message = self._decode(frames, "weights")
         if message is not None:
             self._fetch.on_message(sock, self, message, self._now)
+        elif self._fetch.active:  # a corrupted chunk: fetch the version again, whole
+            self._fetch.resync(sock, self, self._now)
 
     def _on_ready(self, ready: Ready) -> None:
         if self._weights is None:
@@ -524,60 +527,97 @@ class _ReceiveBuffers:
         self.allocated += 1
         return np.empty(nbytes, np.uint8)
 
+    def prepare(self, nbytes: int) -> None:
+        """Have a buffer of ``nbytes`` ready, its pages faulted in now (a whole version just arrived: the first
+        delta after it is rebuilt into this one without that cost)."""
+        if not any(len(b) == nbytes for b in self._kept):
+            self.allocated += 1
+            buffer = np.empty(nbytes, np.uint8)
+            buffer.fill(0)
+            self.reuse_later(buffer)
+
     def reuse_later(self, buffer: np.ndarray) -> None:
         """``buffer`` was delivered (or its transfer abandoned): reuse it once nothing views it."""
         self._kept = [*self._kept, buffer][-self.keep:]
 
 
 class _Fetch:
-    """State of one pull-based weights transfer on a worker (header, then pipelined chunks)."""
+    """State of one pull-based weights transfer on a worker (header, then pipelined chunks), and the verified
+    bytes of the version it holds (``held``: the base of the deltas it asks for, `heterorl.transport.deltas`).
+    Anything doubtful (a corrupted chunk, a delta from a version it does not hold, a payload that does not
+    decode, rebuilt tensors whose checksums differ) is counted under ``weights/rejected/<reason>`` and answered
+    by a full resync (``weights/resyncs``); the worker samples with the weights it has meanwhile."""
 
     def __init__(self) -> None:
         self.buffers = _ReceiveBuffers()
         self.active = False
         self.header: WeightsHeader | None = None
         self.buffer: np.ndarray | None = None
+        self.held: tuple[WeightsHeader, np.ndarray] | None = None
         self.received: set[int] = set()
         self.next_chunk = 0
         self.last_progress = 0.0
-        self.retry = False
 
     def start(self, sock: zmq.Socket, client: WorkerClient, now: float) -> None:
         if self.active and self.header is None:
             return  # a header request is already out
-        if self.buffer is not None:  # an unfinished transfer: its buffer can take a later version
-            self.buffers.reuse_later(self.buffer)
-        self.active, self.header, self.buffer, self.received, self.next_chunk = True, None, None, set(), 0
+        self._drop_transfer()
+        self.active, self.header, self.received, self.next_chunk = True, None, set(), 0
         self.last_progress = now
-        request = WeightsRequest(client.worker_id, have_version=client._fetched_version)
+        base = self.held[0].version if self.held is not None and client.config.weights_deltas else -1
+        request = WeightsRequest(client.worker_id, have_version=client._fetched_version, delta_base=base)
         _send(sock, encode(request), client.stats, "weights_request")
+
+    def resync(self, sock, client: WorkerClient, now: float, reason: str | None = None) -> None:
+        """Forget the held bytes and fetch the newest version whole."""
+        if reason is not None:
+            client.stats[f"weights/rejected/{reason}"] += 1
+        client.stats["weights/resyncs"] += 1
+        self._drop_transfer()
+        self.held, self.active, self.header = None, False, None
+        self.start(sock, client, now)
+
+    def _drop_transfer(self) -> None:
+        """An unfinished transfer's buffer can take a later version."""
+        if self.buffer is not None and (self.header is None or not self.header.is_delta):
+            self.buffers.reuse_later(self.buffer)
+        self.buffer = None
 
     def _request(self, sock, client: WorkerClient, index: int) -> None:
         request = WeightsRequest(client.worker_id, have_version=client._fetched_version,
-                                 version=self.header.version, chunk=index)
+                                 version=self.header.version, chunk=index, delta_base=self.header.base_version)
         _send(sock, encode(request), client.stats, "weights_request")
+
+    def _on_header(self, sock, client: WorkerClient, message: WeightsHeader, now: float) -> None:
+        if message.version <= client._fetched_version:
+            self.active = False  # nothing newer released to us yet
+            return
+        if message.is_delta and (self.held is None or self.held[0].version != message.base_version
+                                 or not same_layout(self.held[0], message)):
+            log.warning("weights version %d came as a delta from version %d, which this worker does not hold; "
+                        "fetching it whole", message.version, message.base_version)
+            self.resync(sock, client, now, "delta_base")
+            return
+        self._drop_transfer()  # (a transfer of an older version was under way: its buffer is free)
+        self.header, self.received = message, set()
+        self.buffer = (np.empty(message.payload_bytes, np.uint8) if message.is_delta
+                       else self.buffers.take(message.total_bytes))
+        client.stats["weights/fresh_buffers"] = self.buffers.allocated
+        self.last_progress = now
+        self.next_chunk = min(client.config.weights_pipeline, message.num_chunks)
+        for index in range(self.next_chunk):
+            self._request(sock, client, index)
+        if message.num_chunks == 0:
+            self._finish(sock, client, now)
 
     def on_message(self, sock, client: WorkerClient, message: Message, now: float) -> None:
         if isinstance(message, WeightsHeader):
-            if message.version <= client._fetched_version:
-                self.active = False  # nothing newer released to us yet
-                return
-            if self.buffer is not None:  # a transfer of an older version was under way: its buffer is free
-                self.buffers.reuse_later(self.buffer)
-                self.buffer = None  # (so that it can be taken right back)
-            self.header, self.buffer, self.received = message, self.buffers.take(message.total_bytes), set()
-            client.stats["weights/fresh_buffers"] = self.buffers.allocated
-            self.last_progress = now
-            self.next_chunk = min(client.config.weights_pipeline, message.num_chunks)
-            for index in range(self.next_chunk):
-                self._request(sock, client, index)
-            if message.num_chunks == 0:
-                self._finish(client)
+            self._on_header(sock, client, message, now)
         elif isinstance(message, WeightsChunk) and self.header is not None:
             if message.version != self.header.version or message.index in self.received:
                 return
             start = message.index * self.header.chunk_bytes
-            expected = min(self.header.chunk_bytes, self.header.total_bytes - start)
+            expected = min(self.header.chunk_bytes, self.header.transfer_bytes - start)
             if len(message.data) != expected:
                 client.stats["rejected/chunk_length"] += 1
                 return
@@ -588,28 +628,55 @@ class _Fetch:
                 self._request(sock, client, self.next_chunk)
                 self.next_chunk += 1
             if len(self.received) == self.header.num_chunks:
-                self._finish(client)
+                self._finish(sock, client, now)
 
-    def _finish(self, client: WorkerClient) -> None:
-        header, buffer = self.header, self.buffer
+    def _rebuild(self, header: WeightsHeader, payload: np.ndarray) -> np.ndarray:
+        """The version's packed bytes: the payload itself, or the held bytes with the payload's steps applied;
+        checked against the header's per-tensor checksums (`ProtocolError` if anything is off)."""
+        layout = Layout.of(header)
+        if not header.is_delta:
+            if len(payload) != header.total_bytes:
+                raise ProtocolError("total_bytes", f"received {len(payload)} bytes, header says "
+                                    f"{header.total_bytes}", "length_mismatch")
+            if header.checksums and tensor_checksums(layout, payload) != header.checksums:
+                raise ProtocolError("checksums", "a tensor does not match its checksum", "checksum")
+            return payload
+        out = self.buffers.take(header.total_bytes)
+        try:
+            apply_steps(layout, self.held[1], header.base_version, payload, header.version, out, header.checksums)
+        except ProtocolError:
+            self.buffers.reuse_later(out)
+            raise
+        return out
+
+    def _finish(self, sock, client: WorkerClient, now: float) -> None:
+        header, payload = self.header, self.buffer
         self.active, self.header, self.buffer = False, None, None
         try:
+            buffer = self._rebuild(header, payload)
             state = unpack_state_dict(header, buffer)
         except ProtocolError as exc:
             client.stats["weights/checksum_failures"] += 1
-            log.warning("weights version %d failed verification (%s); fetching again", header.version, exc)
-            self.buffers.reuse_later(buffer)
-            self.retry = True
+            log.warning("weights version %d failed verification (%s); fetching it whole", header.version, exc)
+            if not header.is_delta:
+                self.buffers.reuse_later(payload)
+            self.resync(sock, client, now, exc.reason)
             return
+        client.stats["weights/fresh_buffers"] = self.buffers.allocated
         client.stats["weights/versions_received"] += 1
+        client.stats["weights/deltas_applied" if header.is_delta else "weights/full_received"] += 1
+        client.stats["weights/bytes_received"] += header.transfer_bytes
+        if self.held is not None:
+            self.buffers.reuse_later(self.held[1])
+        # the bytes of the version stay as the next delta's base; without deltas the buffer is reused once free
+        self.held = (header, buffer) if client.config.weights_deltas else None
+        if self.held is None:
+            self.buffers.reuse_later(buffer)
         client._deliver_weights(header.version, state)
-        self.buffers.reuse_later(buffer)
+        if self.held is not None and not header.is_delta:
+            self.buffers.prepare(header.total_bytes)
 
     def check_timeout(self, sock, client: WorkerClient, now: float) -> None:
-        if self.retry:
-            self.retry = False
-            self.start(sock, client, now)
-        elif self.active and now - self.last_progress > client.config.fetch_timeout_s:
+        if self.active and now - self.last_progress > client.config.fetch_timeout_s:
             client.stats["weights/fetch_restarts"] += 1
             self.active = False
-            self.start(sock, client, now)

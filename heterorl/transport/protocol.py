@@ -573,13 +573,19 @@ class WeightsNotice(Message):
 @dataclass
 class WeightsRequest(Message):
     """Worker → learner (weights channel): send me the newest version released to me, if newer than
-    ``have_version``; ``chunk`` > 0 asks for one chunk of ``version`` (a resumed or windowed fetch)."""
+    ``have_version``; ``chunk`` > 0 asks for one chunk of ``version`` (a resumed or windowed fetch).
+
+    ``delta_base`` (optional; −1 or absent: none): on a header request, the version whose bytes the worker holds
+    whole and verified, so the learner may send the newest version as deltas from it; on a chunk request, the
+    base of the delta payload being fetched (−1: the full version)."""
 
     kind: ClassVar[str] = "weights_request"
     worker_id: str
     have_version: int = -1
     version: int = -1
     chunk: int = -1
+    delta_base: int = -1
+    optional_fields: ClassVar[frozenset] = frozenset({"delta_base"})  # workers of earlier versions take full ones
 
     @classmethod
     def from_wire(cls, body, limits, data=()):
@@ -588,6 +594,7 @@ class WeightsRequest(Message):
             have_version=_int("have_version", body["have_version"], -1, _INT32_MAX),
             version=_int("version", body["version"], -1, _INT32_MAX),
             chunk=_int("chunk", body["chunk"], -1, _INT32_MAX),
+            delta_base=_int("delta_base", body.get("delta_base", -1), -1, _INT32_MAX),
         )
 
 
@@ -595,7 +602,12 @@ class WeightsRequest(Message):
 class WeightsHeader(Message):
     """Learner → worker: the layout of version ``version``: tensors packed back to back in ``names`` order,
     split into ``num_chunks`` chunks of ``chunk_bytes`` (the last may be shorter). Each chunk carries its own
-    checksum: a version is whole when every chunk arrived, passed its checksum and the byte count adds up."""
+    checksum: a version is whole when every chunk arrived, passed its checksum and the byte count adds up.
+
+    Optional (absent from learners of earlier versions): ``base_version`` ≥ 0 says the chunks carry a delta
+    payload (heterorl.transport.deltas) from that version, of ``payload_bytes`` bytes, instead of the packed
+    tensors; ``checksums`` holds the XXH3-64 of each tensor of the version, which the rebuilt bytes must match;
+    ``aliases`` names tensors sent once under another name (tied weights)."""
 
     kind: ClassVar[str] = "weights_header"
     version: int
@@ -605,6 +617,20 @@ class WeightsHeader(Message):
     total_bytes: int
     chunk_bytes: int
     num_chunks: int
+    base_version: int = -1
+    payload_bytes: int = -1  # −1: the packed tensors themselves (``total_bytes``)
+    checksums: list[int] = field(default_factory=list)
+    aliases: list[list[str]] = field(default_factory=list)  # [name, name it is the same tensor as] (tied weights)
+    optional_fields: ClassVar[frozenset] = frozenset({"base_version", "payload_bytes", "checksums", "aliases"})
+
+    @property
+    def is_delta(self) -> bool:
+        return self.base_version >= 0
+
+    @property
+    def transfer_bytes(self) -> int:
+        """The bytes the chunks carry: the delta payload, or the packed tensors."""
+        return self.payload_bytes if self.payload_bytes >= 0 else self.total_bytes
 
     @classmethod
     def from_wire(cls, body, limits, data=()):
@@ -628,12 +654,41 @@ class WeightsHeader(Message):
         expected = sum(TENSOR_DTYPES[d][1] * math.prod(s) for d, s in zip(dtypes, shapes))
         if expected != total:
             raise ProtocolError("total_bytes", f"{total} != {expected} implied by dtypes and shapes", "length_mismatch")
+        version = _int("version", body["version"], 0, _INT32_MAX)
+        base = _int("base_version", body.get("base_version", -1), -1, version - 1)
+        payload = _int("payload_bytes", body.get("payload_bytes", -1), -1 if base < 0 else 0, 2**50)
+        checksums = body.get("checksums", [])
+        if not isinstance(checksums, list) or len(checksums) not in (0, len(names)):
+            raise ProtocolError("checksums", f"expected a list of {len(names)} checksums", "length_mismatch")
+        checksums = [_int(f"checksums[{i}]", c, 0, 2**64 - 1) for i, c in enumerate(checksums)]
+        if base >= 0 and not checksums:
+            raise ProtocolError("checksums", "a delta must come with the checksums of the tensors it rebuilds",
+                                "length_mismatch")
         chunk_bytes = _int("chunk_bytes", body["chunk_bytes"], 1, limits.max_chunk_bytes)
         num_chunks = _int("num_chunks", body["num_chunks"], 0, _INT32_MAX)
-        if num_chunks != -(-total // chunk_bytes):
-            raise ProtocolError("num_chunks", f"{num_chunks} != ceil({total} / {chunk_bytes})", "length_mismatch")
-        return cls(version=_int("version", body["version"], 0, _INT32_MAX), names=names, dtypes=dtypes,
-                   shapes=shapes, total_bytes=total, chunk_bytes=chunk_bytes, num_chunks=num_chunks)
+        carried = payload if payload >= 0 else total
+        if num_chunks != -(-carried // chunk_bytes):
+            raise ProtocolError("num_chunks", f"{num_chunks} != ceil({carried} / {chunk_bytes})", "length_mismatch")
+        return cls(version=version, names=names, dtypes=dtypes, shapes=shapes, total_bytes=total,
+                   chunk_bytes=chunk_bytes, num_chunks=num_chunks, base_version=base, payload_bytes=payload,
+                   checksums=checksums, aliases=_aliases(body.get("aliases", []), names, limits))
+
+
+def _aliases(value: Any, names: list[str], limits: Limits) -> list[list[str]]:
+    """[alias, source] pairs: each source one of ``names``, each alias a name given nowhere else."""
+    if not isinstance(value, list) or len(value) > limits.max_tensors:
+        raise ProtocolError("aliases", f"expected a list of at most {limits.max_tensors} pairs", "type")
+    known, pairs = set(names), []
+    for i, pair in enumerate(value):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ProtocolError(f"aliases[{i}]", "expected [alias, source]", "type")
+        alias, source = _str_list(f"aliases[{i}]", pair, limits, 2)
+        if source not in names or alias in known:
+            raise ProtocolError(f"aliases[{i}]", f"{alias!r} must be a new name and {source!r} one of the tensors'",
+                                "bounds")
+        known.add(alias)
+        pairs.append([alias, source])
+    return pairs
 
 
 def chunk_checksum(data) -> int:

@@ -22,6 +22,7 @@ for its chunks. A worker that joins late or misses notices always gets the newes
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket as pysocket
 import threading
@@ -31,12 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from heterorl.config import TransportConfig
 from heterorl.delay.queue import DelayQueue
 from heterorl.errors import ConfigError, HeteroRLError
+from heterorl.transport.deltas import DeltaChain, Layout, encode_step, same_layout, tensor_checksums
 from heterorl.transport.protocol import (
     BYE_BUSY,
     BYE_LEARNER_STOPPING,
@@ -60,7 +63,6 @@ from heterorl.transport.protocol import (
 )
 from heterorl.transport.sockets import (
     CurveConfig,
-    DelaySchedule,
     TransportError,
     _Endpoint,
     _port_of,
@@ -123,6 +125,8 @@ class WorkerInfo:
     buffered: int = 0  # accepted, not yet taken by the consumer
     received_session: int = 0  # trajectory messages received since its last hello
     released_version: int = -1  # newest weights version released to it (after the weights delay)
+    noticed_version: int = -1  # the newest version whose notice was scheduled: its next costs the steps since
+    waiting_version: int = -1  # the newest version published while its bandwidth-limited link was busy
     alive: bool = True
     pending_notices: DelayQueue[int] = field(default_factory=DelayQueue)  # versions, due when their notice arrives
     acks: list = field(default_factory=list)
@@ -168,7 +172,7 @@ class LearnerServer(_Endpoint):
 
     def __init__(self, address: str, config: TransportConfig | None = None, curve: CurveConfig | None = None,
                  limits: Limits = DEFAULT_LIMITS, weights_address: str | None = None,
-                 weights_delay: Callable[[str], DelaySchedule | None] | None = None,
+                 weights_delay: Callable[[str], Any] | None = None,
                  settings: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic,
                  contract: TrajectoryContract | None = None, published_before: int = -1,
                  group_timeout_s: float = 600.0) -> None:
@@ -177,19 +181,18 @@ class LearnerServer(_Endpoint):
         published (a resumed learner's, docs/RELIABILITY.md "Crash and resume"): workers may hold it, so the
         contract takes trajectories stamped up to it before this server publishes anything, and `publish` goes
         above it. ``group_timeout_s``: an incomplete group is dropped this long after its first member arrived
-        (the learner passes ``buffer.partial_group_timeout_s``)."""
+        (the learner passes ``buffer.partial_group_timeout_s``). ``weights_delay``: `_schedule_notice`."""
         self.config = config or TransportConfig()
         self.config.validate()
         _require_security(address, curve, self.config, (
             f"refusing plaintext on {address}: give CURVE keys (`heterorl keys`, then --curve-secret/--allow-keys) "
             "or set allow_plaintext=True if this network is trusted"))
         self.limits = limits
-        self._contract = contract
-        self._curve = curve
+        self._contract, self._curve = contract, curve
         self._settings = dict(settings or {})
         self._clock = clock
         self._weights_delay = weights_delay
-        self._delay_links: dict[str, DelaySchedule | None] = {}
+        self._delay_links: dict[str, Any] = {}  # worker id → its weights link (`_schedule_notice`)
         self._address = address
         self._weights_address = weights_address
         self._lock = threading.Condition()
@@ -202,10 +205,13 @@ class LearnerServer(_Endpoint):
         self._departed: Counter = Counter()  # `_TOTALS` of the workers removed from the registry
         self._auth: ThreadAuthenticator | None = None
         self._allowed_keys: set[str] | None = None  # z85 public keys allowed in (CURVE only)
-        self._keys_signature: list | None = None
-        self._keys_checked = 0.0
+        self._keys_signature, self._keys_checked = None, 0.0  # (the allowed keys' files, when last read)
         self._versions: OrderedDict[int, PackedWeights] = OrderedDict()
         self._retired: deque[PackedWeights] = deque(maxlen=2)  # dropped versions whose buffers publish reuses
+        self._chain = DeltaChain(self.config.max_retained_versions)  # steps between versions (weights_deltas)
+        self._payloads: dict[tuple[int, int], PackedWeights] = {}  # (base, version) → a delta payload's chunks
+        # the newest version's step from the one before it (`EncodedStep`), the dtype of its floating-point tensors
+        self.last_step, self.weights_dtype = None, "float32"
         self._publish_times: dict[int, float] = {}
         self._newest = published_before  # the newest version published in this run: the contract's version bound
         self._admission_cap: int | None = None  # total groups the fleet may start (None: no admission control)
@@ -215,11 +221,9 @@ class LearnerServer(_Endpoint):
         self.stats: Counter = Counter()
         self._reject_log = _RateLimitedLog()
         self._removal_log = _RateLimitedLog("worker removed from the registry", logging.INFO)
-        self._stop = threading.Event()
-        self._ready = threading.Event()
+        self._stop, self._ready = threading.Event(), threading.Event()
         self._error: BaseException | None = None
-        self.control_endpoint = ""
-        self.weights_endpoint = ""
+        self.control_endpoint = self.weights_endpoint = ""
         self._wakeup = _Wakeup()
         self._thread = threading.Thread(target=self._run, name="heterorl-learner-io", daemon=True)
         self._thread.start()
@@ -251,22 +255,42 @@ class LearnerServer(_Endpoint):
         with self._lock:
             return len(self._buffer) + self._held
 
-    def publish(self, version: int, state: dict) -> None:
-        """Make ``state`` available as ``version`` (strictly increasing); workers are notified after their delay.
-        The tensors are copied once, into the buffer of a retired version when one is free."""
+    def publish(self, version: int, state: dict, dtype: torch.dtype | None = None) -> None:
+        """Make ``state`` available as ``version`` (strictly increasing), its floating-point tensors cast to
+        ``dtype`` (the workers' inference dtype; None: as they are); workers are notified after their delay.
+        The tensors are copied once, into the buffer of a retired version when one is free; with
+        ``transport.weights_deltas`` the step from the previous version is encoded here too (`last_step`)."""
         with self._lock:
             if version <= self._newest:
                 raise TransportError(f"weights version {version} is not newer than {self._newest}")
             spare = next((p for p in self._retired if not p.in_flight()), None)
             if spare is not None:
                 self._retired.remove(spare)
+            previous = self._versions.get(self._newest)  # the newest is never retired, so it stays intact
         packed = pack_state_dict(state, version, self.config.weights_chunk_bytes,
-                                 out=spare.buffer if spare is not None else None)
+                                 out=spare.buffer if spare is not None else None, dtype=dtype)
+        layout = Layout.of(packed.header)
+        packed.header.checksums = tensor_checksums(layout, packed.buffer)
+        step = None
+        if self.config.weights_deltas and previous is not None and same_layout(previous.header, packed.header):
+            step = encode_step(layout, previous.buffer, packed.buffer, previous.header.version, version)
         with self._lock:
             if version <= self._newest:
                 raise TransportError(f"weights version {version} is not newer than {self._newest}")
             self._versions[version] = packed
-            self._newest = version
+            self._newest, self.last_step = version, step
+            self.weights_dtype = next((d for d in packed.header.dtypes if d.startswith(("float", "bfloat"))),
+                                      self.weights_dtype)
+            self.stats["weights/versions"] += 1
+            self.stats["weights/version_bytes"] = packed.header.total_bytes
+            if step is not None:
+                self.stats["weights/steps_encoded"] += 1
+                self.stats["weights/step_bytes"] += len(step.blob)
+                self.stats["weights/encode_s"] += step.seconds
+            if step is not None and previous.header.version == version - 1:
+                self._chain.add(version, step, packed.header.total_bytes)
+            else:
+                self._chain.reset()
             now = self._clock()
             self._publish_times[version] = now
             for worker in self._workers.values():
@@ -539,8 +563,10 @@ class LearnerServer(_Endpoint):
         worker.busy_base, worker.starts_reported = worker.busy_s, -1
         worker.last_start_limit_sent = -2
         worker.pending_notices.clear()
-        # a (re)joining worker gets the newest whole version this server holds (none before its first publish)
+        # a (re)joining worker gets the newest version this server holds at once (none before its first publish):
+        # its link's next transfer is the steps from there
         worker.released_version = max(self._versions, default=-1)
+        worker.noticed_version, worker.waiting_version = worker.released_version, -1
         worker.last_credit_sent = self._credit_limit(worker, now)
         ready = Ready(worker_id=hello.worker_id, credits=worker.last_credit_sent,
                       newest_version=worker.released_version,
@@ -778,7 +804,12 @@ class LearnerServer(_Endpoint):
             released = self._versions.get(worker.released_version)
             if released is None:
                 return  # nothing released yet (the worker asks again on the next notice)
-            packed = self._versions.get(request.version) if request.chunk >= 0 else None
+            if request.chunk < 0 and request.delta_base >= 0:
+                released = self._delta_payload(request.delta_base, released) or released
+            packed = None
+            if request.chunk >= 0:
+                packed = (self._versions.get(request.version) if request.delta_base < 0
+                          else self._payloads.get((request.delta_base, request.version)))
             if packed is not None and request.chunk < packed.header.num_chunks:
                 # under the lock: once tracked, publish will not reuse the buffer until ZeroMQ is done with it
                 data = packed.chunk(request.chunk)
@@ -789,24 +820,72 @@ class LearnerServer(_Endpoint):
         if packed is None or request.chunk >= packed.header.num_chunks:
             _send(sock, [routing_id, *encode(released.header)], self.stats, "weights_header")
             self.stats["weights/headers_sent"] += 1
+            self.stats["weights/delta_headers_sent" if released.header.is_delta else "weights/full_headers_sent"] += 1
             return
         header, _ = encode(chunk)
         if _send(sock, [routing_id, header, frame], self.stats, "weights_chunk"):
             self.stats["weights/bytes_sent"] += len(data)
 
+    def _delta_payload(self, base: int, released: PackedWeights) -> PackedWeights | None:
+        """Version ``released`` as the steps from ``base`` (a delta header and its payload, cached for the chunk
+        requests that follow); None when a step is not kept or ``base`` is not older."""
+        version = released.header.version
+        key = (base, version)
+        if key not in self._payloads:
+            payload = self._chain.payload(base, version) if base < version else None
+            if payload is None:
+                return None
+            header = dataclasses.replace(released.header, base_version=base, payload_bytes=len(payload),
+                                         num_chunks=-(-len(payload) // released.header.chunk_bytes))
+            cached = set(self._chain.cached())
+            self._payloads = {k: p for k, p in self._payloads.items() if k in cached}
+            self._payloads[key] = PackedWeights(header, payload)
+        return self._payloads[key]
+
     def _schedule_notice(self, worker: WorkerInfo, version: int, now: float, size: int) -> None:
+        """Hold back the notice of ``version`` (``size`` bytes whole) by the worker's weights link: a
+        `DelaySchedule`, or an object with one as ``schedule`` (a `heterorl.delay.DelayLink`). What the link
+        carries is the steps since the version noticed before, where those are kept, else the whole version. A
+        link that says when it is ``free_at`` (a bandwidth limit) sends one version at a time: one published
+        while it transmits waits (`_send_waiting`), replacing any older one waiting, as a worker fetches only
+        the newest version released to it."""
         if worker.worker_id not in self._delay_links:
             self._delay_links[worker.worker_id] = self._weights_delay(worker.worker_id) if self._weights_delay else None
         link = self._delay_links[worker.worker_id]
-        due = now if link is None else link(now, size)
+        if link is None:
+            worker.noticed_version = version
+            worker.pending_notices.put(now, version)
+            return
+        free_at = getattr(link, "free_at", None)
+        if free_at is not None and now < free_at:
+            self.stats["weights/link_skipped"] += worker.waiting_version >= 0  # an older one waited: never sent
+            worker.waiting_version = version
+            return
+        steps = self._chain.bytes_between(worker.noticed_version, version) if self.config.weights_deltas else None
+        carried = size if steps is None else steps
+        self.stats["weights/link_transfers"] += 1
+        self.stats["weights/link_bytes"] += carried
+        due = getattr(link, "schedule", link)(now, carried)
         if due is None:
             self.stats["weights/notices_lost"] += 1
             return
+        worker.noticed_version = version
         worker.pending_notices.put(due, version)
+
+    def _send_waiting(self, worker: WorkerInfo, clock_now: float) -> None:
+        """Once the worker's link has finished transmitting, send the version that waited for it then."""
+        link = self._delay_links.get(worker.worker_id)
+        free_at = getattr(link, "free_at", None)
+        if worker.waiting_version < 0 or free_at is None or clock_now < free_at:
+            return
+        version, worker.waiting_version = worker.waiting_version, -1
+        packed = self._versions.get(version) or self._versions.get(self._newest)
+        self._schedule_notice(worker, packed.header.version, free_at, packed.header.total_bytes)
 
     def _trim_versions(self) -> None:
         needed = {w.released_version for w in self._workers.values()}
         needed |= {v for w in self._workers.values() for v in w.pending_notices}
+        needed |= {w.waiting_version for w in self._workers.values()}
         while len(self._versions) > self.config.max_retained_versions:
             oldest = next(iter(self._versions))
             if oldest == self._newest:
@@ -854,6 +933,7 @@ class LearnerServer(_Endpoint):
 
     def _release_notices(self, worker: WorkerInfo, clock_now: float) -> bool:
         """Release the versions whose notices are due; True when the worker's released version moved."""
+        self._send_waiting(worker, clock_now)
         released = False
         for _, _, version in worker.pending_notices.pop_due(clock_now):
             if version in self._versions:

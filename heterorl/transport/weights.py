@@ -23,6 +23,20 @@ _TORCH_DTYPES = {
 _FROM_WIRE = {v: k for k, v in _TORCH_DTYPES.items()}
 
 
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BF16_FROM_PARAMETERS = 10_000_000  # weights_dtype auto: bf16 from this many parameters, float32 below
+
+
+def wire_dtype(name: str, parameters: int) -> torch.dtype:
+    """The dtype workers receive and sample with (``runtime.weights_dtype``): ``auto`` is bfloat16 for models of
+    at least 10M parameters (where the bytes on the wire matter) and float32 below."""
+    if name == "auto":
+        return torch.bfloat16 if parameters >= BF16_FROM_PARAMETERS else torch.float32
+    if name not in WIRE_DTYPES:
+        raise ValueError(f"runtime.weights_dtype {name!r} is not auto or one of {sorted(WIRE_DTYPES)}")
+    return WIRE_DTYPES[name]
+
+
 @dataclass
 class PackedWeights:
     """One published version: its header and its buffer (sliced into chunks without copying)."""
@@ -53,30 +67,49 @@ class PackedWeights:
         return self.checksums[index]
 
 
+def _storage_key(tensor: torch.Tensor) -> tuple | None:
+    """What makes two tensors the same bytes (None for an empty one): tied weights share it."""
+    if tensor.numel() == 0:
+        return None
+    return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+
+
 def pack_state_dict(state: dict[str, torch.Tensor], version: int, chunk_bytes: int = 4 * 2**20,
-                    out: np.ndarray | None = None) -> PackedWeights:
+                    out: np.ndarray | None = None, dtype: torch.dtype | None = None) -> PackedWeights:
     """Copy ``state`` (CPU or GPU tensors) once into one buffer and describe it. ``out``: a uint8 array to
-    reuse as that buffer when its size is exactly right (a retired version's: no fresh pages to fault in)."""
-    names = sorted(state)
-    tensors = []
-    for name in names:
+    reuse as that buffer when its size is exactly right (a retired version's: no fresh pages to fault in).
+    ``dtype``: cast floating-point tensors to it (the workers' inference dtype; round to nearest even), in the
+    same pass as the copy. Tensors that are the same bytes (tied embeddings) travel once: the header names the
+    others as ``aliases``."""
+    names, tensors, targets, aliases, seen = [], [], [], [], {}
+    for name in sorted(state):
         tensor = state[name].detach()
-        if tensor.dtype not in _TORCH_DTYPES:
+        key = _storage_key(tensor)
+        if key is not None and key in seen:
+            aliases.append([name, seen[key]])
+            continue
+        seen[key] = name
+        target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        if target not in _TORCH_DTYPES:
             raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, which the weights channel cannot carry; "
                              f"cast it to one of {sorted(_TORCH_DTYPES.values())}")
+        names.append(name)
         tensors.append(tensor)
-    sizes = [t.numel() * t.element_size() for t in tensors]
+        targets.append(target)
+    sizes = [t.numel() * target.itemsize for t, target in zip(tensors, targets)]
     reuse = out is not None and out.dtype == np.uint8 and out.ndim == 1 and len(out) == sum(sizes)
     flat = torch.from_numpy(out) if reuse else torch.empty(sum(sizes), dtype=torch.uint8)
     offset = 0
-    for tensor, size in zip(tensors, sizes):
-        if size:  # a byte view of the tensor (bfloat16 included), copied straight from its device
-            flat[offset:offset + size].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+    for tensor, target, size in zip(tensors, targets, sizes):
+        if size and offset % target.itemsize == 0:  # cast and copied in one pass, straight from its device
+            flat[offset:offset + size].view(target).copy_(tensor.reshape(-1))
+        elif size:  # (an element that would straddle its alignment: cast first, then copy the bytes)
+            flat[offset:offset + size].copy_(tensor.to(target).contiguous().reshape(-1).view(torch.uint8))
         offset += size
     buffer = flat.numpy()
-    header = WeightsHeader(version=version, names=names, dtypes=[_TORCH_DTYPES[t.dtype] for t in tensors],
+    header = WeightsHeader(version=version, names=names, dtypes=[_TORCH_DTYPES[t] for t in targets],
                            shapes=[list(t.shape) for t in tensors], total_bytes=len(buffer), chunk_bytes=chunk_bytes,
-                           num_chunks=-(-len(buffer) // chunk_bytes))
+                           num_chunks=-(-len(buffer) // chunk_bytes), aliases=aliases)
     return PackedWeights(header, buffer)
 
 
@@ -95,4 +128,6 @@ def unpack_state_dict(header: WeightsHeader, buffer) -> dict[str, torch.Tensor]:
         piece = torch.from_numpy(raw[offset:offset + nbytes])
         state[name] = piece.view(_FROM_WIRE[dtype]).reshape(shape)
         offset += nbytes
+    for alias, source in header.aliases:  # tied weights: the same tensor under both names
+        state[alias] = state[source]
     return state

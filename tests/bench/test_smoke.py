@@ -1,6 +1,8 @@
 """Smoke tests of the benchmarks: each runs small and prints its ratios against its baseline. They assert that
 it ran and what it printed, never the ratios' values (these machines are shared and noisy)."""
 
+import json
+
 import pytest
 
 from tests.conftest import run_cli
@@ -44,6 +46,47 @@ def test_bench_transport_measures_both_channels_against_raw_pyzmq():
     ratios = [float(part.split("x")[0]) for part in out.stdout.split("ratio ")[1:]]
     assert len(ratios) == 3 and all(r > 0 for r in ratios)  # 1 worker, 2 workers, weights
     assert "trajectories, 2 workers" in out.stdout and "receiver peak RSS" in out.stdout
+
+
+def test_bench_weights_measures_real_deltas_and_carries_them_over_the_link(tmp_path):
+    out = run_cli("bench", "weights", "--models", "tiny", "--steps", "2", "--workers", "1", "--bandwidths", "1e9",
+                  "--out", str(tmp_path / "weights.json"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "applied == bf16 cast of the master: all 2 versions" in out.stdout
+    result = json.loads((tmp_path / "weights.json").read_text())["workloads"]["tiny lr 1e-04"]
+    versions = result["versions"]
+    assert [v["version"] for v in versions] == [1, 2]
+    for v in versions:  # every tiny tensor is floating point: bf16 is half of fp32, and a delta less again
+        assert v["fp32_bytes"] == 2 * v["bf16_bytes"] and v["delta_bytes"] < v["bf16_bytes"]
+        assert 0 < v["changed_frac"] < 1 and sum(v["method_bytes"].values()) < v["delta_bytes"]
+    on, off = sorted(result["transfers"], key=lambda t: not t["deltas"])
+    assert on["deltas"] and not off["deltas"] and len(on["seconds"]) == len(off["seconds"]) == 2
+    assert on["link_bytes"] == [v["delta_bytes"] for v in versions]  # the link carried the steps, nothing more
+    assert off["link_bytes"] == [v["bf16_bytes"] for v in versions]
+    assert on["stats"]["weights/deltas_applied"] == 2 and on["stats"]["weights/full_received"] == 1  # version 0
+    assert off["stats"]["weights/full_received"] == 3 and "weights/deltas_applied" not in off["stats"]
+    assert all(s > 0 for s in on["seconds"] + off["seconds"])
+
+
+def test_bench_weights_reward_pays_for_the_sum_then_for_any_number():
+    from heterorl.bench.weights import number_reward
+
+    assert number_reward("12+34=", "12 + 34 = 46.", "46") == 1.0
+    assert number_reward("12+34=", "It is 47 or 460", "46") == 0.5
+    assert number_reward("12+34=", "a sum", "46") == 0.0
+
+
+def test_bench_deltas_runs_each_setting_with_deltas_off_and_on_side_by_side(tmp_path):
+    out = run_cli("bench", "deltas", "--steps", "3", "--prompts", "4", "--bandwidths-mbit", "8", "--modes", "async",
+                  "task.options.eval_size=16", "--out", str(tmp_path / "deltas.json"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for label in ("staleness mean (versions)", "staleness mean (seconds)", "samples/s", "MB over the links"):
+        assert f"async 8 Mbit/s {label}" in out.stdout, out.stdout
+    pair = json.loads((tmp_path / "deltas.json").read_text())["async 8 Mbit/s"]
+    off, on = pair["off"], pair["on"]
+    assert not off["weights"]["deltas"] and on["weights"]["deltas"] and on["weights"]["dtype"] == "bfloat16"
+    assert sum(off["staleness_hist"]) == sum(on["staleness_hist"]) == 3 * 4  # every group trained, in both
+    assert on["weights"]["link_bytes"] < off["weights"]["link_bytes"]  # the same versions, as steps
 
 
 def test_bench_async_runs_both_workloads_and_prints_ratio_waste_and_bound():

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,7 +44,8 @@ def endpoint(run_dir: Path) -> str | None:
 
 @pytest.mark.slow
 def test_train_async_runs_learner_and_workers_and_reports(tmp_path):
-    out = run_cli("train", "--config", str(write_config(tmp_path, steps=4)), "runtime.inflight_updates=true")
+    out = run_cli("train", "--config", str(write_config(tmp_path, steps=4)), "runtime.inflight_updates=true",
+                  "runtime.weights_dtype=bfloat16")
     assert out.returncode == 0, out.stdout + out.stderr
     run = tmp_path / "run"
     summary = json.loads((run / "summary.json").read_text())
@@ -70,6 +72,10 @@ def test_train_async_runs_learner_and_workers_and_reports(tmp_path):
     assert rollouts["generated"] == rollouts["trained"] > 0 and rollouts["wasted_frac"] == 0.0, rollouts
     assert not any(rollouts["discarded"].values()) and rollouts["left_over"] == 0
     assert "0.0% wasted" in out.stdout
+    # the workers sampled with the bf16 cast of the learner's weights, sent as deltas after the first
+    weights = summary["weights"]
+    assert weights["dtype"] == "bfloat16" and weights["versions"] == 5 and weights["bytes_ratio"] > 1.5, weights
+    assert sum(summary["staleness_hist"]) == sum(summary["staleness_seconds_hist"].values()) == 4 * 4
     # both workers took part: the learner waited for both to hold its weights before its first step
     assert max(r["workers/alive"] for r in records) == 2 and records[-1]["transport/rejected"] == 0
     assert "held-out greedy success" in out.stdout and "staleness mean" in out.stdout
@@ -99,6 +105,16 @@ def test_sync_mode_trains_on_policy(tmp_path):
         assert torch_engine["is_ratio_var"] < 1e-6
     assert "by sampling engine" in out.stdout
     assert summary["rollouts"]["wasted_frac"] == 0.0, summary["rollouts"]
+    # the run's staleness histograms count every group trained; the weights went out as deltas after the first
+    assert summary["staleness_hist"] == [4 * 4] and sum(summary["staleness_seconds_hist"].values()) == 4 * 4
+    weights = summary["weights"]
+    assert weights["dtype"] == "float32" and weights["deltas"] and weights["versions"] == 5, weights
+    assert 1.0 < weights["bytes_ratio"] and weights["step_bytes_mean"] < weights["version_bytes"], weights
+    assert "weights: 5 versions" in out.stdout and "samples/s" in out.stdout
+    for name in ("worker-0", "worker-1"):  # sync: each fetched every version it sampled, one step at a time
+        log = (tmp_path / "run" / "logs" / f"{name}.log").read_text()
+        found = re.search(r"weights: (\d+) versions whole, (\d+) as deltas, 0 resyncs", log)
+        assert found and found.group(1) == "1" and int(found.group(2)) >= 3, log[-2000:]
 
 
 def test_train_reports_a_crashed_worker_and_stops(tmp_path):

@@ -169,7 +169,7 @@ class _Publisher:
     def __init__(self) -> None:
         self.published, self.admission = [], None
 
-    def publish(self, version: int, state: dict) -> None:
+    def publish(self, version: int, state: dict, dtype=None) -> None:
         self.published.append(version)
 
     def set_admission(self, cap: int | None, ahead: int = 1) -> None:

@@ -42,6 +42,9 @@ logging: {{run_dir: {run}, wandb_mode: disabled, progress: false}}
     for log in (torch_log, vllm_log):  # each sampled its share (2 groups) of each of the 3 batches
         sent = re.search(r"ended the run after (\d+) groups", log)
         assert sent and int(sent.group(1)) >= 6, log[-2000:]
+        # each took the first version whole and the later ones as deltas, rebuilt and checked (vLLM: in place)
+        weights = re.search(r"weights: (\d+) versions whole, (\d+) as deltas, (\d+) resyncs", log)
+        assert weights and weights.group(1) == "1" and int(weights.group(2)) >= 2, log[-2000:]
     # the summary splits the fleet by engine, and the training–inference mismatch of each is measured at
     # staleness 0: vLLM in float32 agrees with the learner's teacher-forced log-probs to rounding, as torch does
     engines = json.loads((run / "summary.json").read_text())["engines"]

@@ -1,0 +1,32 @@
+"""The run summary's staleness histograms and weights block."""
+
+import math
+from collections import Counter
+
+from heterorl.runtime.run_report import run_staleness, seconds_histogram, seconds_label, weights_line, weights_summary
+
+
+def test_seconds_fall_in_doubling_bins_listed_in_order_with_zeros():
+    assert [seconds_label(s) for s in (0.0, 0.3, 1.0, 3.9, 600.0)] == ["<0.25", "0.25-0.5", "1-2", "2-4", "512+"]
+    hist = seconds_histogram({}, [0.1, 0.2, 5.0])
+    assert list(hist)[:3] == ["<0.25", "0.25-0.5", "0.5-1"] and list(hist)[-1] == "512+"
+    assert hist["<0.25"] == 2 and hist["4-8"] == 1 and sum(hist.values()) == 3
+    assert seconds_histogram(hist, [5.5])["4-8"] == 2  # counts accumulate across steps
+
+
+def test_run_staleness_lists_every_version_gap_up_to_the_largest():
+    found = run_staleness({"0": 3, "2": 1}, {"1-2": 4}, 6.0, 4)
+    assert found["staleness_hist"] == [3, 0, 1] and found["staleness_seconds_mean"] == 1.5
+    assert found["staleness_seconds_hist"]["1-2"] == 4
+
+
+def test_the_weights_block_and_line_say_what_the_deltas_saved():
+    stats = Counter({"weights/versions": 5, "weights/version_bytes": 2_000_000, "weights/steps_encoded": 4,
+                     "weights/step_bytes": 400_000, "weights/encode_s": 0.2, "weights/link_transfers": 6,
+                     "weights/link_bytes": 4_400_000, "weights/link_skipped": 1})
+    block = weights_summary(stats, "bfloat16", True)
+    assert block["step_bytes_mean"] == 100_000 and block["bytes_ratio"] == 20.0 and block["encode_s_mean"] == 0.05
+    line = weights_line(block)
+    assert "5 versions of 2 MB in bfloat16" in line and "(20.0x smaller)" in line and "1 versions skipped" in line
+    whole = weights_summary(Counter({"weights/versions": 2, "weights/version_bytes": 10}), "float32", False)
+    assert math.isnan(whole["bytes_ratio"]) and "each sent whole" in weights_line(whole)
