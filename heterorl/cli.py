@@ -10,11 +10,13 @@
     heterorl bench deltas               staleness behind bandwidth-limited weights links, deltas on vs off
     heterorl bench async                samples/s of the same run in sync and in async mode
     heterorl bench simulate             staleness of one run live and simulated with its measured timings
+    heterorl bench service              the session primitives remote (heterorl serve) vs local
     heterorl keys --name NAME [--out D] a CurveZMQ key pair for a learner or a remote worker
     heterorl keys revoke --name NAME --allow-keys D   refuse a worker's key (no restart)
     heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async)
     heterorl learner --bind ADDR        the learner alone (remote workers connect to it)
     heterorl rollout --connect ADDR     one rollout worker (on any machine that reaches the learner; --engine vllm)
+    heterorl serve [--bind HOST:PORT]   training sessions over HTTP, and an OpenAI-compatible endpoint
     heterorl sweep SWEEP.yaml [k=v..]   a delay sweep: losses x delays x seeds, resumable, K cells at once
     heterorl report SWEEP_DIR           tables, plots and a Markdown summary of a sweep
     heterorl compare --losses gepo,grpo --delay lag16 --seeds 0,1,2   losses side by side, online and at a delay
@@ -238,6 +240,10 @@ def cmd_bench(args) -> int:
         from heterorl.bench.transport import main as bench_transport
 
         return bench_transport(args.rest)
+    if args.what == "service":
+        from heterorl.bench.service import main as bench_service
+
+        return bench_service(args.rest)
     if args.what == "deltas":
         from heterorl.bench.deltas import main as bench_deltas
 
@@ -319,11 +325,16 @@ def cmd_rollout(args) -> int:
 
     from heterorl.runtime.worker import WorkerOptions, run_rollout_worker
 
+    if args.serve_openai is None and args.serve_openai_host is not None:
+        raise HeteroRLError("--serve-openai-host needs --serve-openai PORT (the port of the endpoint)")
+    if args.serve_openai is not None and not 0 <= args.serve_openai <= 65535:
+        raise HeteroRLError(f"--serve-openai {args.serve_openai}: give a port in 0..65535 (0: any free port)")
     _log_to_console()
     options = WorkerOptions(
         address=args.connect, worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
         curve=_curve(args.curve_secret, server_key=args.server_key), throttle=args.throttle, policy=args.policy,
-        connect_timeout_s=args.connect_timeout, allow_plaintext=args.allow_plaintext, engine=args.engine)
+        connect_timeout_s=args.connect_timeout, allow_plaintext=args.allow_plaintext, engine=args.engine,
+        openai_port=args.serve_openai, openai_host=args.serve_openai_host or "127.0.0.1")
     return run_rollout_worker(options)
 
 
@@ -428,6 +439,39 @@ def _finish_sweep(sweep, failed: list[str]) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from heterorl.service.server import is_loopback, serve
+    from heterorl.service.sessions import Service
+
+    host, _, port = args.bind.rpartition(":")
+    if not host or not port.isdigit():
+        raise HeteroRLError(f"--bind {args.bind!r}: give HOST:PORT, e.g. 127.0.0.1:8765")
+    api_key = None
+    if args.api_key_file:
+        path = Path(args.api_key_file)
+        api_key = path.read_text().strip() if path.is_file() else None
+        if not api_key:
+            raise HeteroRLError(f"--api-key-file {path}: no such file, or it is empty; write a long random key "
+                                "into it (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+    if api_key is None and not is_loopback(host.strip("[]")):
+        raise HeteroRLError(f"refusing to serve training sessions on {host} without an API key: give "
+                            "--api-key-file (a file holding the key), or bind 127.0.0.1")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    service = Service(args.state_dir, result_ttl_s=args.result_ttl_s, max_sessions=args.max_sessions,
+                      max_samplers=args.max_samplers, device=args.device)
+    print(f"serving training sessions on http://{host}:{port} (API: /api/v1, OpenAI-compatible: /v1; "
+          f"{'a bearer token' if api_key else 'no key: loopback only'})", flush=True)
+    try:
+        serve(service, host.strip("[]"), int(port), api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
+              log_level=args.log_level)
+    finally:
+        service.close()
+    return 0
+
+
 def cmd_sweep(args) -> int:
     from heterorl.sweeps.runner import SweepRunner
 
@@ -500,7 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, RL_CONFIG)
     p.set_defaults(fn=cmd_rl)
     p = sub.add_parser("bench", help="benchmarks that print ratios measured in one run")
-    p.add_argument("what", choices=["engine", "losses", "transport", "weights", "deltas", "async", "simulate"])
+    p.add_argument("what", choices=["engine", "losses", "transport", "weights", "deltas", "async", "simulate",
+                                    "service"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see --help after its name)")
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("train", help="learner + rollout workers as separate processes on this machine "
@@ -536,7 +581,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=ENGINES, default="torch",
                    help="sampling engine: torch (default) or vllm (run from a Python that has vLLM: `make vllm`, "
                         "then .venv-vllm/bin/heterorl rollout ...)")
+    p.add_argument("--serve-openai", type=int, metavar="PORT",
+                   help="also serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions) over the "
+                        "weights this worker holds, models 'latest' and 'heterorl:worker-ID/VERSION' "
+                        "(docs/SERVICE.md); 0: any free port")
+    p.add_argument("--serve-openai-host", metavar="HOST",
+                   help="address the endpoint listens on (default 127.0.0.1; it has no authentication: give "
+                        "another only on a network you trust)")
     p.set_defaults(fn=cmd_rollout)
+    p = sub.add_parser("serve", help="training sessions over HTTP (the session primitives, remote: "
+                       "heterorl.session.connect) and an OpenAI-compatible endpoint over their sampling clients")
+    p.add_argument("--bind", default="127.0.0.1:8765", help="HOST:PORT to listen on (default 127.0.0.1:8765; any "
+                   "other than loopback needs --api-key-file)")
+    p.add_argument("--api-key-file", help="a file holding the bearer token every request must carry")
+    p.add_argument("--state-dir", default="runs/serve", help="where sessions save their states (default runs/serve)")
+    p.add_argument("--device", default="cpu", help="torch device of the sessions' models (default cpu)")
+    p.add_argument("--threads", type=_positive(int), help="torch threads (default: torch's)")
+    p.add_argument("--max-sessions", type=_positive(int), default=8, help="sessions held at once (default 8)")
+    p.add_argument("--max-samplers", type=_positive(int), default=8,
+                   help="sampling clients kept per session, newest first (default 8)")
+    p.add_argument("--result-ttl-s", type=_positive(float), default=600.0,
+                   help="seconds a finished call's result is kept for retrieval (default 600)")
+    p.add_argument("--max-body-mb", type=_positive(float), default=64.0, help="largest request body (default 64)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="uvicorn's log level (info: a line per request; default info)")
+    p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("sweep", help="a delay sweep: losses x delays x seeds (resumable), then its report")
     p.add_argument("sweep", help="sweep YAML (see experiments/configs/)")
     p.add_argument("--out", help="sweep directory (default: runs/sweeps/NAME)")

@@ -20,6 +20,9 @@ generation in progress (each token stamped with the version that drew it; the
 torch engine). A worker never waits forever for new weights: in async mode it
 keeps generating with what it has; in sync mode (the on-policy baseline) it
 waits for the next version after each share of a batch, with a timeout.
+
+With ``--serve-openai PORT`` the worker also serves an OpenAI-compatible API over the weights it holds, so an
+agent harness can generate with its current policy (`served_models`, docs/SERVICE.md).
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class WorkerOptions:
     connect_timeout_s: float = 120.0
     allow_plaintext: bool = False
     engine: str = "torch"  # the sampling engine: torch (TorchEngine) | vllm (VLLMEngine; needs vLLM installed)
+    openai_port: int | None = None  # serve the OpenAI-compatible endpoint on this port (0: a free one); None: not
+    openai_host: str = "127.0.0.1"  # where it listens: loopback unless given (it has no authentication)
 
 
 def shard_rng(seed: int, worker_id: str) -> random.Random:
@@ -123,6 +128,8 @@ class RolloutWorker:
         if options.engine not in ENGINES:
             raise HeteroRLError(f"--engine {options.engine!r}: must be one of {', '.join(ENGINES)}")
         self.options = options
+        self.sampler: SamplingClient | None = None
+        self.openai_server = self._serve_openai()  # first: a port in use fails before the learner is contacted
         transport = TransportConfig(allow_plaintext=options.allow_plaintext)
         self.client = WorkerClient(options.address, options.worker_id, transport, curve=options.curve,
                                    engine=options.engine)
@@ -133,8 +140,34 @@ class RolloutWorker:
         self.groups_sent = 0
         self.busy_s = 0.0
         self.idle_s = 0.0
-        self.sampler: SamplingClient | None = None
         self._scratch: tempfile.TemporaryDirectory | None = None  # a fresh tiny policy saved for vLLM
+
+    def _serve_openai(self):
+        """The OpenAI-compatible endpoint over the weights this worker holds (``openai_port``; docs/SERVICE.md), on
+        a daemon thread: the loop never waits for it. Its requests queue on the worker's sampler with the worker's
+        own generations, each delaying the next rollout by as long as it takes. None without a port."""
+        if self.options.openai_port is None:
+            return None
+        from heterorl.service.openai_api import openai_app
+        from heterorl.service.server import ServerThread, is_loopback
+
+        worker_id, host = self.options.worker_id, self.options.openai_host
+        server = ServerThread(openai_app(self.served_models, owned_by=f"heterorl:worker-{worker_id}"), host,
+                              self.options.openai_port)
+        log.info("worker %s: OpenAI-compatible endpoint on %s/v1 (models: latest, heterorl:worker-%s/VERSION)",
+                 worker_id, server.url, worker_id)
+        if not is_loopback(host):
+            log.warning("worker %s: the OpenAI-compatible endpoint on %s has no authentication: whoever reaches "
+                        "it can generate with this worker's policy and delay its rollouts", worker_id, server.url)
+        return server
+
+    def served_models(self) -> dict[str, SamplingClient]:
+        """The model ids the OpenAI-compatible endpoint serves: the weights this worker holds, as "latest" and
+        as ``heterorl:worker-{worker_id}/{version}`` (the policy version); none before the first weights."""
+        sampler = self.sampler
+        if sampler is None or sampler.version < 0:
+            return {}
+        return {"latest": sampler, f"heterorl:worker-{self.options.worker_id}/{sampler.version}": sampler}
 
     # -- set-up from the learner's config ---------------------------------------------------------
     def _configure(self) -> Config:
@@ -328,6 +361,8 @@ class RolloutWorker:
 
     def close(self, failure: Exception | None = None) -> None:
         """Leave: the bye tells the learner when this worker failed (`BYE_WORKER_FAILED`), so it stops waiting."""
+        if self.openai_server is not None:  # before the sampler closes under its requests
+            self.openai_server.stop()
         self.client.close("done" if failure is None else f"{BYE_WORKER_FAILED}{str(failure)[:900]}")
         if self.sampler is not None:
             self.sampler.close()

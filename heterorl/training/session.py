@@ -376,7 +376,11 @@ class TrainingClient:
 
     def save_weights_and_get_sampling_client(self) -> SamplingClient:
         """Bump the policy version and return a sampler over a frozen copy of the current weights."""
-        return self._executor.submit(self._snapshot).result()
+        return self.snapshot().result()
+
+    def snapshot(self) -> Future:
+        """Future of `save_weights_and_get_sampling_client`'s sampler, in submission order with the other calls."""
+        return self._executor.submit(self._snapshot)
 
     def state_dict(self) -> dict:
         return {

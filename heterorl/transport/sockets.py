@@ -126,7 +126,11 @@ def _host_of(address: str) -> str:
 
 
 def is_loopback(address: str) -> bool:
-    host = _host_of(address)
+    return is_loopback_host(_host_of(address))
+
+
+def is_loopback_host(host: str) -> bool:
+    """``localhost`` or a loopback IP (127.0.0.0/8, ::1); a name that is not an IP is not."""
     if host == "localhost":
         return True
     try:

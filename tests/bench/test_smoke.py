@@ -89,6 +89,16 @@ def test_bench_deltas_runs_each_setting_with_deltas_off_and_on_side_by_side(tmp_
     assert on["weights"]["link_bytes"] < off["weights"]["link_bytes"]  # the same versions, as steps
 
 
+def test_bench_service_times_remote_against_local_and_loads_the_openai_endpoint():
+    out = run_cli("bench", "service", "--batch", "8", "--prompts", "4", "--group-size", "2", "--max-tokens", "3",
+                  "--repeats", "1", "--clients", "2", "--seconds", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for label in ("forward_backward + optim_step", "sample"):
+        line = next(line for line in out.stdout.splitlines() if line.strip().startswith(label))
+        assert float(line.split("remote / local")[1].split("x")[0]) > 0, line
+    assert float(out.stdout.split("each: ")[1].split(" requests/s")[0]) > 0
+
+
 def test_bench_async_runs_both_workloads_and_prints_ratio_waste_and_bound():
     out = run_cli("bench", "async", "--steps", "3", "--prompts", "4", "--group-size", "4", "--add3-steps", "3",
                   "task.options.eval_size=16")

@@ -1,0 +1,160 @@
+"""``heterorl bench service``: the session primitives remote (a `heterorl serve` process on this machine, over
+HTTP on loopback) against the same calls local, side by side in one run; and the OpenAI-compatible endpoint's
+requests/s under concurrent clients.
+
+Workloads on the shipped ``add3-sft-base``: ``forward_backward`` + ``optim_step`` of a batch of ``--batch`` datums
+(groups of 8 completions of 3-digit sums, GEPO), and ``sample`` of ``--prompts`` prompts × ``--group-size``.
+Rounds alternate local / remote; each figure is the median of ``--repeats`` after a warm-up. The service runs
+with the same torch threads as this process (``--threads``). Goal: remote / local ≤ 1.15×.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+BASE = "add3-sft-base"
+GOAL = 1.15
+
+
+def _datums(tokenizer, n: int, seed: int = 0) -> list:
+    from heterorl.training.session import Datum
+
+    rng, datums = random.Random(seed), []
+    for i in range(n):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        prompt = tokenizer.encode(f"{a}+{b}=")
+        completion = tokenizer.encode(str(a + b + rng.choice([0, 1, 10]))) + [tokenizer.eos_token_id]
+        datums.append(Datum(tokens=prompt + completion, prompt_len=len(prompt), reward=float(rng.random() < 0.5),
+                            group_id=i // 8, behaviour_logprobs=[-0.3] * len(completion)))
+    return datums
+
+
+def _time(fn, repeats: int) -> list[float]:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def start_service(threads: int, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """A `heterorl serve` process on a free loopback port; (the process, its URL) once it answers."""
+    import socket
+
+    import httpx
+
+    if port == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    state = tempfile.mkdtemp(prefix="heterorl-bench-service-")
+    log = open(os.path.join(state, "serve.log"), "w")  # (a pipe nobody reads would stall the service once full)
+    process = subprocess.Popen([sys.executable, "-m", "heterorl.cli", "serve", "--bind", f"127.0.0.1:{port}",
+                                "--threads", str(threads), "--state-dir", state, "--log-level", "warning"],
+                               stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"heterorl serve exited: {open(log.name).read()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("heterorl serve did not answer within 60 s")
+
+
+def _completions_rate(url: str, model: str, clients: int, seconds: float, max_tokens: int) -> float:
+    import httpx
+
+    done, stop = [0] * clients, threading.Event()
+
+    def client(i: int) -> None:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            while not stop.is_set():
+                r = http.post("/v1/completions", json={"model": model, "prompt": f"{100 + i}+{200 + i}=",
+                                                        "max_tokens": max_tokens, "temperature": 1.0})
+                r.raise_for_status()
+                done[i] += 1
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    return sum(done) / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="heterorl bench service", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64, help="datums per forward_backward (default 64)")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per sample call (default 32)")
+    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt (default 8)")
+    parser.add_argument("--max-tokens", type=int, default=8, help="new tokens per sample (default 8)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed rounds per figure (default 10)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in the service (default 1)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent /v1/completions clients (default 8)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="how long they run (default 10)")
+    args = parser.parse_args(argv)
+    import torch
+
+    from heterorl.engines.base import SamplingParams
+    from heterorl.policies import load_policy, quiet_transformers
+    from heterorl.session import connect
+    from heterorl.training.session import AdamParams, TrainingClient
+
+    quiet_transformers()
+    torch.set_num_threads(args.threads)
+    process, url = start_service(args.threads)
+    try:
+        service = connect(url)
+        model, tokenizer = load_policy(BASE)
+        clients = {"local": TrainingClient(model, tokenizer, seed=0), "remote": service.create_training_client(
+            BASE, seed=0)}
+        datums = _datums(tokenizer, args.batch)
+        samplers = {name: c.save_weights_and_get_sampling_client() for name, c in clients.items()}
+        prompts = [tokenizer.encode(f"{random.Random(i).randint(100, 999)}+{i + 100}=") for i in range(args.prompts)]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=0)
+        results: dict = {"local": {}, "remote": {}}
+        for _ in range(2):  # alternate: each side measured twice, interleaved
+            for name, c in clients.items():
+                step = _time(lambda: (c.forward_backward(datums, loss_fn="gepo").result(),
+                                      c.optim_step(AdamParams(learning_rate=1e-5)).result()), args.repeats)
+                sample = _time(lambda: samplers[name].sample(prompts, args.group_size, params).result(),
+                               args.repeats)
+                results[name].setdefault("step", []).extend(step)
+                results[name].setdefault("sample", []).extend(sample)
+        rate = _completions_rate(url, samplers["remote"].model, args.clients, args.seconds, args.max_tokens)
+        print(f"{BASE}: forward_backward + optim_step of {args.batch} datums (GEPO); sample of {args.prompts} x "
+              f"{args.group_size}, {args.max_tokens} new tokens; {args.threads} torch thread(s) on each side; "
+              f"median of {2 * args.repeats}")
+        for what, label in (("step", "forward_backward + optim_step"), ("sample", "sample")):
+            local, remote = (statistics.median(results[n][what]) for n in ("local", "remote"))
+            ratio = remote / local
+            print(f"  {label:<30} local {local * 1e3:8.1f} ms | remote {remote * 1e3:8.1f} ms | remote / local "
+                  f"{ratio:.3f}x (goal <= {GOAL}x: {'met' if ratio <= GOAL else 'NOT met'})")
+        print(f"  /v1/completions, {args.clients} concurrent clients, {args.max_tokens} tokens each: "
+              f"{rate:.1f} requests/s")
+        service.close()
+    finally:
+        process.terminate()
+        process.wait(30)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,245 @@
+"""`heterorl serve`: training sessions over HTTP (FastAPI + uvicorn), and the OpenAI-compatible endpoint over
+their sampling clients.
+
+Routes (all under a bearer token when the service has one; docs/SERVICE.md):
+
+    POST   /api/v1/sessions                     {base_model, seed?, share_prompts?} → the session
+    GET    /api/v1/sessions/{id}                the session: version, step, samplers
+    DELETE /api/v1/sessions/{id}
+    POST   /api/v1/sessions/{id}/calls          {method, args, request_id?} → {future_id}
+    POST   /api/v1/samplers/calls               {model, method, args, request_id?} → {future_id}
+    GET    /api/v1/futures/{id}?wait_s=30       {status: pending} | {status: done, result | error}
+    GET    /api/v1/sessions/{id}/weights/{v}    a version's weights (safetensors), after save_weights_for_sampler
+    GET    /api/v1/sessions/{id}/tokenizer      its tokenizer's files (zip)
+    GET    /health                              no token needed
+    /v1/models, /v1/completions, /v1/chat/completions (heterorl.service.openai_api)
+
+Bodies are JSON, or msgpack with ``Content-Type: application/msgpack`` (token arrays travel smaller); answers
+follow ``Accept``. A malformed body is a 422 naming the field, an unknown id a 404 naming it, a call the session
+cannot run a 400 with the error a local call would raise, a body over ``max_body_bytes`` a 413, a missing or
+wrong token a 401 (nothing runs). Calls run as futures in submission order per session, whatever happens to the
+connection that submitted them; a retried request (same ``request_id``) runs once.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field, ValidationError
+
+from heterorl.errors import HeteroRLError
+from heterorl.service import wire
+from heterorl.service.sessions import BadRequest, NotFound, Service, tokenizer_zip
+from heterorl.transport.sockets import is_loopback_host as is_loopback
+
+log = logging.getLogger("heterorl.service")
+MAX_WAIT_S = 60.0  # the longest a long-poll holds a request open
+
+
+class CreateSession(BaseModel):
+    base_model: str = Field(min_length=1, max_length=1000)
+    seed: int | None = None
+    share_prompts: bool = True
+
+
+class TrainingCall(BaseModel):
+    method: str = Field(min_length=1, max_length=100)
+    args: dict[str, Any] = Field(default_factory=dict)
+    request_id: str | None = Field(default=None, max_length=200)
+
+
+class SamplerCall(TrainingCall):
+    model: str = Field(min_length=1, max_length=300)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = 64 * 2**20,
+               openai: bool = True) -> FastAPI:
+    """The service's FastAPI app. ``api_key``: the bearer token every route but /health requires (None: none)."""
+    app = FastAPI(title="heterorl training sessions", version="1")
+
+    def authorize(authorization: str | None = Header(default=None)) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), api_key.encode()):
+            raise HTTPException(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with the key in "
+                                "the service's --api-key-file", headers={"WWW-Authenticate": "Bearer"})
+
+    _error_handlers(app)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            return JSONResponse({"detail": f"the body of {int(length):,} bytes exceeds this service's limit of "
+                                           f"{max_body_bytes:,} (--max-body-mb)"}, status_code=413)
+        return await call_next(request)
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"ok": True}
+
+    app.include_router(_api_router(service, max_body_bytes), dependencies=[Depends(authorize)])
+    if openai:
+        from heterorl.service.openai_api import openai_router
+
+        router = openai_router(lambda: {model: sampler for model, (_, sampler) in service.samplers().items()})
+        app.include_router(router, dependencies=[Depends(authorize)])
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(NotFound)
+    async def not_found(request: Request, exc: NotFound):
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request: Request, exc: BodyTooLarge):
+        return JSONResponse({"detail": str(exc)}, status_code=413)
+
+    @app.exception_handler(HeteroRLError)
+    async def refused(request: Request, exc: HeteroRLError):  # BadRequest and what a primitive refuses at once
+        return JSONResponse({"detail": str(exc), "error": wire.error_to_wire(exc)}, status_code=400)
+
+
+async def _body(request: Request, model: type[BaseModel], limit: int):
+    """The request's body (JSON or msgpack) validated against ``model``: 422 naming the field otherwise."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge(f"the body exceeds this service's limit of {limit:,} bytes (--max-body-mb)")
+    try:
+        data = wire.unpack(bytes(body), request.headers.get("content-type"))
+    except Exception as exc:  # not JSON / msgpack at all
+        raise RequestValidationError([{"loc": ("body",), "msg": f"cannot be decoded: {exc}", "type": "decode"}])
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
+def _answer(request: Request, value: Any) -> Response:
+    if wire.MSGPACK in request.headers.get("accept", ""):
+        return Response(wire.pack(value, wire.MSGPACK), media_type=wire.MSGPACK)
+    return JSONResponse(value)
+
+
+def _api_router(service: Service, limit: int) -> APIRouter:
+    api = APIRouter(prefix="/api/v1")
+
+    @api.post("/sessions")
+    async def create(request: Request):
+        body = await _body(request, CreateSession, limit)
+        found = await run_in_threadpool(service.create_session, body.base_model, body.seed, body.share_prompts)
+        return _answer(request, found)
+
+    @api.get("/sessions")
+    def sessions() -> dict:
+        return {"sessions": service.session_ids()}
+
+    @api.get("/sessions/{session_id}")
+    def describe(session_id: str) -> dict:
+        return service.describe(session_id)
+
+    @api.delete("/sessions/{session_id}")
+    async def close(session_id: str) -> dict:
+        await run_in_threadpool(service.close_session, session_id)
+        return {"closed": session_id}
+
+    @api.post("/sessions/{session_id}/calls")
+    async def call(session_id: str, request: Request):
+        body = await _body(request, TrainingCall, limit)
+        call_id = service.call(session_id, body.method, body.args, body.request_id)
+        return _answer(request, {"future_id": call_id})
+
+    @api.post("/samplers/calls")
+    async def sampler_call(request: Request):
+        body = await _body(request, SamplerCall, limit)
+        call_id = service.sampler_call(body.model, body.method, body.args, body.request_id)
+        return _answer(request, {"future_id": call_id})
+
+    @api.get("/futures/{future_id}")
+    async def future(future_id: str, request: Request, wait_s: float = 0.0):
+        if not 0 <= wait_s <= MAX_WAIT_S:
+            raise BadRequest(f"wait_s={wait_s}: give 0 to {MAX_WAIT_S:g} seconds")
+        return _answer(request, await service.poll(future_id, wait_s))
+
+    @api.get("/sessions/{session_id}/tokenizer")
+    async def tokenizer(session_id: str) -> Response:
+        data = await run_in_threadpool(tokenizer_zip, service.session(session_id).training.tokenizer)
+        return Response(data, media_type="application/zip")
+
+    @api.get("/sessions/{session_id}/weights/{version}")
+    async def weights(session_id: str, version: int) -> Response:
+        data = await run_in_threadpool(service.weights, session_id, version)
+        return Response(data, media_type="application/octet-stream")
+
+    return api
+
+
+class ServerThread:
+    """An app served by uvicorn from a daemon thread of this process (tests, a rollout worker's endpoint): the
+    socket is bound before it starts, so ``url`` is known at once (``port`` 0: a free one)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._socket.bind((host, port))
+        except OSError as exc:
+            self._socket.close()
+            raise HeteroRLError(f"cannot listen on {host}:{port} ({exc}): choose another port") from None
+        self.host, self.port = host, self._socket.getsockname()[1]
+        self.url = f"http://{host if family == socket.AF_INET else f'[{host}]'}:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]},
+                                       name="heterorl-http", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self.server.started:
+            raise HeteroRLError(f"the HTTP server on {self.url} did not start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self._socket.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(service: Service, host: str, port: int, *, api_key: str | None, max_body_bytes: int,
+          log_level: str = "info") -> None:
+    """Run the service until interrupted. A non-loopback ``host`` needs an API key."""
+    import uvicorn
+
+    if api_key is None and not is_loopback(host):
+        raise HeteroRLError(f"refusing to serve training sessions on {host} without an API key: give "
+                            "--api-key-file (a file holding the key), or bind 127.0.0.1")
+    uvicorn.run(create_app(service, api_key=api_key, max_body_bytes=max_body_bytes), host=host, port=port,
+                log_level=log_level)
+
+
+__all__ = ["ServerThread", "create_app", "is_loopback", "serve"]

@@ -1,0 +1,147 @@
+"""What the training-session service and its client send each other: the session primitives' arguments and
+results as plain values (JSON or msgpack), a state dict as safetensors bytes, and errors by name.
+
+Everything here is symmetric: the server decodes what the client encodes and the other way round, so a remote
+call takes and returns the same Python objects as a local one (`heterorl.training.session`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import msgpack
+import torch
+
+import gepo
+from heterorl import errors
+from heterorl.engines.base import SampleOutput, SamplingParams
+from heterorl.training.session import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
+
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+
+
+def datum_to_wire(d: Datum) -> dict:
+    return {k: v for k, v in dataclasses.asdict(d).items() if v is not None}
+
+
+def datum_from_wire(raw: dict) -> Datum:
+    return Datum(**raw)
+
+
+def params_to_wire(p: SamplingParams | None) -> dict | None:
+    return None if p is None else {**dataclasses.asdict(p), "stop_token_ids": list(p.stop_token_ids)}
+
+
+def params_from_wire(raw: dict | None) -> SamplingParams | None:
+    return None if raw is None else SamplingParams(**raw)
+
+
+def adam_from_wire(raw: dict | None) -> AdamParams | None:
+    return None if raw is None else AdamParams(**raw)
+
+
+def sample_to_wire(s: SampleOutput) -> dict:
+    return {"tokens": list(s.tokens), "logprobs": list(s.logprobs), "stop_reason": s.stop_reason, "text": s.text,
+            "versions": None if s.versions is None else list(s.versions)}
+
+
+def sample_from_wire(raw: dict) -> SampleOutput:
+    return SampleOutput(tokens=raw["tokens"], logprobs=raw["logprobs"], stop_reason=raw["stop_reason"],
+                        text=raw.get("text", ""), versions=raw.get("versions"))
+
+
+def samples_to_wire(result) -> Any:
+    """A `SamplingClient.sample` result: the samples of one prompt, or of each of several."""
+    if result and isinstance(result[0], list):
+        return [[sample_to_wire(s) for s in group] for group in result]
+    return [sample_to_wire(s) for s in result]
+
+
+def samples_from_wire(raw) -> Any:
+    if raw and isinstance(raw[0], list):
+        return [[sample_from_wire(s) for s in group] for group in raw]
+    return [sample_from_wire(s) for s in raw]
+
+
+def result_to_wire(value) -> Any:
+    """A primitive's result as plain values (``kind`` tells the client what to rebuild)."""
+    if isinstance(value, ForwardBackwardOutput):
+        return {"kind": "forward_backward", "loss": value.loss, "metrics": value.metrics, "logprobs": value.logprobs}
+    if isinstance(value, OptimStepOutput):
+        return {"kind": "optim_step", **dataclasses.asdict(value)}
+    return {"kind": "value", "value": value}
+
+
+def result_from_wire(raw: dict) -> Any:
+    kind = raw.get("kind")
+    if kind == "forward_backward":
+        return ForwardBackwardOutput(loss=raw["loss"], metrics=raw["metrics"], logprobs=raw["logprobs"])
+    if kind == "optim_step":
+        return OptimStepOutput(grad_norm=raw["grad_norm"], step=raw["step"])
+    return raw.get("value")
+
+
+# -- errors: the local exception classes, by name -----------------------------------------------------------
+
+_ERRORS: dict[str, type[Exception]] = {
+    name: cls for name, cls in vars(errors).items() if isinstance(cls, type) and issubclass(cls, Exception)}
+_ERRORS["LossInputError"] = gepo.LossInputError
+
+
+def error_to_wire(exc: BaseException) -> dict:
+    name = type(exc).__name__
+    return {"type": name if name in _ERRORS else "HeteroRLError", "message": str(exc) or name,
+            "server_type": name}
+
+
+def error_from_wire(raw: dict) -> Exception:
+    """The exception a local call would have raised (its class by name; HeteroRLError for one the client does not
+    know), with the server's message."""
+    cls = _ERRORS.get(raw.get("type", ""), errors.HeteroRLError)
+    return cls(raw.get("message", "the service failed without a message"))
+
+
+# -- bodies --------------------------------------------------------------------------------------------------
+
+def pack(value: Any, content_type: str) -> bytes:
+    if content_type == MSGPACK:
+        return msgpack.packb(value, use_bin_type=True)
+    return json.dumps(value).encode()
+
+
+def unpack(body: bytes, content_type: str | None) -> Any:
+    if content_type and content_type.split(";")[0].strip() == MSGPACK:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
+    return json.loads(body) if body else None
+
+
+# -- state dicts ------------------------------------------------------------------------------------------------
+
+def state_to_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    """A state dict as safetensors bytes; tied tensors are saved once and named in the metadata."""
+    from safetensors.torch import save
+
+    seen, unique, aliases = {}, {}, {}
+    for name, tensor in state.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype) if tensor.numel() else name
+        if key in seen:
+            aliases[name] = seen[key]
+        else:
+            seen[key] = name
+            unique[name] = tensor.contiguous()
+    return save(unique, metadata={f"alias:{k}": v for k, v in aliases.items()})
+
+
+def state_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
+    """The state dict `state_to_bytes` wrote, tied tensors one tensor under each name again."""
+    from safetensors.torch import load
+
+    state = load(data)
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])  # safetensors: u64 size, then JSON
+    for key, source in (header.get("__metadata__") or {}).items():
+        if key.startswith("alias:"):
+            state[key[len("alias:"):]] = state[source]
+    return state
