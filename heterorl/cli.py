@@ -462,11 +462,13 @@ def cmd_serve(args) -> int:
         torch.set_num_threads(args.threads)
     service = Service(args.state_dir, result_ttl_s=args.result_ttl_s, max_sessions=args.max_sessions,
                       max_samplers=args.max_samplers, device=args.device)
-    print(f"serving training sessions on http://{host}:{port} (API: /api/v1, OpenAI-compatible: /v1; "
-          f"{'a bearer token' if api_key else 'no key: loopback only'})", flush=True)
+    def listening(url: str) -> None:
+        print(f"serving training sessions on {url} (API: /api/v1, OpenAI-compatible: /v1; "
+              f"{'a bearer token' if api_key else 'no key: loopback only'})", flush=True)
+
     try:
         serve(service, host.strip("[]"), int(port), api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
-              log_level=args.log_level)
+              log_level=args.log_level, on_listening=listening)
     finally:
         service.close()
     return 0
@@ -591,8 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_rollout)
     p = sub.add_parser("serve", help="training sessions over HTTP (the session primitives, remote: "
                        "heterorl.session.connect) and an OpenAI-compatible endpoint over their sampling clients")
-    p.add_argument("--bind", default="127.0.0.1:8765", help="HOST:PORT to listen on (default 127.0.0.1:8765; any "
-                   "other than loopback needs --api-key-file)")
+    p.add_argument("--bind", default="127.0.0.1:8765", help="HOST:PORT to listen on (default 127.0.0.1:8765; port 0: a free "
+                   "one, printed at start; any address other than loopback needs --api-key-file)")
     p.add_argument("--api-key-file", help="a file holding the bearer token every request must carry")
     p.add_argument("--state-dir", default="runs/serve", help="where sessions save their states (default runs/serve)")
     p.add_argument("--device", default="cpu", help="torch device of the sessions' models (default cpu)")

@@ -9,7 +9,7 @@ from heterorl.policies.hf_folder import load_hf_folder, validate_hf_folder
 from heterorl.policies.tiny import build_char_tokenizer, build_tiny_policy, save_policy
 
 # policy folders inside the package (heterorl/assets/NAME)
-SHIPPED = ("maze-sft-base", "maze4-sft-base", "add3-sft-base")
+SHIPPED = ("maze-sft-base", "maze4-sft-base", "add3-sft-base", "arith-hash-sft-base")
 
 
 def shipped_policy(name: str) -> Path:
@@ -22,7 +22,8 @@ def shipped_policy(name: str) -> Path:
 def load_policy(model: str, *, alphabet: str | None = None, tiny: TinyModelConfig | None = None,
                 device: str = "cpu"):
     """``(model, tokenizer)`` for ``model`` = "tiny" (fresh, needs ``alphabet``), "smollm2", a shipped policy
-    (``maze-sft-base``: 5x5 mazes; ``maze4-sft-base``: 4x4; ``add3-sft-base``: 3-digit addition), or a local
+    (``maze-sft-base``: 5x5 mazes; ``maze4-sft-base``: 4x4; ``add3-sft-base``: 3-digit addition, digits;
+    ``arith-hash-sft-base``: 3-digit addition, ``####`` answers), or a local
     Hugging Face folder."""
     if model == "tiny":
         if alphabet is None:

@@ -19,7 +19,10 @@ def _task(cfg):
     return make_task_from(cfg.task)
 
 
-SHIPPED_BASES = [("maze_sft.yaml", SFT_BASE), ("maze4_sft.yaml", "maze4-sft-base"), ("add3_sft.yaml", "add3-sft-base")]
+SHIPPED_BASES = [("maze_sft.yaml", SFT_BASE), ("maze4_sft.yaml", "maze4-sft-base"), ("add3_sft.yaml", "add3-sft-base"),
+                 ("arith_sft.yaml", "arith-hash-sft-base")]
+# where each base stops: the maze and add3 bases at 0.35-0.60; the `####` base early in its jump (0.25 stop)
+PARTIAL = {"arith-hash-sft-base": (0.20, 0.40)}
 
 
 @pytest.mark.parametrize("config, base", SHIPPED_BASES)
@@ -29,7 +32,8 @@ def test_shipped_base_is_deliberately_partial(config, base):
     sampler = TrainingClient(model, tok).save_weights_and_get_sampling_client()
     task = _task(cfg)
     success = evaluate(sampler, task, task.eval_problems(), cfg.rollout.max_tokens).success
-    assert 0.35 <= success <= 0.60
+    low, high = PARTIAL.get(base, (0.35, 0.60))
+    assert low <= success <= high
     recorded = json.loads((packaged(base) / "sft_summary.json").read_text())
     assert success == pytest.approx(recorded["success"], abs=0.02)
     assert recorded["config"]["task"]["options"] == dict(cfg.task.options)  # made by the config it is tested with
