@@ -404,6 +404,9 @@ class RuntimeConfig:
     # measured over the first steps (heterorl/runtime/cores.py) | fixed: the threads above throughout
     thread_split: str = "adaptive"
     learner_ranks: int = 1  # > 1: `heterorl train` runs the learner under torchrun as this many DDP ranks
+    # how several learner ranks hold the model: ddp (each the whole model, gradients all-reduced) | fsdp (FSDP2:
+    # each rank 1/world of the parameters, gradients and optimizer state; checkpoints sharded, DCP)
+    learner_sharding: str = "ddp"
     checkpoint_every: int = 25  # learner steps between checkpoints (0: only at the end)
     # async: a worker takes a newer version between decode steps of a generation in progress (torch engine;
     # each token stamped with its version). Off: new weights are applied between generations
@@ -433,6 +436,7 @@ class RuntimeConfig:
         _one_of(f"{key}.mode", self.mode, ("async", "sync"))
         _one_of(f"{key}.execution", self.execution, ("live", "simulated"))
         _one_of(f"{key}.thread_split", self.thread_split, ("adaptive", "fixed"))
+        _one_of(f"{key}.learner_sharding", self.learner_sharding, ("ddp", "fsdp"))
         _positive(self, key, "workers", "groups_per_call", "threads", "learner_ranks", "vllm_kv_cache_gib")
         _optional_positive(self, key, "learner_threads", "worker_threads")
         if any(f < 1 for f in self.throttle):

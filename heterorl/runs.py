@@ -123,7 +123,8 @@ def setup_run(cfg: Config, name: str, policy: str, append: bool = False, data_pa
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     logger = MetricsLogger(run_dir, config=to_dict(cfg), name=name, wandb_project=cfg.logging.wandb_project,
                            wandb_mode=cfg.logging.wandb_mode, append=append, wandb_group=cfg.logging.wandb_group)
-    training = TrainingClient(model, tokenizer, device=cfg.policy.device, seed=cfg.seed, data_parallel=data_parallel)
+    training = TrainingClient(model, tokenizer, device=cfg.policy.device, seed=cfg.seed, data_parallel=data_parallel,
+                              shard=data_parallel and cfg.runtime.learner_sharding == "fsdp")
     return task, training, logger, run_dir
 
 
@@ -134,7 +135,7 @@ def finish_run(cfg: Config, task, training, run_dir: Path, result: RunResult, ex
     from heterorl.policies import save_policy
 
     if cfg.logging.save_policy:
-        save_policy(training.model, training.tokenizer, run_dir / "policy")
+        save_policy(training.full_model, training.tokenizer, run_dir / "policy")
     plot = plot_curves({cfg.loss.name: [(h["step"], h["eval/success"]) for h in result.history]},
                        run_dir / "success.png", title=f"{task.name}: held-out greedy success ({title})", xlabel=xlabel)
     summary = {**result.__dict__, "loss": cfg.loss.name, **extra}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -183,7 +184,9 @@ def _fallback(folder: Path, map_location) -> str:
 class Ranks:
     """The learner's torch.distributed group: rank 0 owns the sockets, the buffer, evaluation, logs and
     checkpoints, and hands each batch to every rank; each rank trains on its share of the groups and DDP
-    averages the gradients, so all ranks hold the same weights (rank 0 publishes them)."""
+    averages the gradients, so all ranks hold the same weights (rank 0 publishes them). Sharded (FSDP), the
+    weights are gathered for each publish and checkpoints written by every rank: rank 0 tells the others when
+    (`Learner.follow`), so every rank enters each collective in the same order."""
 
     def __init__(self) -> None:
         initialised = dist.is_available() and dist.is_initialized()
@@ -297,7 +300,7 @@ class Learner:
         self.split: Split | None = None  # the core split decided (`_split_cores`)
         self.state = LearnerState()
         self._trained: set[str] = set()
-        self._eval_sampler = training.live_sampling_client()
+        self._eval_sampler = training.live_sampling_client() if self.ranks.rank == 0 else None
         self.recorder: StepRecorder | None = None  # made by `run`, over the (possibly resumed) state
         self.dropped_trained = 0  # trajectories that arrived after being trained (before a restart): never twice
         self._since_checkpoint: dict[str, float] = {}  # version → wall time, for versions after the checkpoint
@@ -322,7 +325,10 @@ class Learner:
             state.engines = tallies_to_json(self._tallies)
         if self.recorder is not None:
             state.steps_without_update = self.recorder.steps_without_update
-        state.version, state.weights = self.training.version, f"checkpoint-{state.step:06d}.pt"
+        suffix = ".dcp" if self.training.sharded else ".pt"  # sharded: a folder every rank writes its shards into
+        state.version, state.weights = self.training.version, f"checkpoint-{state.step:06d}{suffix}"
+        if self.training.sharded:
+            self.ranks.share(("save", str(folder / state.weights)))
         self.training.save_state(folder / state.weights).result()
         keep, latest = {state.weights}, folder / LEARNER_STATE
         if latest.is_file():
@@ -335,8 +341,11 @@ class Learner:
         write_atomically(latest, json.dumps(asdict(state)).encode())
         self._since_checkpoint.clear()  # every version published so far is in the checkpoint's publish_wall_s
         for path in folder.iterdir():  # weights no checkpoint names, and what a killed learner left half-written
-            if path.name.startswith(".") or (path.suffix == ".pt" and path.name not in keep):
-                path.unlink(missing_ok=True)
+            if path.name.startswith(".") or (path.suffix in (".pt", ".dcp") and path.name not in keep):
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
 
     def resume(self, checkpoint: Checkpoint) -> None:
         """Continue from ``checkpoint`` (`read_checkpoint`): its weights, optimizer, RNG and learner state. The
@@ -360,6 +369,8 @@ class Learner:
         return held_out_success(self.cfg, self._eval_sampler, self.task)
 
     def _publish(self) -> int:
+        if self.training.sharded:
+            self.ranks.share(("export",))  # every rank takes part in the gather
         version, state = self.training.save_weights_for_sampler().result()
         wall_s = self.state.publish_wall_s[str(version)] = time.time()
         self._record_published(version, wall_s)
@@ -550,7 +561,7 @@ class Learner:
         now_wall = time.time()
         staleness = [version - g.oldest_version for g in groups]
         staleness_s = [now_wall - state.publish_wall_s.get(str(g.oldest_version), now_wall) for g in groups]
-        datums, _ = self.ranks.share((group_datums(groups), self.training.version))
+        _, datums, _ = self.ranks.share(("train", group_datums(groups), self.training.version))
         total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
         skipped: list[SkippedUpdate] = []
         fresh: dict[int, list[float]] = {}
@@ -681,14 +692,21 @@ class Learner:
         return found
 
     def follow(self) -> None:
-        """Ranks > 0: train on each batch rank 0 hands out until it says stop."""
+        """Ranks > 0: do what rank 0 says, in its order, until it says stop: train on a batch (``train``), and,
+        sharded, take part in gathering the weights for a publish (``export``) and write a checkpoint's shards
+        (``save``)."""
         total_updates = self.cfg.rl.steps * self.cfg.rl.updates_per_batch
         while True:
             message = self.ranks.share()
             if message == "stop":
                 return
-            datums, self.training.version = message  # rank 0 publishes; the versions must agree for the loss
-            optimize_batch(self.training, datums, self.cfg, total_updates, (self.ranks.rank, self.ranks.world))
+            if message[0] == "train":
+                _, datums, self.training.version = message  # rank 0 publishes; the versions must agree (loss)
+                optimize_batch(self.training, datums, self.cfg, total_updates, (self.ranks.rank, self.ranks.world))
+            elif message[0] == "export":
+                self.training.save_weights_for_sampler().result()
+            elif message[0] == "save":
+                self.training.save_state(message[1]).result()
 
 
 def finish_learner_run(cfg: Config, task: Task, training: TrainingClient, run_dir: Path, result: LearnerResult,

@@ -199,10 +199,16 @@ class TrainingClient:
     """
 
     def __init__(self, model, tokenizer, *, device: str = "cpu", seed: int | None = None,
-                 data_parallel: bool = False, share_prompts: bool = True):
+                 data_parallel: bool = False, shard: bool = False, share_prompts: bool = True):
         """``data_parallel``: when torch.distributed is initialised with several ranks, wrap the model in
         DistributedDataParallel (gloo on CPU, NCCL on GPU) so ``forward_backward`` averages gradients over the
         ranks; every rank must then call the same primitives in the same order.
+
+        ``shard`` (with several ranks): shard the model with FSDP2 instead (`heterorl.training.sharding`): each
+        rank holds 1/world of the parameters, gradients and optimizer state, and gets the same updates as under
+        DDP. Whole weights exist only on rank 0, gathered by every export (``save_weights_for_sampler``, a
+        snapshot): a collective, so every rank calls it; samplers and ``full_model`` live on rank 0 (the other
+        ranks get None). States are folders written by every rank (DCP; `save_state` / `load_state`).
 
         ``share_prompts``: run a prompt that several datums repeat once per forward (a group's completions
         packed into one row behind it, each seeing only the prompt and itself): same log-probs and gradients,
@@ -219,11 +225,31 @@ class TrainingClient:
         if seed is not None:
             torch.manual_seed(seed)
         self._forward_model = self.model
-        if data_parallel and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        self.sharded = shard and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        self._mirror = None  # sharded: rank 0's whole copy, as of the last export
+        if self.sharded:
+            self._setup_sharding()
+        elif data_parallel and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index or 0] if self.device.type == "cuda" else None
             self._forward_model = DistributedDataParallel(self.model, device_ids=ids)  # syncs rank 0's weights
+
+    def _setup_sharding(self) -> None:
+        from heterorl.training import sharding
+
+        self._aliases = sharding.tied_names(self.model)
+        self._shape = sharding.skeleton(self.model)
+        if torch.distributed.get_rank() == 0:
+            whole = {name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()}
+            self._mirror = sharding.build_from(self._shape, whole, self.device)
+        sharding.fully_shard_model(self.model)
+
+    @property
+    def full_model(self) -> torch.nn.Module | None:
+        """The whole model: the training model itself, or, sharded, rank 0's copy as of the last export (None on
+        the other ranks)."""
+        return self._mirror if self.sharded else self.model
 
     # -- loss computation -------------------------------------------------
     def _loss_batch(self, datums: Sequence[Datum], with_grad: bool, temperature: float = 1.0) -> gepo.LossBatch:
@@ -333,7 +359,8 @@ class TrainingClient:
         if not grads:
             raise HeteroRLError("optim_step called with no gradients: call forward_backward first")
         max_norm = params.grad_clip_norm if params.grad_clip_norm is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # (sharded: a DTensor)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -343,25 +370,41 @@ class TrainingClient:
         """Future of ``OptimStepOutput``: one AdamW step on the accumulated gradients, then zero them."""
         return self._executor.submit(self._optim_step, params or AdamParams())
 
-    def frozen_copy(self) -> torch.nn.Module:
-        """A copy of the model in eval mode with no gradients: a sampler's own weights."""
+    def frozen_copy(self) -> torch.nn.Module | None:
+        """A copy of the model in eval mode with no gradients: a sampler's own weights. Sharded: gathered (every
+        rank calls it), on rank 0; None on the others."""
+        if self.sharded:
+            from heterorl.training.sharding import build_from
+
+            _, state = self._export(bump=False)
+            return build_from(self._shape, state, self.device) if state else None
         frozen = copy.deepcopy(self.model).eval()
         for p in frozen.parameters():
             p.requires_grad_(False)
         return frozen
 
-    def _snapshot(self) -> SamplingClient:
+    def _snapshot(self) -> SamplingClient | None:
         self.version += 1
-        return SamplingClient.for_model(self.frozen_copy(), self.tokenizer, device=self.device, version=self.version)
+        frozen = self.frozen_copy()
+        if frozen is None:  # a sharded rank > 0: it took part in the gather
+            return None
+        return SamplingClient.for_model(frozen, self.tokenizer, device=self.device, version=self.version)
 
     def live_sampling_client(self) -> SamplingClient:
         """A sampler over the training model itself, not a copy: it always samples the current weights (its
         ``version`` stays the one at creation). For evaluation between steps: it must not sample while an
-        update runs. No version bump, no copy."""
-        return SamplingClient.for_model(self.model, self.tokenizer, device=str(self.device), version=self.version)
+        update runs. No version bump, no copy. Sharded: over rank 0's whole copy, which every export refreshes
+        (so it samples the weights of the last export)."""
+        if self.sharded and self._mirror is None:
+            raise HeteroRLError("a sharded learner samples on rank 0 only (the other ranks hold shards)")
+        return SamplingClient.for_model(self.full_model, self.tokenizer, device=str(self.device),
+                                        version=self.version)
 
-    def _export(self) -> tuple[int, dict]:
-        self.version += 1
+    def _export(self, bump: bool = True) -> tuple[int, dict]:
+        if bump:
+            self.version += 1
+        if self.sharded:
+            return self.version, self._gather()
         copies, state = {}, {}
         for name, tensor in self.model.state_dict().items():  # tied weights stay one tensor (copied once)
             key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype) if tensor.numel() else name
@@ -370,8 +413,20 @@ class TrainingClient:
             state[name] = copies[key]
         return self.version, state
 
+    def _gather(self) -> dict:
+        """Sharded: the whole weights on rank 0 (``{}`` elsewhere), also loaded into rank 0's copy."""
+        from heterorl.training.sharding import gather_full_state
+
+        state = gather_full_state(self.model, self._aliases)
+        if state:
+            with torch.no_grad():
+                for name, tensor in self._mirror.state_dict().items():
+                    tensor.copy_(state[name])
+        return state
+
     def save_weights_for_sampler(self) -> Future:
-        """Future of (version, state dict): bump the version and copy the weights for remote samplers."""
+        """Future of (version, state dict): bump the version and copy the weights for remote samplers. Sharded:
+        every rank calls it (the weights are gathered); rank 0 gets them, the others an empty dict."""
         return self._executor.submit(self._export)
 
     def save_weights_and_get_sampling_client(self) -> SamplingClient:
@@ -392,6 +447,10 @@ class TrainingClient:
         }
 
     def _save_state(self, path) -> Path:
+        if self.sharded:
+            from heterorl.training.sharding import save_sharded
+
+            return save_sharded(path, self.model, self.optimizer, self.version, self.step)
         state = self.state_dict()
         return write_atomically(path, lambda f: torch.save(state, f))
 
@@ -403,6 +462,8 @@ class TrainingClient:
     def _load_state(self, state) -> int:
         if not isinstance(state, dict):
             state = read_training_state(state, self.device)
+        if self.sharded or "sharded" in state:
+            return self._load_sharded(state)
         try:
             self.model.load_state_dict(state["model"])
             if state["optimizer"] is not None:
@@ -415,6 +476,20 @@ class TrainingClient:
         torch.set_rng_state(state["rng"]["torch"].cpu())
         version, internal, gauss = state["rng"]["python"]
         random.setstate((version, tuple(internal), gauss))
+        return self.version
+
+    def _load_sharded(self, state: dict) -> int:
+        from heterorl.training.sharding import load_sharded
+
+        if not self.sharded or "sharded" not in state:
+            saved = "sharded (a folder, by several ranks)" if "sharded" in state else "whole (one file)"
+            raise HeteroRLError(f"this training state is {saved}, but the client is "
+                                f"{'sharded' if self.sharded else 'not sharded'}: resume with the learner's "
+                                "sharding as it was (runtime.learner_sharding)")
+        self.optimizer, meta = load_sharded(state["sharded"], self.model, lambda: torch.optim.AdamW(
+            self.model.parameters()))
+        self.version, self.step = int(meta["version"]), int(meta["step"])
+        self._gather()  # rank 0's whole copy holds the loaded weights
         return self.version
 
     def load_state(self, state) -> Future:
@@ -440,6 +515,10 @@ def read_training_state(path, map_location: str | torch.device = "cpu") -> dict:
     state and python's as a tuple of ints), so nothing in the file can run code. HeteroRLError naming the file
     and what is wrong: missing, truncated or garbage, or a field absent."""
     path = Path(path)
+    if path.is_dir():  # a sharded learner's state (`heterorl.training.sharding`): read when loaded
+        from heterorl.training.sharding import read_sharded_meta
+
+        return {"sharded": str(path), **read_sharded_meta(path)}
     if not path.is_file():
         raise HeteroRLError(f"no training state at {path}")
     try:
