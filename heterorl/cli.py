@@ -11,6 +11,7 @@
     heterorl bench async                samples/s of the same run in sync and in async mode
     heterorl bench simulate             staleness of one run live and simulated with its measured timings
     heterorl bench service              the session primitives remote (heterorl serve) vs local
+    heterorl bench reshard              a sharded learner's weights: every rank sends its slices vs gather
     heterorl keys --name NAME [--out D] a CurveZMQ key pair for a learner or a remote worker
     heterorl keys revoke --name NAME --allow-keys D   refuse a worker's key (no restart)
     heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async)
@@ -223,40 +224,18 @@ def cmd_demo(args) -> int:
                                         workers=None, resume=None))
 
 
+# heterorl bench NAME: the module of heterorl.bench whose main(argv) runs it
+BENCHMARKS = {"engine": "engine", "losses": "losses", "transport": "transport", "weights": "weights",
+              "deltas": "deltas", "async": "async_modes", "simulate": "simulation", "service": "service",
+              "reshard": "reshard"}
+
+
 def cmd_bench(args) -> int:
-    if args.what == "engine":
-        from heterorl.bench.engine import main as bench_engine
+    import importlib
 
-        return bench_engine(args.rest)
-    if args.what == "losses":
-        from heterorl.bench.losses import main as bench_losses
-
-        return bench_losses(args.rest)
-    if args.what == "async":
-        from heterorl.bench.async_modes import main as bench_async
-
-        return bench_async(args.rest)
-    if args.what == "transport":
-        from heterorl.bench.transport import main as bench_transport
-
-        return bench_transport(args.rest)
-    if args.what == "service":
-        from heterorl.bench.service import main as bench_service
-
-        return bench_service(args.rest)
-    if args.what == "deltas":
-        from heterorl.bench.deltas import main as bench_deltas
-
-        return bench_deltas(args.rest)
-    if args.what == "weights":
-        from heterorl.bench.weights import main as bench_weights
-
-        return bench_weights(args.rest)
-    if args.what == "simulate":
-        from heterorl.bench.simulation import main as bench_simulate
-
-        return bench_simulate(args.rest)
-    raise HeteroRLError(f"unknown benchmark {args.what!r}")
+    if args.what not in BENCHMARKS:
+        raise HeteroRLError(f"unknown benchmark {args.what!r}; one of {', '.join(BENCHMARKS)}")
+    return importlib.import_module(f"heterorl.bench.{BENCHMARKS[args.what]}").main(args.rest)
 
 
 def cmd_keys(args) -> int:
@@ -546,8 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, RL_CONFIG)
     p.set_defaults(fn=cmd_rl)
     p = sub.add_parser("bench", help="benchmarks that print ratios measured in one run")
-    p.add_argument("what", choices=["engine", "losses", "transport", "weights", "deltas", "async", "simulate",
-                                    "service"])
+    p.add_argument("what", choices=list(BENCHMARKS))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see --help after its name)")
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("train", help="learner + rollout workers as separate processes on this machine "

@@ -407,6 +407,9 @@ class RuntimeConfig:
     # how several learner ranks hold the model: ddp (each the whole model, gradients all-reduced) | fsdp (FSDP2:
     # each rank 1/world of the parameters, gradients and optimizer state; checkpoints sharded, DCP)
     learner_sharding: str = "ddp"
+    # how a sharded learner's weights reach the workers: reshard (every rank sends its own slices, in parallel;
+    # heterorl.transport.shards) | gather (all ranks gather the whole model onto rank 0, which sends it)
+    weights_fanout: str = "reshard"
     checkpoint_every: int = 25  # learner steps between checkpoints (0: only at the end)
     # async: a worker takes a newer version between decode steps of a generation in progress (torch engine;
     # each token stamped with its version). Off: new weights are applied between generations
@@ -437,6 +440,7 @@ class RuntimeConfig:
         _one_of(f"{key}.execution", self.execution, ("live", "simulated"))
         _one_of(f"{key}.thread_split", self.thread_split, ("adaptive", "fixed"))
         _one_of(f"{key}.learner_sharding", self.learner_sharding, ("ddp", "fsdp"))
+        _one_of(f"{key}.weights_fanout", self.weights_fanout, ("reshard", "gather"))
         _positive(self, key, "workers", "groups_per_call", "threads", "learner_ranks", "vllm_kv_cache_gib")
         _optional_positive(self, key, "learner_threads", "worker_threads")
         if any(f < 1 for f in self.throttle):

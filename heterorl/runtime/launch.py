@@ -45,7 +45,7 @@ def _init_ranks(cfg: Config) -> int:
     return dist.get_rank()
 
 
-def _follow_rank(cfg: Config, resume: bool) -> None:
+def _follow_rank(cfg: Config, resume: bool, curve=None, allow_plaintext: bool = False) -> None:
     """A learner rank > 0: same model and optimizer, trains on its share of each batch, owns no socket."""
     from heterorl.policies import load_policy
     from heterorl.runtime.learner import Learner, read_checkpoint
@@ -59,7 +59,7 @@ def _follow_rank(cfg: Config, resume: bool) -> None:
                               shard=cfg.runtime.learner_sharding == "fsdp")
     if resume:
         training.load_state(read_checkpoint(cfg.logging.run_dir, cfg.policy.device).training_state).result()
-    Learner(cfg, training, task, None, cfg.logging.run_dir).follow()
+    Learner(cfg, training, task, None, cfg.logging.run_dir).follow(_transport_config(cfg, allow_plaintext), curve)
 
 
 def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, allow_plaintext: bool = False,
@@ -79,7 +79,7 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
 
     torch.set_num_threads(cfg.runtime.learner_threads or cfg.runtime.threads)
     if _init_ranks(cfg) > 0:
-        _follow_rank(cfg, resume)
+        _follow_rank(cfg, resume, curve, allow_plaintext)
         return None
     checkpoint = read_checkpoint(run_dir, cfg.policy.device) if resume else None
     if checkpoint is not None:
@@ -161,11 +161,26 @@ def _in_use(host: str, port: int | None) -> bool:
     return False
 
 
+def _transport_config(cfg: Config, allow_plaintext: bool):
+    from heterorl.config import TransportConfig
+
+    return TransportConfig(**{**cfg.transport.__dict__, "allow_plaintext": allow_plaintext
+                              or cfg.transport.allow_plaintext})
+
+
+def _shard_ranks(cfg: Config) -> int:
+    """The ranks that send their own slices of each version (1: rank 0 sends whole versions)."""
+    import torch.distributed as dist
+
+    sharded = (cfg.runtime.learner_sharding == "fsdp" and cfg.runtime.weights_fanout == "reshard"
+               and dist.is_initialized())
+    return dist.get_world_size() if sharded else 1
+
+
 def _learner_server(cfg: Config, addresses: tuple[str, str | None], training, *, curve, allow_plaintext: bool,
                     published_before: int):
     """The learner's `LearnerServer` on ``addresses`` (`learner_addresses`), its address written to
     ``RUN_DIR/endpoints.json``."""
-    from heterorl.config import TransportConfig
     from heterorl.delay.clock import delay_clock
     from heterorl.delay.links import DelayLink
     from heterorl.runtime.learner import learner_settings, trajectory_contract
@@ -173,15 +188,15 @@ def _learner_server(cfg: Config, addresses: tuple[str, str | None], training, *,
 
     run_dir = Path(cfg.logging.run_dir)
     bind, weights_address = addresses
-    transport = TransportConfig(**{**cfg.transport.__dict__, "allow_plaintext": allow_plaintext
-                                   or cfg.transport.allow_plaintext})
+    transport = _transport_config(cfg, allow_plaintext)
     weights_delay = None
     if cfg.delay.down.kind != "none":
         weights_delay = lambda worker_id: DelayLink(cfg.delay.down, name=f"{worker_id}/weights")  # noqa: E731
     contract = trajectory_contract(cfg, training.model)  # checked on every trajectory before it is buffered
     server = LearnerServer(bind, transport, curve=curve, weights_address=weights_address, weights_delay=weights_delay,
                            settings=learner_settings(cfg, contract), clock=delay_clock(cfg).now, contract=contract,
-                           published_before=published_before, group_timeout_s=cfg.buffer.partial_group_timeout_s)
+                           published_before=published_before, group_timeout_s=cfg.buffer.partial_group_timeout_s,
+                           shard_ranks=_shard_ranks(cfg))
     (run_dir / ENDPOINTS).write_text(json.dumps({"control": server.control_endpoint,
                                                  "weights": server.weights_endpoint}))
     print(f"learner listening on {server.control_endpoint} (weights on {server.weights_endpoint})", flush=True)

@@ -46,6 +46,7 @@ from heterorl.training.session import Datum, SamplingClient, TrainingClient, rea
 from heterorl.training.step import SkippedUpdate, optimize_batch
 from heterorl.transport import LearnerServer
 from heterorl.transport.protocol import TrajectoryContract
+from heterorl.transport.shards import ShardServer, describer, slices_of
 from heterorl.transport.weights import wire_dtype
 
 log = logging.getLogger("heterorl.runtime.learner")
@@ -301,6 +302,9 @@ class Learner:
         self.state = LearnerState()
         self._trained: set[str] = set()
         self._eval_sampler = training.live_sampling_client() if self.ranks.rank == 0 else None
+        # a sharded learner's every rank sends its own slices of each version (heterorl.transport.shards)
+        self._reshard = training is not None and training.sharded and cfg.runtime.weights_fanout == "reshard"
+        self._shard_server = None  # ranks > 0: their slices' weights channel, bound at the first publish
         self.recorder: StepRecorder | None = None  # made by `run`, over the (possibly resumed) state
         self.dropped_trained = 0  # trajectories that arrived after being trained (before a restart): never twice
         self._since_checkpoint: dict[str, float] = {}  # version → wall time, for versions after the checkpoint
@@ -366,17 +370,48 @@ class Learner:
 
     # -- helpers ------------------------------------------------------------------------------------
     def _evaluate(self) -> float:
+        if self._reshard:  # rank 0's whole copy is refreshed only here: every rank gathers into it
+            self.ranks.share(("gather",))
+            self.training.refresh_full_model().result()
         return held_out_success(self.cfg, self._eval_sampler, self.task)
 
+    def _wire_dtype(self):
+        return wire_dtype(self.cfg.runtime.weights_dtype, sum(p.numel() for p in self.training.model.parameters()))
+
     def _publish(self) -> int:
+        if self._reshard:
+            return self._publish_slices()
         if self.training.sharded:
             self.ranks.share(("export",))  # every rank takes part in the gather
         version, state = self.training.save_weights_for_sampler().result()
         wall_s = self.state.publish_wall_s[str(version)] = time.time()
         self._record_published(version, wall_s)
-        parameters = sum(p.numel() for p in self.training.model.parameters())
-        self.server.publish(version, state, dtype=wire_dtype(self.cfg.runtime.weights_dtype, parameters))
+        self.server.publish(version, state, dtype=self._wire_dtype())
         return version
+
+    def _publish_slices(self) -> int:
+        """Every rank publishes its own slices of the new version: rank 0 on its weights channel, the others on
+        theirs, keeping the versions rank 0 may still release to a worker."""
+        self.ranks.share(("slices", sorted(self.server.needed_versions()), self.server.weights_endpoint))
+        version, state = self.training.save_shards_for_sampler().result()
+        slices, shapes, boxes = slices_of(state, 0, self.ranks.world)
+        wall_s = self.state.publish_wall_s[str(version)] = time.time()
+        self._record_published(version, wall_s)
+        self.server.publish(version, slices, dtype=self._wire_dtype(),
+                            describe=describer(0, self.ranks.world, shapes, boxes))
+        return version
+
+    def _publish_own_slices(self, needed: list[int], endpoint: str) -> None:
+        """Ranks > 0: this rank's slices of the new version, on its weights channel (rank 0's weights port +
+        its rank, on rank 0's host)."""
+        rank, world = self.ranks.rank, self.ranks.world
+        if self._shard_server is None:
+            host, _, port = endpoint.rpartition(":")
+            self._shard_server = ShardServer(f"{host}:{int(port) + rank}", rank, world, self._transport,
+                                             curve=self._curve)
+        version, state = self.training.save_shards_for_sampler().result()
+        slices, shapes, boxes = slices_of(state, rank, world)
+        self._shard_server.publish(version, slices, shapes, boxes, dtype=self._wire_dtype(), needed=set(needed))
 
     def _record_published(self, version: int, wall_s: float) -> None:
         """Write down ``version`` as the newest published before any worker can see it (a small file, written
@@ -691,20 +726,28 @@ class Learner:
                           "weights/bytes_ratio": stats["weights/version_bytes"] / max(len(step.blob), 1)})
         return found
 
-    def follow(self) -> None:
+    def follow(self, transport=None, curve=None) -> None:
         """Ranks > 0: do what rank 0 says, in its order, until it says stop: train on a batch (``train``), and,
-        sharded, take part in gathering the weights for a publish (``export``) and write a checkpoint's shards
-        (``save``)."""
+        sharded, take part in gathering the weights for a publish (``export``) or for evaluation (``gather``),
+        publish this rank's slices of a version (``slices``; on a weights channel made with ``transport`` and
+        ``curve``) and write a checkpoint's shards (``save``)."""
+        self._transport, self._curve = transport, curve
         total_updates = self.cfg.rl.steps * self.cfg.rl.updates_per_batch
         while True:
             message = self.ranks.share()
             if message == "stop":
+                if self._shard_server is not None:
+                    self._shard_server.close()
                 return
             if message[0] == "train":
                 _, datums, self.training.version = message  # rank 0 publishes; the versions must agree (loss)
                 optimize_batch(self.training, datums, self.cfg, total_updates, (self.ranks.rank, self.ranks.world))
             elif message[0] == "export":
                 self.training.save_weights_for_sampler().result()
+            elif message[0] == "slices":
+                self._publish_own_slices(*message[1:])
+            elif message[0] == "gather":
+                self.training.refresh_full_model().result()
             elif message[0] == "save":
                 self.training.save_state(message[1]).result()
 

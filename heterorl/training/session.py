@@ -424,6 +424,24 @@ class TrainingClient:
                     tensor.copy_(state[name])
         return state
 
+    def _export_shards(self) -> tuple[int, dict]:
+        if not self.sharded:
+            raise HeteroRLError("save_shards_for_sampler is for a sharded client (shard=True under several ranks)")
+        self.version += 1
+        return self.version, self.model.state_dict()
+
+    def save_shards_for_sampler(self) -> Future:
+        """Sharded: future of (version, this rank's state dict as it holds it: DTensors, each rank's part of
+        dim 0), for a fan-out in which every rank sends its own slices (`heterorl.transport.shards`). No
+        collective and no copy (the slices are copied when published, before the next call runs); bumps the
+        version as `save_weights_for_sampler` does."""
+        return self._executor.submit(self._export_shards)
+
+    def refresh_full_model(self) -> Future:
+        """Sharded: gather the weights into rank 0's whole copy (``full_model``), as an export does (a collective:
+        every rank calls it); not sharded: nothing to do."""
+        return self._executor.submit(self._gather if self.sharded else lambda: None)
+
     def save_weights_for_sampler(self) -> Future:
         """Future of (version, state dict): bump the version and copy the weights for remote samplers. Sharded:
         every rank calls it (the weights are gathered); rank 0 gets them, the others an empty dict."""

@@ -42,6 +42,7 @@ from heterorl.transport.protocol import (
     decode,
     encode,
 )
+from heterorl.transport.reshard import Assembler, DestLayout, Piece, ReshardError
 from heterorl.transport.sockets import (
     CurveConfig,
     DelaySchedule,
@@ -142,6 +143,7 @@ class WorkerClient(_Endpoint):
         self._poller = zmq.Poller()
         self._weights: zmq.Socket | None = None
         self._fetch = _Fetch()
+        self._shards: _Shards | None = None  # a sharded learner's other ranks (Ready names their weights ports)
         self._now = self._last_heard = self._dialled_at = time.monotonic()  # _now: when the I/O loop last woke up
         self._last_hello = self._last_beat = 0.0
         self._handlers: dict[str, Callable] = {Ready.kind: self._on_ready, Ack.kind: self._on_ack,
@@ -326,6 +328,8 @@ class WorkerClient(_Endpoint):
                     _receive(weights, self._on_weights)
                 if weights is not None:
                     self._fetch.check_timeout(weights, self, now)
+                if self._shards is not None:
+                    self._shards.poll(self, events, now)
                 control = self._keep_alive(control, now)
                 self._drain_outbox(control)
         finally:
@@ -334,6 +338,8 @@ class WorkerClient(_Endpoint):
             control.close(self.config.linger_ms)
             if self._weights is not None:
                 self._weights.close(0)
+            if self._shards is not None:
+                self._shards.close()
             self._ctx.term()
             self._wakeup.close()
 
@@ -395,6 +401,11 @@ class WorkerClient(_Endpoint):
         if self._weights is None:
             host = self.address.rsplit(":", 1)[0]
             self._weights = self._connect(f"{host}:{ready.settings['weights_port']}", self.config.weights_hwm)
+            ports = [int(p) for p in str(ready.settings.get("shard_ports") or "").split(",") if p.isdigit()]
+            if ports:  # a sharded learner: every rank sends its own slices (heterorl.transport.shards)
+                self._shards = _Shards(self, [self._connect(f"{host}:{port}", self.config.weights_hwm)
+                                              for port in ports])
+                self._fetch.deliver = self._shards.part_of(0)
         with self._lock:
             first = self._ready is None
             self._ready = ready
@@ -557,15 +568,20 @@ class _Fetch:
         self.received: set[int] = set()
         self.next_chunk = 0
         self.last_progress = 0.0
+        # a sharded learner's slices: the version to fetch from this rank (-1: the newest released), and who
+        # takes a verified version (None: the client, as the whole model)
+        self.want = -1
+        self.deliver: Callable[[WeightsHeader, dict, float], None] | None = None
 
-    def start(self, sock: zmq.Socket, client: WorkerClient, now: float) -> None:
-        if self.active and self.header is None:
+    def start(self, sock: zmq.Socket, client: WorkerClient, now: float, want: int = -1) -> None:
+        if self.active and self.header is None and want == self.want:
             return  # a header request is already out
         self._drop_transfer()
-        self.active, self.header, self.received, self.next_chunk = True, None, set(), 0
+        self.active, self.header, self.received, self.next_chunk, self.want = True, None, set(), 0, want
         self.last_progress = now
         base = self.held[0].version if self.held is not None and client.config.weights_deltas else -1
-        request = WeightsRequest(client.worker_id, have_version=client._fetched_version, delta_base=base)
+        request = WeightsRequest(client.worker_id, have_version=client._fetched_version, version=want,
+                                 delta_base=base)
         _send(sock, encode(request), client.stats, "weights_request")
 
     def resync(self, sock, client: WorkerClient, now: float, reason: str | None = None) -> None:
@@ -575,7 +591,7 @@ class _Fetch:
         client.stats["weights/resyncs"] += 1
         self._drop_transfer()
         self.held, self.active, self.header = None, False, None
-        self.start(sock, client, now)
+        self.start(sock, client, now, self.want)
 
     def _drop_transfer(self) -> None:
         """An unfinished transfer's buffer can take a later version."""
@@ -589,8 +605,16 @@ class _Fetch:
         _send(sock, encode(request), client.stats, "weights_request")
 
     def _on_header(self, sock, client: WorkerClient, message: WeightsHeader, now: float) -> None:
+        if self.want >= 0 and message.version != self.want:
+            self.active = False  # this rank has not published it yet (or no longer keeps it): `_Shards` asks again
+            client.stats["weights/shard_not_ready"] += 1
+            return
         if message.version <= client._fetched_version:
             self.active = False  # nothing newer released to us yet
+            return
+        if self.deliver is not None and self.held is not None and self.held[0].version == message.version:
+            self.active = False  # held already (a sharded learner's rank asked again): hand it over as it is
+            self.deliver(self.held[0], unpack_state_dict(self.held[0], self.held[1]), now)
             return
         if message.is_delta and (self.held is None or self.held[0].version != message.base_version
                                  or not same_layout(self.held[0], message)):
@@ -672,7 +696,14 @@ class _Fetch:
         self.held = (header, buffer) if client.config.weights_deltas else None
         if self.held is None:
             self.buffers.reuse_later(buffer)
-        client._deliver_weights(header.version, state)
+        if self.deliver is not None:
+            self.deliver(header, state, now)
+        elif header.shard:  # slices of a sharded learner, where the whole model was expected: never loaded
+            client.stats["weights/rejected/shard"] += 1
+            log.warning("weights version %d came as one rank's slices, but the learner named no other ranks; "
+                        "not loading it", header.version)
+        else:
+            client._deliver_weights(header.version, state)
         if self.held is not None and not header.is_delta:
             self.buffers.prepare(header.total_bytes)
 
@@ -680,3 +711,114 @@ class _Fetch:
         if self.active and now - self.last_progress > client.config.fetch_timeout_s:
             client.stats["weights/fetch_restarts"] += 1
             self.active = False
+
+SHARD_RETRY_S = 0.05  # how soon a worker asks a rank again for a version it has not published yet
+
+
+class _Shards:
+    """A sharded learner's fan-out on the worker (heterorl.transport.shards): rank 0's fetch (the weights channel)
+    names the version released to this worker; every other rank is asked for that same version on its own
+    socket, and the version is delivered once every rank's verified slices of it are placed by an
+    all-or-nothing `reshard.Assembler`. A newer version from rank 0 replaces the one being gathered (its slices
+    are dropped): a worker never loads a mix of two versions. A rank that does not answer within
+    ``fetch_timeout_s`` is counted (``weights/shard_timeouts/RANK``) and asked again; meanwhile the worker keeps
+    the version it has. Slices that do not fit (a wrong shape or offset, two ranks claiming one element, one
+    missing) are counted under ``weights/rejected/<reason>`` and every rank's version fetched whole again."""
+
+    def __init__(self, client: WorkerClient, sockets: list[zmq.Socket]) -> None:
+        self.sockets = {rank: sock for rank, sock in enumerate(sockets, start=1)}
+        self.fetches = {rank: _Fetch() for rank in self.sockets}
+        for rank, fetch in self.fetches.items():
+            fetch.deliver = self.part_of(rank)
+        self.world = len(sockets) + 1
+        self.target = -1
+        self.parts: dict[int, tuple[WeightsHeader, dict]] = {}
+        self.retry_at: dict[int, float] = {}
+        self._client = client
+
+    def part_of(self, rank: int) -> Callable[[WeightsHeader, dict, float], None]:
+        return lambda header, state, now: self.on_part(rank, header, state, now)
+
+    def on_part(self, rank: int, header: WeightsHeader, state: dict, now: float) -> None:
+        client = self._client
+        if header.version < self.target or header.version <= client._fetched_version:
+            return  # a slice of a version given up on, or delivered already
+        if header.shard != [rank, self.world]:
+            client.stats["weights/rejected/shard"] += 1
+            log.warning("learner rank %d sent slices marked %s, not [%d, %d]", rank, header.shard, rank, self.world)
+            return
+        if header.version > self.target:  # (only rank 0's can be: the others are asked for the target)
+            self.target, self.parts = header.version, {}
+            for other in self.fetches:
+                self.retry_at[other] = now  # ask now
+        self.parts[rank] = (header, state)
+        if len(self.parts) == self.world:
+            self._deliver(now)
+
+    def poll(self, client: WorkerClient, events: dict, now: float) -> None:
+        """The I/O loop's turn: take the ranks' replies, ask again where a rank's slices are due."""
+        for rank, sock in self.sockets.items():
+            fetch = self.fetches[rank]
+            if sock in events:
+                _receive(sock, lambda s, frames, f=fetch: self._on_frames(s, f, frames, now))
+            if fetch.active and now - fetch.last_progress > client.config.fetch_timeout_s:
+                client.stats[f"weights/shard_timeouts/{rank}"] += 1
+                log.warning("learner rank %d sent nothing of version %d for %.0f s; the worker keeps version %d",
+                            rank, self.target, client.config.fetch_timeout_s, client._fetched_version)
+                fetch.active = False
+            if (self.target > client._fetched_version and rank not in self.parts and not fetch.active
+                    and now >= self.retry_at.get(rank, 0.0)):
+                self.retry_at[rank] = now + SHARD_RETRY_S
+                fetch.start(sock, client, now, self.target)
+
+    def _on_frames(self, sock, fetch: _Fetch, frames: list, now: float) -> None:
+        message = self._client._decode(frames, "weights")
+        if message is not None:
+            fetch.on_message(sock, self._client, message, now)
+        elif fetch.active:
+            fetch.resync(sock, self._client, now)
+
+    def _deliver(self, now: float) -> None:
+        client, version = self._client, self.target
+        try:
+            state = assemble(version, [self.parts[rank] for rank in range(self.world)])
+        except ReshardError as exc:
+            client.stats[f"weights/rejected/{exc.reason}"] += 1
+            log.warning("the slices of weights version %d do not fit together (%s); fetching them whole", version,
+                        exc)
+            self.parts = {}
+            client._fetch.resync(client._weights, client, now)
+            for rank, fetch in self.fetches.items():
+                fetch.held = None
+            return
+        client.stats["weights/shard_versions_assembled"] += 1
+        self.parts = {}
+        client._deliver_weights(version, state)
+
+    def close(self) -> None:
+        for sock in self.sockets.values():
+            sock.close(0)
+
+
+def assemble(version: int, parts: list[tuple[WeightsHeader, dict]]) -> dict:
+    """The whole state dict of ``version`` from every rank's (header, slices), placed by a `reshard.Assembler`
+    (`ReshardError` when they do not tile every tensor exactly once); tied names share one tensor."""
+    shapes, dtypes, aliases = {}, {}, {}
+    for header, state in parts:
+        for name, full in zip(header.names, header.full_shapes):
+            if shapes.setdefault(name, tuple(full)) != tuple(full):
+                raise ReshardError(f"ranks disagree on the shape of {name!r}: {shapes[name]} and {tuple(full)}",
+                                   "shape")
+            dtypes[name] = state[name].dtype
+        aliases.update(dict(header.aliases))
+    assembler = Assembler(version, shapes, DestLayout(), dtypes)
+    for rank, (header, state) in enumerate(parts):
+        for name, box in zip(header.names, header.boxes):
+            box = tuple((start, stop) for start, stop in box)
+            piece = Piece(name, rank, "", box, tuple((0, stop - start) for start, stop in box), box,
+                          tuple(state[name].shape))
+            assembler.add(version, piece, state[name])
+    whole = assembler.tensors()
+    for alias, source in aliases.items():
+        whole[alias] = whole[source]
+    return whole

@@ -607,7 +607,11 @@ class WeightsHeader(Message):
     Optional (absent from learners of earlier versions): ``base_version`` ≥ 0 says the chunks carry a delta
     payload (heterorl.transport.deltas) from that version, of ``payload_bytes`` bytes, instead of the packed
     tensors; ``checksums`` holds the XXH3-64 of each tensor of the version, which the rebuilt bytes must match;
-    ``aliases`` names tensors sent once under another name (tied weights)."""
+    ``aliases`` names tensors sent once under another name (tied weights).
+
+    A sharded learner's rank sends only the slices it owns (heterorl.transport.reshard): ``shard`` is [rank,
+    world], and for each tensor ``full_shapes`` gives the whole tensor's shape and ``boxes`` where the slice lies
+    in it ([start, stop] per dim); a worker places every rank's slices of one version before it uses any."""
 
     kind: ClassVar[str] = "weights_header"
     version: int
@@ -621,7 +625,11 @@ class WeightsHeader(Message):
     payload_bytes: int = -1  # −1: the packed tensors themselves (``total_bytes``)
     checksums: list[int] = field(default_factory=list)
     aliases: list[list[str]] = field(default_factory=list)  # [name, name it is the same tensor as] (tied weights)
-    optional_fields: ClassVar[frozenset] = frozenset({"base_version", "payload_bytes", "checksums", "aliases"})
+    shard: list[int] = field(default_factory=list)  # [rank, world] of a sharded learner's slices; [] whole tensors
+    full_shapes: list[list[int]] = field(default_factory=list)  # (slices) each tensor's whole shape
+    boxes: list[list[list[int]]] = field(default_factory=list)  # (slices) each slice's [start, stop] per dim
+    optional_fields: ClassVar[frozenset] = frozenset({"base_version", "payload_bytes", "checksums", "aliases",
+                                                      "shard", "full_shapes", "boxes"})
 
     @property
     def is_delta(self) -> bool:
@@ -669,9 +677,48 @@ class WeightsHeader(Message):
         carried = payload if payload >= 0 else total
         if num_chunks != -(-carried // chunk_bytes):
             raise ProtocolError("num_chunks", f"{num_chunks} != ceil({carried} / {chunk_bytes})", "length_mismatch")
+        shard, full_shapes, boxes = _slices(body, shapes)
         return cls(version=version, names=names, dtypes=dtypes, shapes=shapes, total_bytes=total,
                    chunk_bytes=chunk_bytes, num_chunks=num_chunks, base_version=base, payload_bytes=payload,
-                   checksums=checksums, aliases=_aliases(body.get("aliases", []), names, limits))
+                   checksums=checksums, aliases=_aliases(body.get("aliases", []), names, limits), shard=shard,
+                   full_shapes=full_shapes, boxes=boxes)
+
+
+def _slices(body: dict, shapes: list[list[int]]) -> tuple[list[int], list[list[int]], list[list[list[int]]]]:
+    """A sharded rank's ``shard``, ``full_shapes`` and ``boxes``, checked: each box inside its whole tensor and
+    of its slice's shape; all three absent for whole tensors."""
+    shard = body.get("shard", [])
+    if not shard:
+        if body.get("full_shapes") or body.get("boxes"):
+            raise ProtocolError("shard", "full_shapes and boxes come with shard [rank, world]", "length_mismatch")
+        return [], [], []
+    if not isinstance(shard, list) or len(shard) != 2:
+        raise ProtocolError("shard", "expected [rank, world]", "type")
+    world = _int("shard[1]", shard[1], 1, 1 << 16)
+    rank = _int("shard[0]", shard[0], 0, world - 1)
+    full_raw, boxes_raw = body.get("full_shapes"), body.get("boxes")
+    if not (isinstance(full_raw, list) and isinstance(boxes_raw, list) and len(full_raw) == len(boxes_raw)
+            == len(shapes)):
+        raise ProtocolError("boxes", f"expected full_shapes and boxes for each of the {len(shapes)} tensors",
+                            "length_mismatch")
+    full_shapes, boxes = [], []
+    for i, (full, box, shape) in enumerate(zip(full_raw, boxes_raw, shapes)):
+        if not (isinstance(full, list) and isinstance(box, list) and len(full) == len(box) == len(shape)):
+            raise ProtocolError(f"boxes[{i}]", f"expected {len(shape)} dims, a whole shape and [start, stop] "
+                                "per dim", "type")
+        full = [_int(f"full_shapes[{i}]", d, 0, _INT32_MAX) for d in full]
+        pairs = []
+        for d, (pair, size, extent) in enumerate(zip(box, full, shape)):
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise ProtocolError(f"boxes[{i}][{d}]", "expected [start, stop]", "type")
+            start, stop = (_int(f"boxes[{i}][{d}]", x, 0, size) for x in pair)
+            if stop - start != extent:
+                raise ProtocolError(f"boxes[{i}][{d}]", f"[{start}, {stop}] is not the slice's {extent} along "
+                                    f"dim {d}", "bounds")
+            pairs.append([start, stop])
+        full_shapes.append(full)
+        boxes.append(pairs)
+    return [rank, world], full_shapes, boxes
 
 
 def _aliases(value: Any, names: list[str], limits: Limits) -> list[list[str]]:

@@ -22,7 +22,6 @@ for its chunks. A worker that joins late or misses notices always gets the newes
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket as pysocket
 import threading
@@ -39,7 +38,6 @@ from zmq.auth.thread import ThreadAuthenticator
 from heterorl.config import TransportConfig
 from heterorl.delay.queue import DelayQueue
 from heterorl.errors import ConfigError, HeteroRLError
-from heterorl.transport.deltas import DeltaChain, Layout, encode_step, same_layout, tensor_checksums
 from heterorl.transport.protocol import (
     BYE_BUSY,
     BYE_LEARNER_STOPPING,
@@ -55,7 +53,6 @@ from heterorl.transport.protocol import (
     Trajectory,
     TrajectoryBatch,
     TrajectoryContract,
-    WeightsChunk,
     WeightsNotice,
     WeightsRequest,
     decode,
@@ -72,7 +69,7 @@ from heterorl.transport.sockets import (
     _socket,
     _Wakeup,
 )
-from heterorl.transport.weights import PackedWeights, pack_state_dict
+from heterorl.transport.store import WeightsStore
 
 log = logging.getLogger("heterorl.transport")
 
@@ -175,13 +172,15 @@ class LearnerServer(_Endpoint):
                  weights_delay: Callable[[str], Any] | None = None,
                  settings: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic,
                  contract: TrajectoryContract | None = None, published_before: int = -1,
-                 group_timeout_s: float = 600.0) -> None:
+                 group_timeout_s: float = 600.0, shard_ranks: int = 1) -> None:
         """``contract``: what every trajectory must satisfy to be buffered (`set_contract`); None checks only
         that frames are well formed. ``published_before``: the newest version an earlier learner of this run
         published (a resumed learner's, docs/RELIABILITY.md "Crash and resume"): workers may hold it, so the
         contract takes trajectories stamped up to it before this server publishes anything, and `publish` goes
         above it. ``group_timeout_s``: an incomplete group is dropped this long after its first member arrived
-        (the learner passes ``buffer.partial_group_timeout_s``). ``weights_delay``: `_schedule_notice`."""
+        (the learner passes ``buffer.partial_group_timeout_s``). ``weights_delay``: `_schedule_notice`.
+        ``shard_ranks`` > 1: a sharded learner whose ranks each send their own slices (heterorl.transport.shards);
+        rank r's weights channel is this one's port + r, and every worker is told so when it joins."""
         self.config = config or TransportConfig()
         self.config.validate()
         _require_security(address, curve, self.config, (
@@ -206,19 +205,17 @@ class LearnerServer(_Endpoint):
         self._auth: ThreadAuthenticator | None = None
         self._allowed_keys: set[str] | None = None  # z85 public keys allowed in (CURVE only)
         self._keys_signature, self._keys_checked = None, 0.0  # (the allowed keys' files, when last read)
-        self._versions: OrderedDict[int, PackedWeights] = OrderedDict()
-        self._retired: deque[PackedWeights] = deque(maxlen=2)  # dropped versions whose buffers publish reuses
-        self._chain = DeltaChain(self.config.max_retained_versions)  # steps between versions (weights_deltas)
-        self._payloads: dict[tuple[int, int], PackedWeights] = {}  # (base, version) → a delta payload's chunks
-        # the newest version's step from the one before it (`EncodedStep`), the dtype of its floating-point tensors
-        self.last_step, self.weights_dtype = None, "float32"
+        self.stats: Counter = Counter()
+        # the versions published (the newest: the contract's version bound; a resumed learner's starts above the
+        # newest an earlier learner of this run published), their delta chain
+        self.store = WeightsStore(self.config, self.stats, newest=published_before)
         self._publish_times: dict[int, float] = {}
-        self._newest = published_before  # the newest version published in this run: the contract's version bound
+        self._shard_ranks = shard_ranks
+        self.shard_ports: list[int] = []  # a sharded learner's other ranks' weights ports, told to workers (Ready)
         self._admission_cap: int | None = None  # total groups the fleet may start (None: no admission control)
         self._starts_granted_total = 0
         self._starts_refused = 0  # groups started on a permit and refused whole: they widen the admission cap
         self._starts_ahead, self._local_threads = 1, 0  # permits a worker may hold; threads advised (0: none)
-        self.stats: Counter = Counter()
         self._reject_log = _RateLimitedLog()
         self._removal_log = _RateLimitedLog("worker removed from the registry", logging.INFO)
         self._stop, self._ready = threading.Event(), threading.Event()
@@ -255,42 +252,28 @@ class LearnerServer(_Endpoint):
         with self._lock:
             return len(self._buffer) + self._held
 
-    def publish(self, version: int, state: dict, dtype: torch.dtype | None = None) -> None:
+    @property
+    def last_step(self):
+        """The newest version's step from the one before it (`EncodedStep`), or None."""
+        return self.store.last_step
+
+    @property
+    def weights_dtype(self) -> str:
+        """The dtype of the published versions' floating-point tensors."""
+        return self.store.weights_dtype
+
+    def publish(self, version: int, state: dict, dtype: torch.dtype | None = None,
+                describe: Callable | None = None) -> None:
         """Make ``state`` available as ``version`` (strictly increasing), its floating-point tensors cast to
         ``dtype`` (the workers' inference dtype; None: as they are); workers are notified after their delay.
         The tensors are copied once, into the buffer of a retired version when one is free; with
-        ``transport.weights_deltas`` the step from the previous version is encoded here too (`last_step`)."""
+        ``transport.weights_deltas`` the step from the previous version is encoded here too (`last_step`).
+        ``describe(header)``: what a sharded learner's rank 0 adds to the header (`WeightsStore.pack`)."""
         with self._lock:
-            if version <= self._newest:
-                raise TransportError(f"weights version {version} is not newer than {self._newest}")
-            spare = next((p for p in self._retired if not p.in_flight()), None)
-            if spare is not None:
-                self._retired.remove(spare)
-            previous = self._versions.get(self._newest)  # the newest is never retired, so it stays intact
-        packed = pack_state_dict(state, version, self.config.weights_chunk_bytes,
-                                 out=spare.buffer if spare is not None else None, dtype=dtype)
-        layout = Layout.of(packed.header)
-        packed.header.checksums = tensor_checksums(layout, packed.buffer)
-        step = None
-        if self.config.weights_deltas and previous is not None and same_layout(previous.header, packed.header):
-            step = encode_step(layout, previous.buffer, packed.buffer, previous.header.version, version)
+            spare, previous = self.store.begin(version)
+        packed, step = self.store.pack(state, version, spare, previous, dtype, describe)
         with self._lock:
-            if version <= self._newest:
-                raise TransportError(f"weights version {version} is not newer than {self._newest}")
-            self._versions[version] = packed
-            self._newest, self.last_step = version, step
-            self.weights_dtype = next((d for d in packed.header.dtypes if d.startswith(("float", "bfloat"))),
-                                      self.weights_dtype)
-            self.stats["weights/versions"] += 1
-            self.stats["weights/version_bytes"] = packed.header.total_bytes
-            if step is not None:
-                self.stats["weights/steps_encoded"] += 1
-                self.stats["weights/step_bytes"] += len(step.blob)
-                self.stats["weights/encode_s"] += step.seconds
-            if step is not None and previous.header.version == version - 1:
-                self._chain.add(version, step, packed.header.total_bytes)
-            else:
-                self._chain.reset()
+            self.store.add(version, packed, step)
             now = self._clock()
             self._publish_times[version] = now
             for worker in self._workers.values():
@@ -415,6 +398,7 @@ class LearnerServer(_Endpoint):
             weights_address = self._weights_address or (
                 f"{self._address.rsplit(':', 1)[0]}:{0 if self._address.endswith(':0') else _port_of(self._address) + 1}")
             weights, self.weights_endpoint = self._bind(ctx, weights_address, self.config.weights_hwm)
+            self.shard_ports = [_port_of(self.weights_endpoint) + r for r in range(1, self._shard_ranks)]
             return auth, control, weights
         except BaseException:
             for s in sockets:
@@ -565,14 +549,15 @@ class LearnerServer(_Endpoint):
         worker.pending_notices.clear()
         # a (re)joining worker gets the newest version this server holds at once (none before its first publish):
         # its link's next transfer is the steps from there
-        worker.released_version = max(self._versions, default=-1)
+        worker.released_version = max(self.store.versions, default=-1)
         worker.noticed_version, worker.waiting_version = worker.released_version, -1
         worker.last_credit_sent = self._credit_limit(worker, now)
         ready = Ready(worker_id=hello.worker_id, credits=worker.last_credit_sent,
                       newest_version=worker.released_version,
                       heartbeat_interval_s=self.config.heartbeat_interval_s,
                       settings={**self._settings, "weights_port": _port_of(self.weights_endpoint),
-                                "start_limit": -1 if self._admission_cap is None else 0})
+                                "start_limit": -1 if self._admission_cap is None else 0,
+                                **({"shard_ports": ",".join(map(str, self.shard_ports))} if self.shard_ports else {})})
         _send(sock, [routing_id, *encode(ready)], self.stats, "ready")
 
     def _refuse(self, sock: zmq.Socket, routing_id: bytes, why: str) -> None:
@@ -645,7 +630,7 @@ class LearnerServer(_Endpoint):
         comparisons."""
         found = {}
         if self._contract is not None:
-            found = {b.index: (b.reason, b.message) for b in self._contract.breaches(batch, self._newest)}
+            found = {b.index: (b.reason, b.message) for b in self._contract.breaches(batch, self.store.newest)}
         if not found and not worker.poisoned_groups:
             return found
         poisoned = worker.poisoned_groups
@@ -801,46 +786,12 @@ class LearnerServer(_Endpoint):
                                                            or user_id not in self._allowed_keys)):
                 self._reject("unknown_peer", f"weights request for unknown worker {request.worker_id!r}")
                 return
-            released = self._versions.get(worker.released_version)
+            released = self.store.versions.get(worker.released_version)
             if released is None:
                 return  # nothing released yet (the worker asks again on the next notice)
-            if request.chunk < 0 and request.delta_base >= 0:
-                released = self._delta_payload(request.delta_base, released) or released
-            packed = None
-            if request.chunk >= 0:
-                packed = (self._versions.get(request.version) if request.delta_base < 0
-                          else self._payloads.get((request.delta_base, request.version)))
-            if packed is not None and request.chunk < packed.header.num_chunks:
-                # under the lock: once tracked, publish will not reuse the buffer until ZeroMQ is done with it
-                data = packed.chunk(request.chunk)
-                chunk = WeightsChunk(version=packed.header.version, index=request.chunk,
-                                     checksum=packed.chunk_checksum(request.chunk))
-                frame = zmq.Frame(data, copy=False, track=True)
-                packed.track(zmq.MessageTracker(frame))
-        if packed is None or request.chunk >= packed.header.num_chunks:
-            _send(sock, [routing_id, *encode(released.header)], self.stats, "weights_header")
-            self.stats["weights/headers_sent"] += 1
-            self.stats["weights/delta_headers_sent" if released.header.is_delta else "weights/full_headers_sent"] += 1
-            return
-        header, _ = encode(chunk)
-        if _send(sock, [routing_id, header, frame], self.stats, "weights_chunk"):
-            self.stats["weights/bytes_sent"] += len(data)
-
-    def _delta_payload(self, base: int, released: PackedWeights) -> PackedWeights | None:
-        """Version ``released`` as the steps from ``base`` (a delta header and its payload, cached for the chunk
-        requests that follow); None when a step is not kept or ``base`` is not older."""
-        version = released.header.version
-        key = (base, version)
-        if key not in self._payloads:
-            payload = self._chain.payload(base, version) if base < version else None
-            if payload is None:
-                return None
-            header = dataclasses.replace(released.header, base_version=base, payload_bytes=len(payload),
-                                         num_chunks=-(-len(payload) // released.header.chunk_bytes))
-            cached = set(self._chain.cached())
-            self._payloads = {k: p for k, p in self._payloads.items() if k in cached}
-            self._payloads[key] = PackedWeights(header, payload)
-        return self._payloads[key]
+            frames, carried = self.store.reply(request, released)
+        if _send(sock, [routing_id, *frames], self.stats, "weights_chunk" if carried else "weights_header"):
+            self.stats["weights/bytes_sent"] += carried
 
     def _schedule_notice(self, worker: WorkerInfo, version: int, now: float, size: int) -> None:
         """Hold back the notice of ``version`` (``size`` bytes whole) by the worker's weights link: a
@@ -861,7 +812,8 @@ class LearnerServer(_Endpoint):
             self.stats["weights/link_skipped"] += worker.waiting_version >= 0  # an older one waited: never sent
             worker.waiting_version = version
             return
-        steps = self._chain.bytes_between(worker.noticed_version, version) if self.config.weights_deltas else None
+        steps = (self.store.chain.bytes_between(worker.noticed_version, version) if self.config.weights_deltas
+                 else None)
         carried = size if steps is None else steps
         self.stats["weights/link_transfers"] += 1
         self.stats["weights/link_bytes"] += carried
@@ -879,26 +831,23 @@ class LearnerServer(_Endpoint):
         if worker.waiting_version < 0 or free_at is None or clock_now < free_at:
             return
         version, worker.waiting_version = worker.waiting_version, -1
-        packed = self._versions.get(version) or self._versions.get(self._newest)
+        packed = self.store.versions.get(version) or self.store.versions[self.store.newest]
         self._schedule_notice(worker, packed.header.version, free_at, packed.header.total_bytes)
 
-    def _trim_versions(self) -> None:
+    def needed_versions(self) -> set[int]:
+        """The versions a worker may still be given: released to it, or noticed and due, or waiting for its
+        link (a sharded learner's other ranks keep their slices of these)."""
+        with self._lock:
+            return self._needed()
+
+    def _needed(self) -> set[int]:
         needed = {w.released_version for w in self._workers.values()}
         needed |= {v for w in self._workers.values() for v in w.pending_notices}
-        needed |= {w.waiting_version for w in self._workers.values()}
-        while len(self._versions) > self.config.max_retained_versions:
-            oldest = next(iter(self._versions))
-            if oldest == self._newest:
-                break
-            if oldest in needed:
-                self.stats["weights/retention_skips"] += 1
-            self._retire(oldest)
-        for v in [v for v in self._versions if v not in needed and v != self._newest]:
-            self._retire(v)
+        return needed | {w.waiting_version for w in self._workers.values()}
 
-    def _retire(self, version: int) -> None:
-        self._retired.append(self._versions.pop(version))
-        self._publish_times.pop(version, None)
+    def _trim_versions(self) -> None:
+        for version in self.store.trim(self._needed()):
+            self._publish_times.pop(version, None)
 
     def _reclaim_starts(self, worker: WorkerInfo) -> None:
         """Return a dead or rejoining worker's unused admission permits to the fleet, so permits held by a
@@ -936,11 +885,11 @@ class LearnerServer(_Endpoint):
         self._send_waiting(worker, clock_now)
         released = False
         for _, _, version in worker.pending_notices.pop_due(clock_now):
-            if version in self._versions:
+            if version in self.store.versions:
                 worker.released_version = max(worker.released_version, version)
                 released = True
             else:  # dropped from retention: the next retained version stands in
-                newer = [v for v in self._versions if v > version]
+                newer = [v for v in self.store.versions if v > version]
                 if newer:
                     worker.released_version = max(worker.released_version, newer[0])
                     released = True

@@ -133,3 +133,13 @@ def test_async_bench_overlap_bound():
     assert overlap_bound(0.74, 0.31) == pytest.approx((0.74 + 0.31) / 0.74)  # training-bound: far below 2
     assert overlap_bound(0.2, 0.6) == pytest.approx(0.8 / 0.6)  # sampling-bound alike
     assert overlap_bound(0.0, 0.0) is None
+
+
+def test_bench_reshard_times_gather_against_every_rank_sending_its_slices():
+    out = run_cli("bench", "reshard", "--mb", "2", "--dim", "512", "--workers", "1,2", "--versions", "1",
+                  "--bandwidths", "0,1e9")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line for line in out.stdout.splitlines() if "gather / reshard" in line]
+    assert len(rows) == 4  # (loopback, 1 Gbit/s) x (1, 2 workers)
+    assert all(float(row.split("gather / reshard")[1].split("x")[0]) > 0 for row in rows)
+    assert "(ideal 2.00x)" in rows[-1] and "resharding is at least" in out.stdout

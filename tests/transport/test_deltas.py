@@ -230,7 +230,7 @@ def test_a_worker_gets_one_snapshot_then_deltas_bit_equal_to_the_cast_and_a_late
         got = _publish_and_fetch(server, early, state, gen, range(1, 6))
         assert _equal(got, state)
         assert (early.stats["weights/full_received"], early.stats["weights/deltas_applied"]) == (1, 4)
-        full_bytes = server._versions[5].header.total_bytes
+        full_bytes = server.store.versions[5].header.total_bytes
         assert early.stats["weights/bytes_received"] < full_bytes + 4 * full_bytes / 2
         late = _client(server, "late")  # joins at version 5: a snapshot first, never a delta from nothing
         try:
@@ -260,16 +260,16 @@ def test_a_restarted_worker_starts_from_a_snapshot(server):
 
 def _sabotage(server, how):
     """Make the server's next delta payload go wrong ``how`` (once)."""
-    original, done = server._delta_payload, []
+    original, done = server.store.delta_payload, []
 
     def wrapped(base, released):
         found = original(base, released)
         if found is None or done:
             return found
         done.append(True)
-        server._payloads[(base, released.header.version)] = bad = how(found)  # what the chunk requests read
+        server.store.payloads[(base, released.header.version)] = bad = how(found)  # what the chunk requests read
         return bad
-    server._delta_payload = wrapped
+    server.store.delta_payload = wrapped
     return done
 
 
@@ -317,8 +317,8 @@ def test_a_slow_link_carries_the_delta_not_the_whole_version():
         client = _client(server, "w")
         state, gen = master_state(), torch.Generator().manual_seed(7)
         _publish_and_fetch(server, client, state, gen, range(1, 4))
-        full = server._versions[3].header.total_bytes
-        assert sizes[0] == full and all(s == server._chain.bytes_between(v - 1, v) for s, v in zip(sizes[1:], (2, 3)))
+        full = server.store.versions[3].header.total_bytes
+        assert sizes[0] == full and all(s == server.store.chain.bytes_between(v - 1, v) for s, v in zip(sizes[1:], (2, 3)))
         assert max(sizes[1:]) < full / 2
         client.close()
     finally:
@@ -375,7 +375,7 @@ def test_a_bandwidth_limited_link_sends_only_the_newest_of_the_versions_publishe
             server.publish(version, state, dtype=BF16)
         clock[0] = 10.0  # version 1 has arrived; version 3 starts
         assert client.wait_weights(-1, timeout_s=10)[0] == 1
-        step_bytes = server._chain.bytes_between(1, 3)
+        step_bytes = server.store.chain.bytes_between(1, 3)
         assert link.free_at == pytest.approx(10.0 + (step_bytes if deltas else full) / (full / 10))
         assert client.wait_weights(1, timeout_s=0.5) is None  # not before it has crossed the link
         clock[0] = 20.0

@@ -1,0 +1,214 @@
+"""The weights fan-out of a sharded learner (the reshard collective on the project's transport): every rank sends
+the slices of the weights it owns straight to the workers, in parallel, instead of gathering the whole model on
+rank 0 first.
+
+- **Slices.** Each rank publishes its own slices of each version (`slices_of`: the rows of every parameter its
+  FSDP shard holds) as an ordinary packed version whose header says where each slice lies in the whole tensor
+  (``shard``, ``full_shapes``, ``boxes``: `heterorl.transport.reshard` computes them). Chunking, checksums,
+  credit flow (one request, one chunk), deltas between a rank's consecutive versions and CURVE are those of
+  rank 0's weights channel (`heterorl.transport.store.WeightsStore`).
+- **Rank 0** (`LearnerServer`) keeps the control channel, the worker registry, the delays and the notices, and
+  serves its own slices on its weights channel; it tells workers the other ranks' weights ports (``Ready``).
+- **The other ranks** run a `ShardServer`: a weights channel (port: rank 0's weights port + rank) and nothing
+  else. A worker asks it for the version rank 0 released to it, by number; a version not published there yet
+  is answered with the newest one it has, and the worker asks again shortly.
+- **The worker** (`heterorl.transport.client`) fetches the version from every rank and places the slices with
+  an all-or-nothing `reshard.Assembler`: it loads version v only when every rank's slices of v arrived and were
+  verified, never a mix of two versions; a rank that does not answer leaves it on the version it has.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from pathlib import Path
+
+import torch
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from heterorl.config import TransportConfig
+from heterorl.errors import ConfigError, HeteroRLError
+from heterorl.transport.protocol import DEFAULT_LIMITS, Limits, ProtocolError, WeightsHeader, WeightsRequest, decode
+from heterorl.transport.reshard import SourceLayout
+from heterorl.transport.sockets import (
+    CurveConfig,
+    TransportError,
+    _Endpoint,
+    _receive,
+    _require_security,
+    _send,
+    _socket,
+    _Wakeup,
+)
+from heterorl.transport.store import WeightsStore
+
+log = logging.getLogger("heterorl.transport")
+
+
+def slices_of(state: dict[str, torch.Tensor], rank: int, world: int) -> tuple[dict, dict, dict]:
+    """A sharded model's state dict (DTensors, sharded along dim 0 over ``world`` ranks, FSDP2) as this rank's
+    slices: ({name: local tensor}, {name: whole shape}, {name: box}); a tensor that is not a DTensor (a buffer,
+    the same on every rank) is sent whole by rank 0 only. Tied names keep one tensor (their slices are one)."""
+    from torch.distributed.tensor import DTensor
+
+    shapes = {name: tuple(t.shape) for name, t in state.items()}
+    layout = SourceLayout.fsdp(shapes, world)
+    slices, full_shapes, boxes = {}, {}, {}
+    locals_by_id: dict[int, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if isinstance(tensor, DTensor):
+            box = layout.box(name, shapes[name], rank)
+            if id(tensor) not in locals_by_id:
+                locals_by_id[id(tensor)] = tensor.to_local()
+            local = locals_by_id[id(tensor)]
+            if tuple(local.shape) != tuple(b - a for a, b in box):
+                raise HeteroRLError(f"{name}: rank {rank} holds a slice of shape {tuple(local.shape)}, not the "
+                                    f"dim-0 chunk {box} of {shapes[name]} the fan-out expects (FSDP2's Shard(0))")
+        elif rank == 0:
+            local, box = tensor, tuple((0, size) for size in shapes[name])
+        else:
+            continue
+        if local.numel() == 0:
+            continue  # (a rank past the end of a short tensor owns nothing of it)
+        slices[name], full_shapes[name], boxes[name] = local.detach(), shapes[name], box
+    return slices, full_shapes, boxes
+
+
+def describer(rank: int, world: int, full_shapes: dict, boxes: dict):
+    """The ``describe`` of `WeightsStore.pack` for one rank's slices: the header's ``shard``, ``full_shapes`` and
+    ``boxes`` in the order of its names."""
+    def describe(header: WeightsHeader) -> None:
+        header.shard = [rank, world]
+        header.full_shapes = [list(full_shapes[name]) for name in header.names]
+        header.boxes = [[list(pair) for pair in boxes[name]] for name in header.names]
+    return describe
+
+
+class ShardServer(_Endpoint):
+    """A sharded learner's rank > 0: its slices of each version, on a weights channel of its own. Thread-safe
+    `publish`; an I/O thread answers the workers."""
+
+    def __init__(self, address: str, rank: int, world: int, config: TransportConfig | None = None,
+                 curve: CurveConfig | None = None, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.config = config or TransportConfig()
+        _require_security(address, curve, self.config, (
+            f"learner rank {rank}: refusing plaintext on {address}: give CURVE keys or allow_plaintext"))
+        self.rank, self.world, self.limits, self._curve = rank, world, limits, curve
+        self._address = address
+        self.stats: Counter = Counter()
+        self.store = WeightsStore(self.config, self.stats)
+        self._lock = threading.Lock()
+        self._stop, self._ready = threading.Event(), threading.Event()
+        self._error: BaseException | None = None
+        self.endpoint = ""
+        self._wakeup = _Wakeup()
+        self._thread = threading.Thread(target=self._run, name=f"heterorl-shard-{rank}", daemon=True)
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+
+    def publish(self, version: int, state: dict[str, torch.Tensor], full_shapes: dict, boxes: dict,
+                dtype: torch.dtype | None = None, needed: set[int] | None = None) -> None:
+        """This rank's slices of ``version`` (`slices_of`), cast to ``dtype``. ``needed``: the versions rank 0
+        may still release to a worker (`LearnerServer.needed_versions`); the others are retired (None: keep the
+        newest ``max_retained_versions``)."""
+        with self._lock:
+            spare, previous = self.store.begin(version)
+        packed, step = self.store.pack(state, version, spare, previous, dtype,
+                                       describer(self.rank, self.world, full_shapes, boxes))
+        with self._lock:
+            self.store.add(version, packed, step)
+            # workers ask by number for the version rank 0 released to them, which a delayed link can hold back
+            # behind newer ones (a retired one is answered with the newest)
+            if needed is None:
+                needed = set(list(self.store.versions)[-self.config.max_retained_versions:])
+            self.store.trim(set(needed))
+
+    def close(self, reason: str = "") -> None:
+        self._stop.set()
+        self._wakeup.wake()
+        self._thread.join(timeout=10)
+
+    # -- I/O thread -----------------------------------------------------------------------------
+    def _bind(self, ctx: zmq.Context) -> tuple[ThreadAuthenticator | None, zmq.Socket]:
+        auth = None
+        sock = _socket(ctx, zmq.ROUTER, self.config.weights_hwm, self.config, self.limits)
+        try:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if self._curve is not None:
+                allowed = self._curve.allowed_keys_dir
+                if not allowed or not Path(allowed).is_dir():
+                    raise ConfigError(f"allowed_keys_dir {allowed!r} is not a folder of worker public keys")
+                auth = ThreadAuthenticator(ctx, log=logging.getLogger("heterorl.auth"))
+                auth.start()
+                auth.configure_curve(domain="*", location=str(allowed))
+                public, secret = self._curve.keypair()
+                sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+            host, _, port = self._address.rpartition(":")
+            if port == "0":
+                self._address = f"{host}:{sock.bind_to_random_port(host)}"
+            else:
+                sock.bind(self._address)
+        except BaseException as exc:
+            sock.close(0)
+            if auth is not None:
+                auth.stop()
+            if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EADDRINUSE:
+                raise TransportError(f"learner rank {self.rank}: {self._address} is in use by another process "
+                                     "(rank r serves its weights slices on the weights port + r)") from None
+            raise
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT) or self._address
+        return auth, sock
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        try:
+            auth, sock = self._bind(ctx)
+        except BaseException as exc:
+            self._error = exc if isinstance(exc, HeteroRLError) else TransportError(f"cannot bind {self._address}: "
+                                                                                    f"{exc}")
+            ctx.term()
+            self._ready.set()
+            return
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wakeup.read_fd, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(timeout=100))
+                if self._wakeup.read_fd in events:
+                    self._wakeup.drain()
+                if sock in events:
+                    _receive(sock, self._on_request)
+        finally:
+            sock.close(self.config.linger_ms)
+            if auth is not None:
+                auth.stop()
+            ctx.term()
+            self._wakeup.close()
+
+    def _on_request(self, sock: zmq.Socket, frames: list) -> None:
+        routing_id = frames[0].bytes
+        try:
+            request = decode(frames[1:], self.limits)
+        except ProtocolError as exc:
+            self.stats[f"rejected/{exc.reason}"] += 1
+            return
+        if not isinstance(request, WeightsRequest):
+            self.stats["rejected/unexpected_kind"] += 1
+            return
+        with self._lock:
+            # the version asked for, else the newest (older: the worker asks again; newer: it moves on to it)
+            released = self.store.versions.get(request.version) or self.store.versions.get(self.store.newest)
+            if released is None:
+                return  # nothing published yet: the worker's fetch asks again
+            frames, carried = self.store.reply(request, released)
+        if _send(sock, [routing_id, *frames], self.stats, "weights_chunk" if carried else "weights_header"):
+            self.stats["weights/bytes_sent"] += carried
+
+
+__all__ = ["ShardServer", "describer", "slices_of"]

@@ -1,0 +1,178 @@
+"""A sharded learner's fan-out over real sockets: every rank serves its own slices, a worker assembles whole
+versions from all of them (deltas per rank included), never a mix of two, and keeps its version when a rank is
+gone or a slice does not fit."""
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from heterorl.config import TransportConfig
+from heterorl.transport import LearnerServer, WorkerClient
+from heterorl.transport.protocol import ProtocolError, decode, encode
+from heterorl.transport.reshard import SourceLayout
+from heterorl.transport.shards import ShardServer, describer
+from heterorl.transport.weights import pack_state_dict
+from tests.transport.test_deltas import BF16, _cast, _equal, master_state, random_walk
+from tests.transport.test_transport import FAST
+
+CONFIG = TransportConfig(**{**FAST.__dict__, "weights_chunk_bytes": 4096, "fetch_timeout_s": 1.0})
+WORLD = 3
+
+
+def cut(state: dict, rank: int, world: int = WORLD) -> tuple[dict, dict, dict]:
+    """Rank ``rank``'s slices of ``state`` as FSDP2 holds them (dim-0 chunks; 0-dim and empty tensors: rank 0)."""
+    shapes = {name: tuple(t.shape) for name, t in state.items()}
+    layout = SourceLayout.fsdp(shapes, world)
+    slices, full, boxes = {}, {}, {}
+    for name, tensor in state.items():
+        box = layout.box(name, shapes[name], rank)
+        if tensor.numel() == 0 or any(b <= a for a, b in box):
+            if rank == 0 and tensor.numel() == 0:
+                slices[name], full[name], boxes[name] = tensor, shapes[name], box
+            continue
+        slices[name] = tensor[tuple(slice(a, b) for a, b in box)]
+        full[name], boxes[name] = shapes[name], box
+    return slices, full, boxes
+
+
+class Fleet:
+    """Rank 0's `LearnerServer` (told of WORLD ranks) and a `ShardServer` per other rank."""
+
+    def __init__(self) -> None:
+        self.server = LearnerServer("tcp://127.0.0.1:0", CONFIG, shard_ranks=WORLD)
+        host = self.server.weights_endpoint.rsplit(":", 1)[0]
+        self.shards = {r: ShardServer(f"{host}:{port}", r, WORLD, CONFIG)
+                       for r, port in enumerate(self.server.shard_ports, start=1)}
+
+    def publish(self, version: int, state: dict, ranks=range(WORLD)) -> None:
+        for rank in ranks:
+            slices, full, boxes = cut(state, rank)
+            if rank == 0:
+                self.server.publish(version, slices, dtype=BF16, describe=describer(0, WORLD, full, boxes))
+            else:
+                self.shards[rank].publish(version, slices, full, boxes, dtype=BF16,
+                                          needed=self.server.needed_versions())
+
+    def close(self) -> None:
+        for shard in self.shards.values():
+            shard.close()
+        self.server.close()
+
+
+@pytest.fixture
+def fleet():
+    made = Fleet()
+    yield made
+    made.close()
+
+
+def _client(fleet: Fleet, worker_id: str = "w") -> WorkerClient:
+    client = WorkerClient(fleet.server.control_endpoint, worker_id, CONFIG)
+    client.wait_ready(10)
+    return client
+
+
+def test_a_worker_assembles_every_ranks_slices_into_the_whole_model_then_takes_deltas(fleet):
+    state, gen = master_state(), torch.Generator().manual_seed(1)
+    client = _client(fleet)
+    try:
+        for version in range(1, 6):
+            random_walk(state, gen, 2e-5)
+            fleet.publish(version, state)
+            got = client.wait_weights(version - 1, timeout_s=10)
+            assert got is not None and got[0] == version
+            assert _equal(got[1], state)  # bit-equal to the bf16 cast of the whole master
+        assert client.stats["weights/shard_versions_assembled"] == 5
+        assert client.stats["weights/deltas_applied"] >= 4 * WORLD - 1  # every rank's later versions as steps
+        whole = pack_state_dict(_cast(state), 5).header.total_bytes
+        sent = fleet.server.stats["weights/bytes_sent"] + sum(s.stats["weights/bytes_sent"]
+                                                                for s in fleet.shards.values())
+        assert fleet.server.stats["weights/bytes_sent"] < 0.6 * sent < whole  # rank 0 sent only its share
+    finally:
+        client.close()
+
+
+def test_a_version_is_loaded_only_once_every_rank_has_sent_it_never_a_mix(fleet):
+    state, gen = master_state(), torch.Generator().manual_seed(2)
+    client = _client(fleet)
+    try:
+        fleet.publish(1, state)
+        assert client.wait_weights(0, timeout_s=10)[0] == 1
+        random_walk(state, gen, 1e-2)
+        fleet.publish(2, state, ranks=[0, 1])  # rank 2 has not published version 2 yet
+        assert client.wait_weights(1, timeout_s=1.5) is None  # so the worker stays on version 1
+        assert client.stats["weights/shard_not_ready"] > 0
+        fleet.publish(2, state, ranks=[2])
+        got = client.wait_weights(1, timeout_s=10)
+        assert got[0] == 2 and _equal(got[1], state)
+    finally:
+        client.close()
+
+
+def test_a_rank_that_is_gone_leaves_the_worker_on_its_version_and_is_named(fleet):
+    state = master_state()
+    client = _client(fleet)
+    try:
+        fleet.publish(1, state)
+        assert client.wait_weights(0, timeout_s=10)[0] == 1
+        fleet.shards.pop(2).close()  # rank 2 dies before version 2
+        random_walk(state, torch.Generator().manual_seed(3), 1e-2)
+        fleet.publish(2, state, ranks=[0, 1])
+        deadline = time.monotonic() + 10
+        while not client.stats["weights/shard_timeouts/2"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.stats["weights/shard_timeouts/2"] >= 1
+        assert client.wait_weights(1, timeout_s=0.5) is None  # the worker stays on version 1
+        assert client.stats["weights/shard_versions_assembled"] == 1
+    finally:
+        client.close()
+
+
+def test_slices_that_do_not_tile_the_model_are_refused_and_fetched_whole_again(fleet):
+    state = master_state()
+    client = _client(fleet)
+    try:
+        slices, full, boxes = cut(state, 1)
+        name = "layer0.weight"  # rank 1 claims rank 0's rows of one tensor: two ranks for the same elements
+        wrong = {**boxes, name: ((0, boxes[name][0][1] - boxes[name][0][0]),) + boxes[name][1:]}
+        fleet.publish(1, state, ranks=[0, 2])
+        fleet.shards[1].publish(1, slices, full, wrong, dtype=BF16)
+        deadline = time.monotonic() + 10
+        while not client.stats["weights/rejected/duplicate"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.stats["weights/rejected/duplicate"] >= 1
+        assert client.latest_weights() is None  # nothing half-assembled was loaded
+    finally:
+        client.close()
+
+
+def test_a_header_whose_boxes_do_not_fit_its_slices_is_refused_by_the_decoder():
+    slices, full, boxes = cut(master_state(), 1)
+    header = pack_state_dict(slices, 1).header
+    describer(1, WORLD, full, boxes)(header)
+    assert decode(encode(header)).boxes == header.boxes
+    bad = dataclasses.replace(header, boxes=[[[0, 1]] + box[1:] for box in header.boxes])
+    with pytest.raises(ProtocolError, match="boxes"):
+        decode(encode(bad))
+    with pytest.raises(ProtocolError, match="shard"):
+        decode(encode(dataclasses.replace(header, shard=[])))  # boxes without a shard
+    with pytest.raises(ProtocolError, match="shard"):
+        decode(encode(dataclasses.replace(header, shard=[3, 3])))
+
+
+def test_a_worker_that_was_not_told_of_other_ranks_never_loads_one_ranks_slices():
+    server = LearnerServer("tcp://127.0.0.1:0", CONFIG)  # (told of no other ranks)
+    client = WorkerClient(server.control_endpoint, "w", CONFIG)
+    try:
+        client.wait_ready(10)
+        slices, full, boxes = cut(master_state(), 0)
+        server.publish(1, slices, dtype=BF16, describe=describer(0, WORLD, full, boxes))
+        deadline = time.monotonic() + 10
+        while not client.stats["weights/rejected/shard"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.stats["weights/rejected/shard"] >= 1 and client.latest_weights() is None
+    finally:
+        client.close()
+        server.close()
