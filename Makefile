@@ -21,7 +21,7 @@ demo: $(STAMP)
 	WANDB_MODE=offline $(VENV)/bin/heterorl demo
 
 test: $(STAMP)
-	WANDB_MODE=offline $(PY) -m pytest -q
+	WANDB_MODE=offline $(PY) -m pytest -q --durations=25
 
 test-fast: $(STAMP)
 	WANDB_MODE=offline $(PY) -m pytest -q -m "not slow"

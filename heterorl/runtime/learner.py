@@ -552,7 +552,8 @@ class Learner:
             rollouts=self._waste(fleet), **run_staleness(state.staleness_counts, state.staleness_seconds_counts,
                                                          state.staleness_seconds_sum, state.groups_trained),
             samples_per_s=state.trajectories_trained / max(state.elapsed_s, 1e-9),
-            weights=weights_summary(self.server.stats, self.server.weights_dtype, cfg.transport.weights_deltas))
+            weights=weights_summary(self.server.stats, self.server.weights_dtype, cfg.transport.weights_deltas,
+                                    self.ranks.world if self._reshard else 1))
 
     def _split_cores(self, train_s: float) -> None:
         """With ``share_machine``: after `PROBE_STEPS` steps (start-up's left out), split the machine's cores by

@@ -40,11 +40,12 @@ def run_staleness(counts: dict[str, int], seconds_counts: dict[str, int], second
             "staleness_seconds_hist": seconds_histogram(seconds_counts, [])}
 
 
-def weights_summary(stats: Counter, dtype: str, deltas: bool) -> dict:
+def weights_summary(stats: Counter, dtype: str, deltas: bool, ranks: int = 1) -> dict:
     """The run's weights path from its counters (``weights/*``, kept by `LearnerServer` and the simulation):
     versions published, the bytes of one version in the wire dtype, the mean bytes of the step between two
     versions and their ratio, and what the workers' links carried: transfers, bytes, versions skipped while a
-    bandwidth-limited link was busy."""
+    bandwidth-limited link was busy. ``ranks`` > 1: a sharded learner whose every rank sends its own slices
+    (the bytes are rank 0's, one of ``ranks`` about equal shares)."""
     steps = stats.get("weights/steps_encoded", 0)
     step_mean = stats.get("weights/step_bytes", 0) / steps if steps else math.nan
     full = stats.get("weights/version_bytes", 0)
@@ -53,7 +54,7 @@ def weights_summary(stats: Counter, dtype: str, deltas: bool) -> dict:
         "step_bytes_mean": step_mean, "bytes_ratio": full / step_mean if steps and step_mean else math.nan,
         "encode_s_mean": stats.get("weights/encode_s", 0.0) / steps if steps else math.nan,
         "link_transfers": stats.get("weights/link_transfers", 0), "link_bytes": stats.get("weights/link_bytes", 0),
-        "link_skipped": stats.get("weights/link_skipped", 0),
+        "link_skipped": stats.get("weights/link_skipped", 0), "ranks": ranks,
     }
 
 
@@ -61,6 +62,8 @@ def weights_line(weights: dict) -> str:
     """One line on the weights path, for `heterorl train`'s closing summary."""
     mb = 1e6
     line = f"weights: {weights['versions']} versions of {weights['version_bytes'] / mb:.3g} MB in {weights['dtype']}"
+    if weights.get("ranks", 1) > 1:
+        line += f" (rank 0's slices: every one of {weights['ranks']} learner ranks sends its own)"
     if weights["deltas"] and weights["step_bytes_mean"] == weights["step_bytes_mean"]:  # (not NaN)
         line += (f", sent as deltas of {weights['step_bytes_mean'] / mb:.3g} MB a step "
                  f"({weights['bytes_ratio']:.1f}x smaller)")

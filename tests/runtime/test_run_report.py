@@ -30,3 +30,9 @@ def test_the_weights_block_and_line_say_what_the_deltas_saved():
     assert "5 versions of 2 MB in bfloat16" in line and "(20.0x smaller)" in line and "1 versions skipped" in line
     whole = weights_summary(Counter({"weights/versions": 2, "weights/version_bytes": 10}), "float32", False)
     assert math.isnan(whole["bytes_ratio"]) and "each sent whole" in weights_line(whole)
+
+
+def test_the_weights_line_of_a_sharded_learner_says_the_bytes_are_rank_0s_share():
+    stats = Counter({"weights/versions": 3, "weights/version_bytes": 1_000_000})
+    assert "rank 0's slices: every one of 2 learner ranks" in weights_line(weights_summary(stats, "bfloat16", False, 2))
+    assert "rank 0's slices" not in weights_line(weights_summary(stats, "bfloat16", False))
