@@ -108,17 +108,17 @@ def _servers(mode: str, rank: int, world: int, bits: float, latency_s: float, co
     from heterorl.transport import LearnerServer
     from heterorl.transport.shards import ShardServer
 
-    uplinks, server = None, None
+    uplinks, server, port = None, None, 0
+    if rank > 0 and mode == "reshard":  # a free port of its own, told to rank 0
+        server = ShardServer("tcp://127.0.0.1:0", rank, world, config)
+        port = int(server.endpoint.rsplit(":", 1)[1])
+    ports = [0] * world
+    dist.all_gather_object(ports, port)
     if rank == 0:
         ranks = world if mode == "reshard" else 1
         uplinks = Uplinks(ranks, bits / 8, latency_s) if bits else None
-        server = LearnerServer("tcp://127.0.0.1:0", config, shard_ranks=ranks,
+        server = LearnerServer("tcp://127.0.0.1:0", config, shard_ranks=ranks, shard_ports=ports[1:ranks],
                                weights_delay=(lambda _: uplinks.schedule) if uplinks else None)
-    box = [server.weights_endpoint if server is not None else None]
-    dist.broadcast_object_list(box, src=0)
-    if rank > 0 and mode == "reshard":
-        host, _, port = box[0].rpartition(":")
-        server = ShardServer(f"{host}:{int(port) + rank}", rank, world, config)
     return server, uplinks
 
 

@@ -172,7 +172,7 @@ class LearnerServer(_Endpoint):
                  weights_delay: Callable[[str], Any] | None = None,
                  settings: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic,
                  contract: TrajectoryContract | None = None, published_before: int = -1,
-                 group_timeout_s: float = 600.0, shard_ranks: int = 1) -> None:
+                 group_timeout_s: float = 600.0, shard_ranks: int = 1, shard_ports: list[int] | None = None) -> None:
         """``contract``: what every trajectory must satisfy to be buffered (`set_contract`); None checks only
         that frames are well formed. ``published_before``: the newest version an earlier learner of this run
         published (a resumed learner's, docs/RELIABILITY.md "Crash and resume"): workers may hold it, so the
@@ -180,7 +180,7 @@ class LearnerServer(_Endpoint):
         above it. ``group_timeout_s``: an incomplete group is dropped this long after its first member arrived
         (the learner passes ``buffer.partial_group_timeout_s``). ``weights_delay``: `_schedule_notice`.
         ``shard_ranks`` > 1: a sharded learner whose ranks each send their own slices (heterorl.transport.shards);
-        rank r's weights channel is this one's port + r, and every worker is told so when it joins."""
+        rank r's weights channel is this one's port + r (``shard_ports[r - 1]``: ports they bound), told to workers."""
         self.config = config or TransportConfig()
         self.config.validate()
         _require_security(address, curve, self.config, (
@@ -210,7 +210,7 @@ class LearnerServer(_Endpoint):
         # newest an earlier learner of this run published), their delta chain
         self.store = WeightsStore(self.config, self.stats, newest=published_before)
         self._publish_times: dict[int, float] = {}
-        self._shard_ranks = shard_ranks
+        self._shard_ranks, self._shard_ports = shard_ranks, list(shard_ports or [])
         self.shard_ports: list[int] = []  # a sharded learner's other ranks' weights ports, told to workers (Ready)
         self._admission_cap: int | None = None  # total groups the fleet may start (None: no admission control)
         self._starts_granted_total = 0
@@ -398,7 +398,8 @@ class LearnerServer(_Endpoint):
             weights_address = self._weights_address or (
                 f"{self._address.rsplit(':', 1)[0]}:{0 if self._address.endswith(':0') else _port_of(self._address) + 1}")
             weights, self.weights_endpoint = self._bind(ctx, weights_address, self.config.weights_hwm)
-            self.shard_ports = [_port_of(self.weights_endpoint) + r for r in range(1, self._shard_ranks)]
+            self.shard_ports = self._shard_ports or [_port_of(self.weights_endpoint) + r
+                                                     for r in range(1, self._shard_ranks)]
             return auth, control, weights
         except BaseException:
             for s in sockets:

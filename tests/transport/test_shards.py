@@ -41,10 +41,12 @@ class Fleet:
     """Rank 0's `LearnerServer` (told of WORLD ranks) and a `ShardServer` per other rank."""
 
     def __init__(self) -> None:
-        self.server = LearnerServer("tcp://127.0.0.1:0", CONFIG, shard_ranks=WORLD)
-        host = self.server.weights_endpoint.rsplit(":", 1)[0]
-        self.shards = {r: ShardServer(f"{host}:{port}", r, WORLD, CONFIG)
-                       for r, port in enumerate(self.server.shard_ports, start=1)}
+        # the other ranks bind free ports first (never rank 0's weights port + r, which another socket of this
+        # test process may hold), and rank 0 is told them
+        self.shards = {r: ShardServer("tcp://127.0.0.1:0", r, WORLD, CONFIG) for r in range(1, WORLD)}
+        ports = [int(self.shards[r].endpoint.rsplit(":", 1)[1]) for r in range(1, WORLD)]
+        self.server = LearnerServer("tcp://127.0.0.1:0", CONFIG, shard_ranks=WORLD, shard_ports=ports)
+        assert self.server.shard_ports == ports
 
     def publish(self, version: int, state: dict, ranks=range(WORLD)) -> None:
         for rank in ranks:
