@@ -203,7 +203,10 @@ class Hello(Message):
     version_held: int = -1
     sent_at: float = 0.0
     engine: str = "torch"  # the worker's sampling engine, for the learner's per-engine metrics (absent: torch)
-    optional_fields: ClassVar[frozenset] = frozenset({"engine"})  # a worker of an earlier version sends none
+    # the slices of each tensor this worker wants from a sharded learner (`reshard.DestLayout.to_dict`: a
+    # tensor-parallel engine's rank); {} or absent: every tensor whole
+    layout: dict[str, dict] = field(default_factory=dict)
+    optional_fields: ClassVar[frozenset] = frozenset({"engine", "layout"})  # workers of earlier versions: none
 
     @classmethod
     def from_wire(cls, body, limits, data=()):
@@ -215,7 +218,23 @@ class Hello(Message):
             sent_at=_float("sent_at", body["sent_at"]),
             # optional: workers of earlier versions (all of them torch workers) send no engine
             engine=_str("engine", body.get("engine", "torch"), 32, _ID_PATTERN),
+            layout=_layout(body.get("layout", {}), limits),
         )
+
+
+def _layout(value: Any, limits: Limits) -> dict[str, dict]:
+    """A worker's layout, well formed (`reshard.DestLayout.from_dict`); whether it fits the model is the
+    learner's to check."""
+    from heterorl.transport.reshard import DestLayout, ReshardError
+
+    if not isinstance(value, dict) or len(value) > limits.max_tensors:
+        raise ProtocolError("layout", f"expected a map of at most {limits.max_tensors} tensors", "type")
+    for name in value:
+        _str("layout key", name, 1024)
+    try:
+        return DestLayout.from_dict(value).to_dict()
+    except ReshardError as exc:
+        raise ProtocolError("layout", str(exc), "bounds") from None
 
 
 @dataclass

@@ -35,7 +35,8 @@ import torch
 from heterorl.errors import HeteroRLError
 
 __all__ = ["Assembler", "Box", "DestLayout", "Piece", "Placement", "Plan", "ReshardError", "SourceLayout", "box_of",
-           "box_shape", "box_slices", "chunk_bounds", "even_bounds", "intersect", "local", "plan", "take", "volume"]
+           "box_shape", "box_slices", "chunk_bounds", "even_bounds", "intersect", "layout_key", "local", "plan",
+           "take", "volume"]
 
 Box = tuple[tuple[int, int], ...]
 REPLICATE, SHARD = "replicate", "shard"
@@ -329,6 +330,18 @@ def _tensor_pieces(name: str, shape: tuple[int, ...], source: SourceLayout, dest
         if common is not None:
             pieces.append(Piece(name, rank, dest, common, local(common, src), local(common, dst), box_shape(src)))
     return pieces
+
+
+def layout_key(layout: DestLayout) -> str:
+    """A short name for a worker layout (workers that want the same slices share a pack): "" for the whole
+    model, else a digest of its canonical form."""
+    import hashlib
+    import json
+
+    if not layout.placements:
+        return ""
+    canonical = json.dumps(layout.to_dict(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 def plan(shapes: Mapping[str, tuple[int, ...]], source: SourceLayout, dests: Mapping[str, DestLayout]) -> Plan:

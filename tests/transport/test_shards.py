@@ -178,3 +178,19 @@ def test_a_worker_that_was_not_told_of_other_ranks_never_loads_one_ranks_slices(
     finally:
         client.close()
         server.close()
+
+
+def test_a_worker_declares_the_slices_it_wants_in_its_hello_and_a_malformed_layout_is_refused():
+    from heterorl.transport.protocol import Hello
+    from heterorl.transport.reshard import DestLayout, Placement, layout_key
+
+    wanted = DestLayout({"layer0.weight": (Placement.shard(1, 4), 2)})
+    hello = decode(encode(Hello("w", "host", 1, layout=wanted.to_dict())))
+    assert DestLayout.from_dict(hello.layout) == wanted
+    assert decode(encode(Hello("w", "host", 1))).layout == {}  # absent: the whole model
+    assert layout_key(DestLayout()) == "" and len(layout_key(wanted)) == 16
+    assert layout_key(wanted) == layout_key(DestLayout.from_dict(hello.layout))
+    with pytest.raises(ProtocolError, match="layout.*parts 0"):
+        decode(encode(Hello("w", "host", 1, layout={"a": {"kind": "shard", "dim": 0, "parts": 0, "index": 0}})))
+    with pytest.raises(ProtocolError, match="layout"):
+        decode(encode(Hello("w", "host", 1, layout={"a": {"kind": "diagonal"}})))
