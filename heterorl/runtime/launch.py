@@ -196,7 +196,8 @@ def _learner_server(cfg: Config, addresses: tuple[str, str | None], training, *,
     server = LearnerServer(bind, transport, curve=curve, weights_address=weights_address, weights_delay=weights_delay,
                            settings=learner_settings(cfg, contract), clock=delay_clock(cfg).now, contract=contract,
                            published_before=published_before, group_timeout_s=cfg.buffer.partial_group_timeout_s,
-                           shard_ranks=_shard_ranks(cfg))
+                           shard_ranks=_shard_ranks(cfg),
+                           model_shapes={name: tuple(t.shape) for name, t in training.model.state_dict().items()})
     (run_dir / ENDPOINTS).write_text(json.dumps({"control": server.control_endpoint,
                                                  "weights": server.weights_endpoint}))
     print(f"learner listening on {server.control_endpoint} (weights on {server.weights_endpoint})", flush=True)

@@ -46,7 +46,8 @@ from heterorl.training.session import Datum, SamplingClient, TrainingClient, rea
 from heterorl.training.step import SkippedUpdate, optimize_batch
 from heterorl.transport import LearnerServer
 from heterorl.transport.protocol import TrajectoryContract
-from heterorl.transport.shards import ShardServer, describer, slices_of
+from heterorl.transport.reshard import DestLayout
+from heterorl.transport.shards import ShardServer, describer, slices_for, slices_of
 from heterorl.transport.weights import wire_dtype
 
 log = logging.getLogger("heterorl.runtime.learner")
@@ -392,16 +393,21 @@ class Learner:
     def _publish_slices(self) -> int:
         """Every rank publishes its own slices of the new version: rank 0 on its weights channel, the others on
         theirs, keeping the versions rank 0 may still release to a worker."""
-        self.ranks.share(("slices", sorted(self.server.needed_versions()), self.server.weights_endpoint))
+        layouts = self.server.layouts()  # the slices workers declared (tensor-parallel engines' ranks)
+        self.ranks.share(("slices", sorted(self.server.needed_versions()), self.server.weights_endpoint, layouts))
         version, state = self.training.save_shards_for_sampler().result()
-        slices, shapes, boxes = slices_of(state, 0, self.ranks.world)
+        world = self.ranks.world
+        for key, layout in layouts.items():  # first: `publish` below notifies every worker
+            slices, shapes, boxes = slices_for(state, 0, world, DestLayout.from_dict(layout))
+            self.server.publish_layout(key, version, slices, dtype=self._wire_dtype(),
+                                       describe=describer(0, world, shapes, boxes))
+        slices, shapes, boxes = slices_of(state, 0, world)
         wall_s = self.state.publish_wall_s[str(version)] = time.time()
         self._record_published(version, wall_s)
-        self.server.publish(version, slices, dtype=self._wire_dtype(),
-                            describe=describer(0, self.ranks.world, shapes, boxes))
+        self.server.publish(version, slices, dtype=self._wire_dtype(), describe=describer(0, world, shapes, boxes))
         return version
 
-    def _publish_own_slices(self, needed: list[int], endpoint: str) -> None:
+    def _publish_own_slices(self, needed: list[int], endpoint: str, layouts: dict[str, dict]) -> None:
         """Ranks > 0: this rank's slices of the new version, on its weights channel (rank 0's weights port +
         its rank, on rank 0's host)."""
         rank, world = self.ranks.rank, self.ranks.world
@@ -410,6 +416,10 @@ class Learner:
             self._shard_server = ShardServer(f"{host}:{int(port) + rank}", rank, world, self._transport,
                                              curve=self._curve)
         version, state = self.training.save_shards_for_sampler().result()
+        for key, layout in layouts.items():
+            slices, shapes, boxes = slices_for(state, rank, world, DestLayout.from_dict(layout))
+            self._shard_server.publish(version, slices, shapes, boxes, dtype=self._wire_dtype(), needed=set(needed),
+                                       layout=key)
         slices, shapes, boxes = slices_of(state, rank, world)
         self._shard_server.publish(version, slices, shapes, boxes, dtype=self._wire_dtype(), needed=set(needed))
 

@@ -42,7 +42,7 @@ from heterorl.transport.protocol import (
     decode,
     encode,
 )
-from heterorl.transport.reshard import Assembler, DestLayout, Piece, ReshardError
+from heterorl.transport.reshard import Assembler, DestLayout, Piece, ReshardError, layout_key, local
 from heterorl.transport.sockets import (
     CurveConfig,
     DelaySchedule,
@@ -100,7 +100,10 @@ class WorkerClient(_Endpoint):
     def __init__(self, address: str, worker_id: str, config: TransportConfig | None = None,
                  curve: CurveConfig | None = None, limits: Limits = DEFAULT_LIMITS,
                  trajectory_delay: DelaySchedule | None = None, clock: Callable[[], float] = time.monotonic,
-                 version_held: int = -1, engine: str = "torch") -> None:
+                 version_held: int = -1, engine: str = "torch", layout: DestLayout | None = None) -> None:
+        """``layout``: the slices of each tensor this worker wants from a sharded learner (a tensor-parallel
+        engine's rank, `heterorl.transport.reshard.DestLayout`); None: the whole model. A learner that cannot
+        send them refuses the worker with the reason (``refused``)."""
         self.config = config or TransportConfig()
         self.config.validate()
         _require_security(address, curve, self.config, (
@@ -109,6 +112,8 @@ class WorkerClient(_Endpoint):
         self.address = address
         self.worker_id = worker_id
         self.engine = engine  # named in each hello: the learner splits its metrics by engine
+        self.layout = layout or DestLayout()
+        self.layout_key = layout_key(self.layout)  # named in each weights request
         self.limits = limits
         self._curve = curve
         self._delay = trajectory_delay
@@ -364,7 +369,7 @@ class WorkerClient(_Endpoint):
         if not self.learner_alive and now - self._last_hello >= self.config.hello_interval_s:
             self._last_hello = now
             hello = Hello(self.worker_id, pysocket.gethostname(), os.getpid(), self._version_held, time.time(),
-                          self.engine)
+                          self.engine, self.layout.to_dict())
             _send(control, encode(hello), self.stats, "hello")
         started = self._starts_session  # permits used: said at once (within 50 ms), the learner grants more
         if self.learner_alive and (now - self._last_beat >= self.config.heartbeat_interval_s or (
@@ -581,7 +586,7 @@ class _Fetch:
         self.last_progress = now
         base = self.held[0].version if self.held is not None and client.config.weights_deltas else -1
         request = WeightsRequest(client.worker_id, have_version=client._fetched_version, version=want,
-                                 delta_base=base)
+                                 delta_base=base, layout=client.layout_key)
         _send(sock, encode(request), client.stats, "weights_request")
 
     def resync(self, sock, client: WorkerClient, now: float, reason: str | None = None) -> None:
@@ -601,7 +606,8 @@ class _Fetch:
 
     def _request(self, sock, client: WorkerClient, index: int) -> None:
         request = WeightsRequest(client.worker_id, have_version=client._fetched_version,
-                                 version=self.header.version, chunk=index, delta_base=self.header.base_version)
+                                 version=self.header.version, chunk=index, delta_base=self.header.base_version,
+                                 layout=client.layout_key)
         _send(sock, encode(request), client.stats, "weights_request")
 
     def _on_header(self, sock, client: WorkerClient, message: WeightsHeader, now: float) -> None:
@@ -781,7 +787,7 @@ class _Shards:
     def _deliver(self, now: float) -> None:
         client, version = self._client, self.target
         try:
-            state = assemble(version, [self.parts[rank] for rank in range(self.world)])
+            state = assemble(version, [self.parts[rank] for rank in range(self.world)], client.layout)
         except ReshardError as exc:
             client.stats[f"weights/rejected/{exc.reason}"] += 1
             log.warning("the slices of weights version %d do not fit together (%s); fetching them whole", version,
@@ -800,9 +806,11 @@ class _Shards:
             sock.close(0)
 
 
-def assemble(version: int, parts: list[tuple[WeightsHeader, dict]]) -> dict:
-    """The whole state dict of ``version`` from every rank's (header, slices), placed by a `reshard.Assembler`
-    (`ReshardError` when they do not tile every tensor exactly once); tied names share one tensor."""
+def assemble(version: int, parts: list[tuple[WeightsHeader, dict]], layout: DestLayout | None = None) -> dict:
+    """The state dict of ``version`` from every rank's (header, slices), placed by a `reshard.Assembler`
+    (`ReshardError` when they do not tile every tensor exactly once): whole tensors, or the worker's own slices
+    of them (``layout``); tied names share one tensor."""
+    layout = layout or DestLayout()
     shapes, dtypes, aliases = {}, {}, {}
     for header, state in parts:
         for name, full in zip(header.names, header.full_shapes):
@@ -811,14 +819,18 @@ def assemble(version: int, parts: list[tuple[WeightsHeader, dict]]) -> dict:
                                    "shape")
             dtypes[name] = state[name].dtype
         aliases.update(dict(header.aliases))
-    assembler = Assembler(version, shapes, DestLayout(), dtypes)
+    assembler = Assembler(version, shapes, layout, dtypes)
     for rank, (header, state) in enumerate(parts):
         for name, box in zip(header.names, header.boxes):
             box = tuple((start, stop) for start, stop in box)
-            piece = Piece(name, rank, "", box, tuple((0, stop - start) for start, stop in box), box,
-                          tuple(state[name].shape))
+            wanted = layout.box(name, shapes[name])
+            if any(start < low or stop > high for (start, stop), (low, high) in zip(box, wanted)):
+                raise ReshardError(f"rank {rank} sent {name!r} at {box}, outside this worker's {wanted}", "offset")
+            piece = Piece(name, rank, "", box, tuple((0, stop - start) for start, stop in box),
+                          local(box, wanted), tuple(state[name].shape))
             assembler.add(version, piece, state[name])
     whole = assembler.tensors()
     for alias, source in aliases.items():
-        whole[alias] = whole[source]
+        if source in whole:
+            whole[alias] = whole[source]
     return whole

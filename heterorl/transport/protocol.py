@@ -604,7 +604,8 @@ class WeightsRequest(Message):
     version: int = -1
     chunk: int = -1
     delta_base: int = -1
-    optional_fields: ClassVar[frozenset] = frozenset({"delta_base"})  # workers of earlier versions take full ones
+    layout: str = ""  # the key of the slices this worker declared in its hello (`reshard.layout_key`; "": whole)
+    optional_fields: ClassVar[frozenset] = frozenset({"delta_base", "layout"})  # earlier workers: full, whole
 
     @classmethod
     def from_wire(cls, body, limits, data=()):
@@ -614,6 +615,7 @@ class WeightsRequest(Message):
             version=_int("version", body["version"], -1, _INT32_MAX),
             chunk=_int("chunk", body["chunk"], -1, _INT32_MAX),
             delta_base=_int("delta_base", body.get("delta_base", -1), -1, _INT32_MAX),
+            layout=_str("layout", body["layout"], 64) if body.get("layout") else "",
         )
 
 

@@ -58,6 +58,7 @@ from heterorl.transport.protocol import (
     decode,
     encode,
 )
+from heterorl.transport.reshard import DestLayout, ReshardError, layout_key
 from heterorl.transport.sockets import (
     CurveConfig,
     TransportError,
@@ -116,6 +117,8 @@ class WorkerInfo:
     last_seen: float
     version_held: int = -1
     engine: str = "torch"  # its sampling engine, as its latest hello said
+    layout: dict = field(default_factory=dict)  # the slices it wants of a sharded learner's versions ({}: whole)
+    layout_key: str = ""  # `reshard.layout_key` of it
     failed: bool = False  # it left with a bye saying it failed (BYE_WORKER_FAILED): it will not come back
     trajectories: int = 0  # accepted from this worker (all sessions)
     duplicates: int = 0
@@ -172,7 +175,8 @@ class LearnerServer(_Endpoint):
                  weights_delay: Callable[[str], Any] | None = None,
                  settings: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic,
                  contract: TrajectoryContract | None = None, published_before: int = -1,
-                 group_timeout_s: float = 600.0, shard_ranks: int = 1, shard_ports: list[int] | None = None) -> None:
+                 group_timeout_s: float = 600.0, shard_ranks: int = 1, shard_ports: list[int] | None = None,
+                 model_shapes: dict[str, tuple[int, ...]] | None = None) -> None:
         """``contract``: what every trajectory must satisfy to be buffered (`set_contract`); None checks only
         that frames are well formed. ``published_before``: the newest version an earlier learner of this run
         published (a resumed learner's, docs/RELIABILITY.md "Crash and resume"): workers may hold it, so the
@@ -180,7 +184,9 @@ class LearnerServer(_Endpoint):
         above it. ``group_timeout_s``: an incomplete group is dropped this long after its first member arrived
         (the learner passes ``buffer.partial_group_timeout_s``). ``weights_delay``: `_schedule_notice`.
         ``shard_ranks`` > 1: a sharded learner whose ranks each send their own slices (heterorl.transport.shards);
-        rank r's weights channel is this one's port + r (``shard_ports[r - 1]``: ports they bound), told to workers."""
+        rank r's weights channel is at ``shard_ports[r - 1]`` (the ports they bound; by default this one's port + r),
+        and every worker is told so when it joins; a worker may then declare the slices it wants (its hello's
+        ``layout``), checked against ``model_shapes``."""
         self.config = config or TransportConfig()
         self.config.validate()
         _require_security(address, curve, self.config, (
@@ -206,12 +212,7 @@ class LearnerServer(_Endpoint):
         self._allowed_keys: set[str] | None = None  # z85 public keys allowed in (CURVE only)
         self._keys_signature, self._keys_checked = None, 0.0  # (the allowed keys' files, when last read)
         self.stats: Counter = Counter()
-        # the versions published (the newest: the contract's version bound; a resumed learner's starts above the
-        # newest an earlier learner of this run published), their delta chain
-        self.store = WeightsStore(self.config, self.stats, newest=published_before)
-        self._publish_times: dict[int, float] = {}
-        self._shard_ranks, self._shard_ports = shard_ranks, list(shard_ports or [])
-        self.shard_ports: list[int] = []  # a sharded learner's other ranks' weights ports, told to workers (Ready)
+        self._init_weights(published_before, shard_ranks, shard_ports, model_shapes)
         self._admission_cap: int | None = None  # total groups the fleet may start (None: no admission control)
         self._starts_granted_total = 0
         self._starts_refused = 0  # groups started on a permit and refused whole: they widen the admission cap
@@ -227,6 +228,18 @@ class LearnerServer(_Endpoint):
         self._ready.wait(30)
         if self._error is not None:
             raise self._error
+
+    def _init_weights(self, published_before: int, shard_ranks: int, shard_ports: list[int] | None,
+                      model_shapes: dict | None) -> None:
+        # the versions published (the newest: the contract's version bound; a resumed learner's starts above the
+        # newest an earlier learner of this run published), their delta chain
+        self.store = WeightsStore(self.config, self.stats, newest=published_before)
+        # a sharded learner's packs for workers that declared their own slices, by `reshard.layout_key`
+        self.stores: dict[str, WeightsStore] = {"": self.store}
+        self._model_shapes = dict(model_shapes) if model_shapes else None  # what a worker's layout must fit
+        self._publish_times: dict[int, float] = {}
+        self._shard_ranks, self._shard_ports = shard_ranks, list(shard_ports or [])
+        self.shard_ports: list[int] = []  # a sharded learner's other ranks' weights ports, told to workers (Ready)
 
     # -- public API (any thread) ------------------------------------------------------------------
     def get(self, max_items: int, timeout_s: float) -> list[Trajectory]:
@@ -261,6 +274,22 @@ class LearnerServer(_Endpoint):
     def weights_dtype(self) -> str:
         """The dtype of the published versions' floating-point tensors."""
         return self.store.weights_dtype
+
+    def layouts(self) -> dict[str, dict]:
+        """{key: layout} of the live workers that declared their own slices (a sharded learner packs each)."""
+        with self._lock:
+            return {w.layout_key: w.layout for w in self._workers.values() if w.layout_key and w.alive}
+
+    def publish_layout(self, key: str, version: int, state: dict, dtype: torch.dtype | None = None,
+                       describe: Callable | None = None) -> None:
+        """A sharded learner's pack of ``version`` for the workers of layout ``key``; publish it before the
+        whole-model pack of the same version (`publish`, which notifies every worker)."""
+        with self._lock:
+            store = self.stores.setdefault(key, WeightsStore(self.config, Counter()))
+            spare, previous = store.begin(version)
+        packed, step = store.pack(state, version, spare, previous, dtype, describe)
+        with self._lock:
+            store.add(version, packed, step)
 
     def publish(self, version: int, state: dict, dtype: torch.dtype | None = None,
                 describe: Callable | None = None) -> None:
@@ -519,6 +548,11 @@ class LearnerServer(_Endpoint):
         previous = self._by_routing.get(routing_id)
         if previous is not None and previous != hello.worker_id:  # one connection, one worker
             self._evict(self._workers[previous], f"its connection said hello as {hello.worker_id!r}", "replaced")
+        refusal = self._layout_refusal(hello)
+        if refusal is not None:
+            self._reject("bad_layout", f"hello from {hello.worker_id!r}: {refusal}")
+            self._refuse(sock, routing_id, refusal)
+            return
         if worker is None and len(self._workers) >= self.config.max_workers and not self._make_room():
             self._reject("registry_full", f"hello from {hello.worker_id!r}: {len(self._workers)} live workers")
             busy = Bye("learner", f"{BYE_BUSY}the learner's registry is full ({len(self._workers)} live workers, "
@@ -543,6 +577,7 @@ class LearnerServer(_Endpoint):
         self._by_routing[routing_id] = hello.worker_id
         worker.last_seen, worker.alive, worker.version_held = now, True, hello.version_held
         worker.engine, worker.failed = hello.engine, False
+        worker.layout, worker.layout_key = hello.layout, layout_key(DestLayout.from_dict(hello.layout))
         worker.received_session = 0
         worker.groups_session = worker.starts_granted_session = 0
         worker.busy_base, worker.starts_reported = worker.busy_s, -1
@@ -560,6 +595,18 @@ class LearnerServer(_Endpoint):
                                 "start_limit": -1 if self._admission_cap is None else 0,
                                 **({"shard_ports": ",".join(map(str, self.shard_ports))} if self.shard_ports else {})})
         _send(sock, [routing_id, *encode(ready)], self.stats, "ready")
+
+    def _layout_refusal(self, hello: Hello) -> str | None:
+        """Why the slices ``hello`` asks for cannot be sent (None: they can, or it asks for the whole model)."""
+        if not hello.layout:
+            return None
+        if not self.shard_ports or self._model_shapes is None:
+            return "the learner is not sharded: it sends whole versions only (declare no layout)"
+        try:
+            DestLayout.from_dict(hello.layout).validate(self._model_shapes)
+        except ReshardError as exc:
+            return f"its layout does not fit the model: {exc}"
+        return None
 
     def _refuse(self, sock: zmq.Socket, routing_id: bytes, why: str) -> None:
         """Tell a peer it may not join (`BYE_REFUSED`): a rollout worker stops with ``why``."""
@@ -787,10 +834,11 @@ class LearnerServer(_Endpoint):
                                                            or user_id not in self._allowed_keys)):
                 self._reject("unknown_peer", f"weights request for unknown worker {request.worker_id!r}")
                 return
-            released = self.store.versions.get(worker.released_version)
+            store = self.stores.get(worker.layout_key)
+            released = store.versions.get(worker.released_version) if store is not None else None
             if released is None:
                 return  # nothing released yet (the worker asks again on the next notice)
-            frames, carried = self.store.reply(request, released)
+            frames, carried = store.reply(request, released)
         if _send(sock, [routing_id, *frames], self.stats, "weights_chunk" if carried else "weights_header"):
             self.stats["weights/bytes_sent"] += carried
 
@@ -847,8 +895,11 @@ class LearnerServer(_Endpoint):
         return needed | {w.waiting_version for w in self._workers.values()}
 
     def _trim_versions(self) -> None:
-        for version in self.store.trim(self._needed()):
-            self._publish_times.pop(version, None)
+        needed = self._needed()
+        for key, store in self.stores.items():
+            for version in store.trim(needed):
+                if not key:
+                    self._publish_times.pop(version, None)
 
     def _reclaim_starts(self, worker: WorkerInfo) -> None:
         """Return a dead or rejoining worker's unused admission permits to the fleet, so permits held by a

@@ -31,7 +31,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from heterorl.config import TransportConfig
 from heterorl.errors import ConfigError, HeteroRLError
 from heterorl.transport.protocol import DEFAULT_LIMITS, Limits, ProtocolError, WeightsHeader, WeightsRequest, decode
-from heterorl.transport.reshard import SourceLayout
+from heterorl.transport.reshard import DestLayout, Placement, SourceLayout, plan, take
 from heterorl.transport.sockets import (
     CurveConfig,
     TransportError,
@@ -76,6 +76,26 @@ def slices_of(state: dict[str, torch.Tensor], rank: int, world: int) -> tuple[di
     return slices, full_shapes, boxes
 
 
+def slices_for(state: dict[str, torch.Tensor], rank: int, world: int, layout: DestLayout) -> tuple[dict, dict, dict]:
+    """`slices_of` for workers that want their own slices (``layout``, a tensor-parallel engine's rank): the
+    pieces of the plan (`reshard.plan`) this rank sends them, as ({name: tensor}, {name: whole shape},
+    {name: box})."""
+    from torch.distributed.tensor import DTensor
+
+    if not layout.placements:
+        return slices_of(state, rank, world)
+    shapes = {name: tuple(t.shape) for name, t in state.items()}
+    source = SourceLayout(world, {name: Placement.shard(0, world) if isinstance(t, DTensor) and shapes[name]
+                                  else Placement.replicate() for name, t in state.items()})
+    slices, full_shapes, boxes = {}, {}, {}
+    for piece in plan(shapes, source, {"worker": layout}).pieces_from(rank).get("worker", []):
+        tensor = state[piece.name]
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        slices[piece.name] = take(local.detach(), piece)
+        full_shapes[piece.name], boxes[piece.name] = shapes[piece.name], piece.global_box
+    return slices, full_shapes, boxes
+
+
 def describer(rank: int, world: int, full_shapes: dict, boxes: dict):
     """The ``describe`` of `WeightsStore.pack` for one rank's slices: the header's ``shard``, ``full_shapes`` and
     ``boxes`` in the order of its names."""
@@ -99,6 +119,7 @@ class ShardServer(_Endpoint):
         self._address = address
         self.stats: Counter = Counter()
         self.store = WeightsStore(self.config, self.stats)
+        self.stores: dict[str, WeightsStore] = {"": self.store}  # by `reshard.layout_key` ("": whole tensors)
         self._lock = threading.Lock()
         self._stop, self._ready = threading.Event(), threading.Event()
         self._error: BaseException | None = None
@@ -111,21 +132,22 @@ class ShardServer(_Endpoint):
             raise self._error
 
     def publish(self, version: int, state: dict[str, torch.Tensor], full_shapes: dict, boxes: dict,
-                dtype: torch.dtype | None = None, needed: set[int] | None = None) -> None:
+                dtype: torch.dtype | None = None, needed: set[int] | None = None, layout: str = "") -> None:
         """This rank's slices of ``version`` (`slices_of`), cast to ``dtype``. ``needed``: the versions rank 0
         may still release to a worker (`LearnerServer.needed_versions`); the others are retired (None: keep the
-        newest ``max_retained_versions``)."""
+        newest ``max_retained_versions``). ``layout``: the key of the workers' layout these slices are for."""
         with self._lock:
-            spare, previous = self.store.begin(version)
-        packed, step = self.store.pack(state, version, spare, previous, dtype,
-                                       describer(self.rank, self.world, full_shapes, boxes))
+            store = self.stores.setdefault(layout, WeightsStore(self.config, Counter()))
+            spare, previous = store.begin(version)
+        packed, step = store.pack(state, version, spare, previous, dtype,
+                                  describer(self.rank, self.world, full_shapes, boxes))
         with self._lock:
-            self.store.add(version, packed, step)
+            store.add(version, packed, step)
             # workers ask by number for the version rank 0 released to them, which a delayed link can hold back
             # behind newer ones (a retired one is answered with the newest)
             if needed is None:
-                needed = set(list(self.store.versions)[-self.config.max_retained_versions:])
-            self.store.trim(set(needed))
+                needed = set(list(store.versions)[-self.config.max_retained_versions:])
+            store.trim(set(needed))
 
     def close(self, reason: str = "") -> None:
         self._stop.set()
@@ -202,13 +224,16 @@ class ShardServer(_Endpoint):
             self.stats["rejected/unexpected_kind"] += 1
             return
         with self._lock:
+            store = self.stores.get(request.layout)
+            if store is None:
+                return  # nothing published for this layout yet: the worker's fetch asks again
             # the version asked for, else the newest (older: the worker asks again; newer: it moves on to it)
-            released = self.store.versions.get(request.version) or self.store.versions.get(self.store.newest)
+            released = store.versions.get(request.version) or store.versions.get(store.newest)
             if released is None:
-                return  # nothing published yet: the worker's fetch asks again
-            frames, carried = self.store.reply(request, released)
+                return
+            frames, carried = store.reply(request, released)
         if _send(sock, [routing_id, *frames], self.stats, "weights_chunk" if carried else "weights_header"):
             self.stats["weights/bytes_sent"] += carried
 
 
-__all__ = ["ShardServer", "describer", "slices_of"]
+__all__ = ["ShardServer", "describer", "slices_for", "slices_of"]

@@ -10,9 +10,14 @@ import torch.multiprocessing as mp
 
 from heterorl.policies import load_policy
 from heterorl.training.session import AdamParams, Datum, TrainingClient, read_training_state
+from heterorl.transport.reshard import DestLayout, Placement, box_slices, local
+from heterorl.transport.shards import slices_for
 
 BASE = "add3-sft-base"
 WORLD = 2
+# a tensor-parallel worker's rank 1 of 2: half the columns of one projection, half the rows of the embedding
+LAYOUT = DestLayout({"model.layers.0.mlp.up_proj.weight": (Placement.shard(1, 2), 1),
+                     "model.embed_tokens.weight": (Placement.shard(0, 2), 1)})
 
 
 def _batch(tokenizer, step: int, groups: int = 4, size: int = 4) -> list[Datum]:
@@ -54,6 +59,9 @@ def _ranks(rank: int, rendezvous: str, folder: str) -> None:
             if step == 1:
                 fsdp.save_state(f"{folder}/state").result()  # every rank writes its shards
         version, whole = fsdp.save_weights_for_sampler().result()
+        _, held = fsdp.save_shards_for_sampler().result()  # what this rank sends a worker of LAYOUT (no gather)
+        slices = {k: v.clone() for k, v in slices_for(held, rank, WORLD, LAYOUT)[0].items()}
+        boxes = slices_for(held, rank, WORLD, LAYOUT)[2]
         # a fresh sharded client resumes from the state and takes the third step again: bit for bit
         again = TrainingClient(*load_policy(BASE), seed=0, shard=True)
         assert again.load_state(f"{folder}/state").result() == 0 and again.step == 2
@@ -61,11 +69,11 @@ def _ranks(rank: int, rendezvous: str, folder: str) -> None:
         _, whole_again = again.save_weights_for_sampler().result()
         if rank == 0:
             sampled = fsdp.live_sampling_client().sample([tokenizer.encode("123+456=")], 1).result()
-            result = {"losses": losses, "ddp": {k: v.clone() for k, v in ddp.model.state_dict().items()},
+            result = {"slices0": (slices, boxes), "losses": losses, "ddp": {k: v.clone() for k, v in ddp.model.state_dict().items()},
                       "fsdp": whole, "again": whole_again, "redo": redo, "version": version,
                       "sampled": sampled[0][0].tokens}
         else:
-            result = {"rank1_whole": whole, "losses1": losses}
+            result = {"rank1_whole": whole, "losses1": losses, "slices1": (slices, boxes)}
         torch.save(result, f"{folder}/result-{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -122,3 +130,17 @@ def test_a_sharded_state_is_refused_by_an_unsharded_client_with_the_reason(measu
     client = TrainingClient(*load_policy(BASE))
     with pytest.raises(Exception, match="sharded .* but the client is not sharded"):
         client.load_state(measured["folder"] / "state").result()
+
+
+def test_each_rank_sends_a_tensor_parallel_worker_exactly_its_part_of_the_slices_it_wants(measured):
+    whole = measured["fsdp"]
+    for name in whole:
+        wanted = LAYOUT.box(name, tuple(whole[name].shape))
+        got = torch.zeros(tuple(b - a for a, b in wanted))
+        covered = 0
+        for slices, boxes in (measured["slices0"], measured["slices1"]):
+            if name in slices:
+                got[box_slices(local(boxes[name], wanted))] = slices[name]
+                covered += slices[name].numel()
+        assert covered == got.numel(), name  # every element once: the ranks' pieces do not overlap
+        assert torch.equal(got, whole[name][box_slices(wanted)]), name

@@ -45,7 +45,9 @@ class Fleet:
         # test process may hold), and rank 0 is told them
         self.shards = {r: ShardServer("tcp://127.0.0.1:0", r, WORLD, CONFIG) for r in range(1, WORLD)}
         ports = [int(self.shards[r].endpoint.rsplit(":", 1)[1]) for r in range(1, WORLD)]
-        self.server = LearnerServer("tcp://127.0.0.1:0", CONFIG, shard_ranks=WORLD, shard_ports=ports)
+        shapes = {name: tuple(t.shape) for name, t in master_state().items()}
+        self.server = LearnerServer("tcp://127.0.0.1:0", CONFIG, shard_ranks=WORLD, shard_ports=ports,
+                                    model_shapes=shapes)
         assert self.server.shard_ports == ports
 
     def publish(self, version: int, state: dict, ranks=range(WORLD)) -> None:
@@ -56,6 +58,24 @@ class Fleet:
             else:
                 self.shards[rank].publish(version, slices, full, boxes, dtype=BF16,
                                           needed=self.server.needed_versions())
+
+    def publish_for(self, version: int, state: dict, layout) -> None:
+        """Every rank's pieces of ``version`` for the workers of ``layout`` (before `publish` notifies them)."""
+        from heterorl.transport.reshard import layout_key, plan, take
+
+        shapes = {name: tuple(t.shape) for name, t in state.items()}
+        pieces = plan(shapes, SourceLayout.fsdp(shapes, WORLD), {"w": layout})
+        for rank in range(WORLD):
+            owned = cut(state, rank)[0]
+            mine = pieces.pieces_from(rank).get("w", [])
+            slices = {p.name: take(owned[p.name], p) for p in mine}
+            full = {p.name: shapes[p.name] for p in mine}
+            boxes = {p.name: p.global_box for p in mine}
+            if rank == 0:
+                self.server.publish_layout(layout_key(layout), version, slices, dtype=BF16,
+                                           describe=describer(0, WORLD, full, boxes))
+            else:
+                self.shards[rank].publish(version, slices, full, boxes, dtype=BF16, layout=layout_key(layout))
 
     def close(self) -> None:
         for shard in self.shards.values():
@@ -194,3 +214,41 @@ def test_a_worker_declares_the_slices_it_wants_in_its_hello_and_a_malformed_layo
         decode(encode(Hello("w", "host", 1, layout={"a": {"kind": "shard", "dim": 0, "parts": 0, "index": 0}})))
     with pytest.raises(ProtocolError, match="layout"):
         decode(encode(Hello("w", "host", 1, layout={"a": {"kind": "diagonal"}})))
+
+
+def test_a_worker_that_declares_its_slices_gets_exactly_those_from_every_rank(fleet):
+    from heterorl.transport.reshard import DestLayout, Placement
+
+    layout = DestLayout({f"layer{i}.weight": (Placement.shard(1, 2), 1) for i in range(4)})
+    tp = WorkerClient(fleet.server.control_endpoint, "tp1", CONFIG, layout=layout)
+    whole = _client(fleet, "whole")
+    state, gen = master_state(), torch.Generator().manual_seed(5)
+    try:
+        tp.wait_ready(10)
+        assert fleet.server.layouts() == {tp.layout_key: layout.to_dict()}
+        for version in (1, 2):
+            random_walk(state, gen, 1e-2)
+            fleet.publish_for(version, state, layout)
+            fleet.publish(version, state)
+            got = tp.wait_weights(version - 1, timeout_s=10)
+            assert got is not None and got[0] == version
+            cast = _cast(state)
+            for name, tensor in got[1].items():
+                want = cast[name][:, 48:] if name.startswith("layer") else cast[name]
+                assert tensor.shape == want.shape and torch.equal(tensor, want), name
+            assert _equal(whole.wait_weights(version - 1, timeout_s=10)[1], state)  # the others: whole
+    finally:
+        tp.close()
+        whole.close()
+
+
+def test_a_layout_that_does_not_fit_the_model_is_refused_with_the_reason(fleet):
+    from heterorl.transport.reshard import DestLayout, Placement
+
+    bad = WorkerClient(fleet.server.control_endpoint, "tp-bad", CONFIG,
+                       layout=DestLayout({"layer0.weight": (Placement.shard(1, 5), 0)}))  # 96 columns: not by 5
+    try:
+        assert bad.finished.wait(10)
+        assert "does not fit the model" in bad.refused and "5 equal parts" in bad.refused
+    finally:
+        bad.close()
