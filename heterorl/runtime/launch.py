@@ -45,8 +45,42 @@ def _init_ranks(cfg: Config) -> int:
     return dist.get_rank()
 
 
-def _follow_rank(cfg: Config, resume: bool, curve=None, allow_plaintext: bool = False) -> None:
-    """A learner rank > 0: same model and optimizer, trains on its share of each batch, owns no socket."""
+def bind_shard_channels(cfg: Config, bind: str, curve=None, allow_plaintext: bool = False):
+    """A learner that reshards (`_shard_ranks` > 1): every rank > 0 binds its weights channel (a `ShardServer`)
+    on a free port of the host in ``bind``, and the ranks share those ports (one ``all_gather_object``, the first
+    collective of the run on every rank), for rank 0 to tell the workers. Returns this rank's ShardServer (None on
+    rank 0 or when the learner does not reshard) and the ports of ranks 1.. in order. A rank that cannot bind
+    fails every rank, naming it and the address."""
+    import torch.distributed as dist
+
+    world = _shard_ranks(cfg)
+    if world == 1:
+        return None, []
+    from heterorl.transport.shards import ShardServer
+
+    host, rank, server, mine = _host_port(bind)[0], dist.get_rank(), None, None
+    if not bind.startswith("tcp://"):
+        raise HeteroRLError(f"a learner that reshards needs a tcp:// address, not {bind}: every rank binds its own "
+                            "weights channel on that host (--bind, runtime.address; or runtime.weights_fanout=gather)")
+    if rank > 0:
+        try:
+            server = ShardServer(f"tcp://{host}:0", rank, world, _transport_config(cfg, allow_plaintext), curve=curve)
+            mine = _host_port(server.endpoint)[1]
+        except Exception as exc:  # told to every rank, which all stop
+            mine = f"learner rank {rank} cannot bind its weights channel on tcp://{host}:0: {exc}"
+    shared: list = [None] * world
+    dist.all_gather_object(shared, mine)
+    failures = [port for port in shared[1:] if not isinstance(port, int)]
+    if failures:
+        if server is not None:
+            server.close()
+        raise HeteroRLError("; ".join(map(str, failures)))
+    return server, shared[1:]
+
+
+def _follow_rank(cfg: Config, resume: bool, shard_server=None) -> None:
+    """A learner rank > 0: same model and optimizer, trains on its share of each batch; its only socket is
+    ``shard_server`` (`bind_shard_channels`)."""
     from heterorl.policies import load_policy
     from heterorl.runtime.learner import Learner, read_checkpoint
     from heterorl.tasks import make_task_from
@@ -59,7 +93,7 @@ def _follow_rank(cfg: Config, resume: bool, curve=None, allow_plaintext: bool = 
                               shard=cfg.runtime.learner_sharding == "fsdp")
     if resume:
         training.load_state(read_checkpoint(cfg.logging.run_dir, cfg.policy.device).training_state).result()
-    Learner(cfg, training, task, None, cfg.logging.run_dir).follow(_transport_config(cfg, allow_plaintext), curve)
+    Learner(cfg, training, task, None, cfg.logging.run_dir).follow(shard_server)
 
 
 def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, allow_plaintext: bool = False,
@@ -78,8 +112,10 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
     from heterorl.transport.protocol import BYE_LEARNER_STOPPING, BYE_RUN_FINISHED
 
     torch.set_num_threads(cfg.runtime.learner_threads or cfg.runtime.threads)
-    if _init_ranks(cfg) > 0:
-        _follow_rank(cfg, resume, curve, allow_plaintext)
+    rank = _init_ranks(cfg)
+    shard_server, shard_ports = bind_shard_channels(cfg, bind, curve, allow_plaintext)
+    if rank > 0:
+        _follow_rank(cfg, resume, shard_server)
         return None
     checkpoint = read_checkpoint(run_dir, cfg.policy.device) if resume else None
     if checkpoint is not None:
@@ -87,7 +123,7 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
     task, training, logger, run_dir = setup_run(cfg, "learner", cfg.rl.base or cfg.policy.model, append=resume,
                                                 data_parallel=True)
     server = _learner_server(cfg, learner_addresses(cfg, bind, resume), training, curve=curve,
-                             allow_plaintext=allow_plaintext,
+                             allow_plaintext=allow_plaintext, shard_ports=shard_ports,
                              published_before=checkpoint.newest_published if checkpoint is not None else -1)
     learner = Learner(cfg, training, task, server, run_dir, logger, progress, share_machine=share_machine)
     reason = BYE_LEARNER_STOPPING
@@ -178,9 +214,9 @@ def _shard_ranks(cfg: Config) -> int:
 
 
 def _learner_server(cfg: Config, addresses: tuple[str, str | None], training, *, curve, allow_plaintext: bool,
-                    published_before: int):
+                    published_before: int, shard_ports: list[int]):
     """The learner's `LearnerServer` on ``addresses`` (`learner_addresses`), its address written to
-    ``RUN_DIR/endpoints.json``."""
+    ``RUN_DIR/endpoints.json``; ``shard_ports``: its other ranks' weights channels (`bind_shard_channels`)."""
     from heterorl.delay.clock import delay_clock
     from heterorl.delay.links import DelayLink
     from heterorl.runtime.learner import learner_settings, trajectory_contract
@@ -196,7 +232,7 @@ def _learner_server(cfg: Config, addresses: tuple[str, str | None], training, *,
     server = LearnerServer(bind, transport, curve=curve, weights_address=weights_address, weights_delay=weights_delay,
                            settings=learner_settings(cfg, contract), clock=delay_clock(cfg).now, contract=contract,
                            published_before=published_before, group_timeout_s=cfg.buffer.partial_group_timeout_s,
-                           shard_ranks=_shard_ranks(cfg),
+                           shard_ranks=_shard_ranks(cfg), shard_ports=shard_ports,
                            model_shapes={name: tuple(t.shape) for name, t in training.model.state_dict().items()})
     (run_dir / ENDPOINTS).write_text(json.dumps({"control": server.control_endpoint,
                                                  "weights": server.weights_endpoint}))

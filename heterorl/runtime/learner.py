@@ -47,7 +47,7 @@ from heterorl.training.step import SkippedUpdate, optimize_batch
 from heterorl.transport import LearnerServer
 from heterorl.transport.protocol import TrajectoryContract
 from heterorl.transport.reshard import DestLayout
-from heterorl.transport.shards import ShardServer, describer, slices_for, slices_of
+from heterorl.transport.shards import describer, slices_for, slices_of
 from heterorl.transport.weights import wire_dtype
 
 log = logging.getLogger("heterorl.runtime.learner")
@@ -305,7 +305,7 @@ class Learner:
         self._eval_sampler = training.live_sampling_client() if self.ranks.rank == 0 else None
         # a sharded learner's every rank sends its own slices of each version (heterorl.transport.shards)
         self._reshard = training is not None and training.sharded and cfg.runtime.weights_fanout == "reshard"
-        self._shard_server = None  # ranks > 0: their slices' weights channel, bound at the first publish
+        self._shard_server = None  # ranks > 0 of a learner that reshards: their slices' weights channel (`follow`)
         self.recorder: StepRecorder | None = None  # made by `run`, over the (possibly resumed) state
         self.dropped_trained = 0  # trajectories that arrived after being trained (before a restart): never twice
         self._since_checkpoint: dict[str, float] = {}  # version → wall time, for versions after the checkpoint
@@ -394,7 +394,7 @@ class Learner:
         """Every rank publishes its own slices of the new version: rank 0 on its weights channel, the others on
         theirs, keeping the versions rank 0 may still release to a worker."""
         layouts = self.server.layouts()  # the slices workers declared (tensor-parallel engines' ranks)
-        self.ranks.share(("slices", sorted(self.server.needed_versions()), self.server.weights_endpoint, layouts))
+        self.ranks.share(("slices", sorted(self.server.needed_versions()), layouts))
         version, state = self.training.save_shards_for_sampler().result()
         world = self.ranks.world
         for key, layout in layouts.items():  # first: `publish` below notifies every worker
@@ -407,14 +407,13 @@ class Learner:
         self.server.publish(version, slices, dtype=self._wire_dtype(), describe=describer(0, world, shapes, boxes))
         return version
 
-    def _publish_own_slices(self, needed: list[int], endpoint: str, layouts: dict[str, dict]) -> None:
-        """Ranks > 0: this rank's slices of the new version, on its weights channel (rank 0's weights port +
-        its rank, on rank 0's host)."""
+    def _publish_own_slices(self, needed: list[int], layouts: dict[str, dict]) -> None:
+        """Ranks > 0: this rank's slices of the new version, on its weights channel (bound at setup, its port
+        told to rank 0: `launch.bind_shard_channels`)."""
         rank, world = self.ranks.rank, self.ranks.world
         if self._shard_server is None:
-            host, _, port = endpoint.rpartition(":")
-            self._shard_server = ShardServer(f"{host}:{int(port) + rank}", rank, world, self._transport,
-                                             curve=self._curve)
+            raise HeteroRLError(f"learner rank {rank} was asked for its slices but has no weights channel: a learner "
+                                "that reshards binds one on every rank at setup (heterorl.runtime.launch)")
         version, state = self.training.save_shards_for_sampler().result()
         for key, layout in layouts.items():
             slices, shapes, boxes = slices_for(state, rank, world, DestLayout.from_dict(layout))
@@ -737,12 +736,12 @@ class Learner:
                           "weights/bytes_ratio": stats["weights/version_bytes"] / max(len(step.blob), 1)})
         return found
 
-    def follow(self, transport=None, curve=None) -> None:
+    def follow(self, shard_server=None) -> None:
         """Ranks > 0: do what rank 0 says, in its order, until it says stop: train on a batch (``train``), and,
         sharded, take part in gathering the weights for a publish (``export``) or for evaluation (``gather``),
-        publish this rank's slices of a version (``slices``; on a weights channel made with ``transport`` and
-        ``curve``) and write a checkpoint's shards (``save``)."""
-        self._transport, self._curve = transport, curve
+        publish this rank's slices of a version (``slices``; on ``shard_server``, this rank's weights channel,
+        closed at the end) and write a checkpoint's shards (``save``)."""
+        self._shard_server = shard_server
         total_updates = self.cfg.rl.steps * self.cfg.rl.updates_per_batch
         while True:
             message = self.ranks.share()

@@ -402,15 +402,29 @@ class WorkerClient(_Endpoint):
         elif self._fetch.active:  # a corrupted chunk: fetch the version again, whole
             self._fetch.resync(sock, self, self._now)
 
+    def _join_shards(self, host: str, ports: list[int]) -> None:
+        """A sharded learner's other ranks (heterorl.transport.shards) are at ``ports`` of ``host``: connect to them,
+        or, when a restarted learner's ranks bound other ports, drop the old sockets (and the slices being
+        gathered) and connect to the new ones."""
+        if ports == (self._shards.ports if self._shards is not None else []):
+            return
+        if self._shards is not None:
+            for sock in self._shards.sockets.values():
+                self._poller.unregister(sock)
+            self._shards.close()
+            self._shards = None
+        self._fetch.deliver = None
+        if ports:
+            self._shards = _Shards(self, [self._connect(f"{host}:{port}", self.config.weights_hwm) for port in ports],
+                                   ports)
+            self._fetch.deliver = self._shards.part_of(0)
+
     def _on_ready(self, ready: Ready) -> None:
+        host = self.address.rsplit(":", 1)[0]
         if self._weights is None:
-            host = self.address.rsplit(":", 1)[0]
             self._weights = self._connect(f"{host}:{ready.settings['weights_port']}", self.config.weights_hwm)
-            ports = [int(p) for p in str(ready.settings.get("shard_ports") or "").split(",") if p.isdigit()]
-            if ports:  # a sharded learner: every rank sends its own slices (heterorl.transport.shards)
-                self._shards = _Shards(self, [self._connect(f"{host}:{port}", self.config.weights_hwm)
-                                              for port in ports])
-                self._fetch.deliver = self._shards.part_of(0)
+        self._join_shards(host, [int(p) for p in str(ready.settings.get("shard_ports") or "").split(",")
+                                 if p.isdigit()])
         with self._lock:
             first = self._ready is None
             self._ready = ready
@@ -731,8 +745,9 @@ class _Shards:
     the version it has. Slices that do not fit (a wrong shape or offset, two ranks claiming one element, one
     missing) are counted under ``weights/rejected/<reason>`` and every rank's version fetched whole again."""
 
-    def __init__(self, client: WorkerClient, sockets: list[zmq.Socket]) -> None:
+    def __init__(self, client: WorkerClient, sockets: list[zmq.Socket], ports: list[int]) -> None:
         self.sockets = {rank: sock for rank, sock in enumerate(sockets, start=1)}
+        self.ports = list(ports)
         self.fetches = {rank: _Fetch() for rank in self.sockets}
         for rank, fetch in self.fetches.items():
             fetch.deliver = self.part_of(rank)

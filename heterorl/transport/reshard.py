@@ -234,6 +234,32 @@ class DestLayout:
                                    "index below parts")
             self.box(name, shapes[name])
 
+    @classmethod
+    def tensor_parallel(cls, shapes: Mapping[str, tuple[int, ...]], rank: int, size: int,
+                        shard_vocab: bool = False) -> DestLayout:
+        """The slices rank ``rank`` of a ``size``-way tensor-parallel engine holds of a Llama-family model (the
+        Hugging Face names of Llama, Qwen2, SmolLM2), as Megatron-style engines split it: the query, key, value,
+        gate and up projections (and their biases) by output rows (dim 0), the attention output and down
+        projections by input columns (dim 1), the norms whole; the embedding and the head by vocabulary rows when
+        ``shard_vocab`` (an engine that pads the vocabulary to a multiple of ``size`` cannot be served an
+        uneven split), else whole. A split along heads needs the head counts divisible by ``size``: the caller
+        checks that; a size that does not divide a tensor's dim is refused by `validate`."""
+        if not _is_int(size) or size < 1 or not _is_int(rank) or not 0 <= rank < size:
+            raise ReshardError(f"tensor-parallel rank {rank!r} of size {size!r}: give 0 <= rank < size")
+        rows = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
+                "gate_proj.weight", "up_proj.weight")
+        columns = ("o_proj.weight", "down_proj.weight")
+        vocab = ("embed_tokens.weight", "lm_head.weight") if shard_vocab else ()
+        placements = {}
+        for name in shapes:
+            if name.endswith(rows + vocab):
+                placements[name] = (Placement.shard(0, size), rank)
+            elif name.endswith(columns):
+                placements[name] = (Placement.shard(1, size), rank)
+        layout = cls(placements if size > 1 else {})
+        layout.validate(shapes)
+        return layout
+
     def to_dict(self) -> dict:
         return {name: {**placement.to_dict(), "index": index} for name, (placement, index) in self.placements.items()}
 

@@ -184,9 +184,9 @@ class LearnerServer(_Endpoint):
         above it. ``group_timeout_s``: an incomplete group is dropped this long after its first member arrived
         (the learner passes ``buffer.partial_group_timeout_s``). ``weights_delay``: `_schedule_notice`.
         ``shard_ranks`` > 1: a sharded learner whose ranks each send their own slices (heterorl.transport.shards);
-        rank r's weights channel is at ``shard_ports[r - 1]`` (the ports they bound; by default this one's port + r),
-        and every worker is told so when it joins; a worker may then declare the slices it wants (its hello's
-        ``layout``), checked against ``model_shapes``."""
+        rank r's weights channel is at ``shard_ports[r - 1]`` (the port it bound, on this host), and every worker
+        is told so when it joins; a worker may then declare the slices it wants (its hello's ``layout``), checked
+        against ``model_shapes``."""
         self.config = config or TransportConfig()
         self.config.validate()
         _require_security(address, curve, self.config, (
@@ -238,6 +238,9 @@ class LearnerServer(_Endpoint):
         self.stores: dict[str, WeightsStore] = {"": self.store}
         self._model_shapes = dict(model_shapes) if model_shapes else None  # what a worker's layout must fit
         self._publish_times: dict[int, float] = {}
+        if len(shard_ports or []) != shard_ranks - 1:
+            raise ValueError(f"a learner of {shard_ranks} ranks that each send their own slices needs the weights "
+                             f"ports of ranks 1..{shard_ranks - 1} (shard_ports), not {shard_ports}")
         self._shard_ranks, self._shard_ports = shard_ranks, list(shard_ports or [])
         self.shard_ports: list[int] = []  # a sharded learner's other ranks' weights ports, told to workers (Ready)
 
@@ -427,8 +430,7 @@ class LearnerServer(_Endpoint):
             weights_address = self._weights_address or (
                 f"{self._address.rsplit(':', 1)[0]}:{0 if self._address.endswith(':0') else _port_of(self._address) + 1}")
             weights, self.weights_endpoint = self._bind(ctx, weights_address, self.config.weights_hwm)
-            self.shard_ports = self._shard_ports or [_port_of(self.weights_endpoint) + r
-                                                     for r in range(1, self._shard_ranks)]
+            self.shard_ports = list(self._shard_ports)
             return auth, control, weights
         except BaseException:
             for s in sockets:

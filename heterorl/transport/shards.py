@@ -9,8 +9,8 @@ rank 0 first.
   rank 0's weights channel (`heterorl.transport.store.WeightsStore`).
 - **Rank 0** (`LearnerServer`) keeps the control channel, the worker registry, the delays and the notices, and
   serves its own slices on its weights channel; it tells workers the other ranks' weights ports (``Ready``).
-- **The other ranks** run a `ShardServer`: a weights channel (port: rank 0's weights port + rank) and nothing
-  else. A worker asks it for the version rank 0 released to it, by number; a version not published there yet
+- **The other ranks** run a `ShardServer`: a weights channel (on a free port of rank 0's host, bound at setup
+  and told to rank 0: `heterorl.runtime.launch.bind_shard_channels`) and nothing else. A worker asks it for the version rank 0 released to it, by number; a version not published there yet
   is answered with the newest one it has, and the worker asks again shortly.
 - **The worker** (`heterorl.transport.client`) fetches the version from every rank and places the slices with
   an all-or-nothing `reshard.Assembler`: it loads version v only when every rank's slices of v arrived and were
@@ -180,7 +180,7 @@ class ShardServer(_Endpoint):
                 auth.stop()
             if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EADDRINUSE:
                 raise TransportError(f"learner rank {self.rank}: {self._address} is in use by another process "
-                                     "(rank r serves its weights slices on the weights port + r)") from None
+                                     "(bind this rank's weights channel on port 0 for a free one)") from None
             raise
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT) or self._address
         return auth, sock

@@ -15,9 +15,12 @@ from heterorl.transport.shards import slices_for
 
 BASE = "add3-sft-base"
 WORLD = 2
-# a tensor-parallel worker's rank 1 of 2: half the columns of one projection, half the rows of the embedding
-LAYOUT = DestLayout({"model.layers.0.mlp.up_proj.weight": (Placement.shard(1, 2), 1),
-                     "model.embed_tokens.weight": (Placement.shard(0, 2), 1)})
+
+
+def tp_layout(shapes: dict) -> DestLayout:
+    """A 2-way tensor-parallel engine's rank 1: half the rows or columns of every projection, half the
+    vocabulary rows of the embedding."""
+    return DestLayout.tensor_parallel(shapes, 1, 2, shard_vocab=True)
 
 
 def _batch(tokenizer, step: int, groups: int = 4, size: int = 4) -> list[Datum]:
@@ -60,8 +63,10 @@ def _ranks(rank: int, rendezvous: str, folder: str) -> None:
                 fsdp.save_state(f"{folder}/state").result()  # every rank writes its shards
         version, whole = fsdp.save_weights_for_sampler().result()
         _, held = fsdp.save_shards_for_sampler().result()  # what this rank sends a worker of LAYOUT (no gather)
-        slices = {k: v.clone() for k, v in slices_for(held, rank, WORLD, LAYOUT)[0].items()}
-        boxes = slices_for(held, rank, WORLD, LAYOUT)[2]
+        layout = tp_layout({name: tuple(t.shape) for name, t in held.items()})  # (a DTensor's shape: the whole)
+        assert layout.placements
+        slices = {k: v.clone() for k, v in slices_for(held, rank, WORLD, layout)[0].items()}
+        boxes = slices_for(held, rank, WORLD, layout)[2]
         # a fresh sharded client resumes from the state and takes the third step again: bit for bit
         again = TrainingClient(*load_policy(BASE), seed=0, shard=True)
         assert again.load_state(f"{folder}/state").result() == 0 and again.step == 2
@@ -134,8 +139,12 @@ def test_a_sharded_state_is_refused_by_an_unsharded_client_with_the_reason(measu
 
 def test_each_rank_sends_a_tensor_parallel_worker_exactly_its_part_of_the_slices_it_wants(measured):
     whole = measured["fsdp"]
+    layout = tp_layout({name: tuple(t.shape) for name, t in whole.items()})
+    assert layout.placement("model.layers.1.self_attn.o_proj.weight") == (Placement.shard(1, 2), 1)
+    assert layout.placement("model.layers.1.self_attn.k_proj.bias") == (Placement.shard(0, 2), 1)
+    assert layout.placement("model.norm.weight") == (Placement.replicate(), 0)
     for name in whole:
-        wanted = LAYOUT.box(name, tuple(whole[name].shape))
+        wanted = layout.box(name, tuple(whole[name].shape))
         got = torch.zeros(tuple(b - a for a, b in wanted))
         covered = 0
         for slices, boxes in (measured["slices0"], measured["slices1"]):

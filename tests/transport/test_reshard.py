@@ -258,3 +258,36 @@ def test_layouts_round_trip_through_plain_dicts():
     with pytest.raises(ReshardError, match="index '1' is not an int"):
         DestLayout.from_dict({"w": {"kind": "shard", "dim": 0, "parts": 2, "index": "1"}})
     assert volume(((0, 2), (1, 4))) == 6 and volume(()) == 1
+
+
+LLAMA_LAYER = {"model.embed_tokens.weight": (20, 8), "model.layers.0.self_attn.q_proj.weight": (8, 8),
+               "model.layers.0.self_attn.q_proj.bias": (8,), "model.layers.0.self_attn.o_proj.weight": (8, 8),
+               "model.layers.0.mlp.up_proj.weight": (12, 8), "model.layers.0.mlp.down_proj.weight": (8, 12),
+               "model.layers.0.input_layernorm.weight": (8,), "lm_head.weight": (20, 8)}
+
+
+def test_a_tensor_parallel_engines_ranks_split_projections_megatron_style_and_together_hold_the_model():
+    ranks = [DestLayout.tensor_parallel(LLAMA_LAYER, r, 2) for r in range(2)]
+    assert ranks[1].box("model.layers.0.self_attn.q_proj.weight", (8, 8)) == ((4, 8), (0, 8))  # output rows
+    assert ranks[1].box("model.layers.0.self_attn.q_proj.bias", (8,)) == ((4, 8),)
+    assert ranks[0].box("model.layers.0.mlp.down_proj.weight", (8, 12)) == ((0, 8), (0, 6))  # input columns
+    assert ranks[0].placement("model.layers.0.input_layernorm.weight") == (Placement.replicate(), 0)
+    assert ranks[0].placement("lm_head.weight") == (Placement.replicate(), 0)  # the vocabulary whole by default
+    vocab = DestLayout.tensor_parallel(LLAMA_LAYER, 1, 2, shard_vocab=True)
+    assert vocab.box("model.embed_tokens.weight", (20, 8)) == ((10, 20), (0, 8))
+    assert DestLayout.tensor_parallel(LLAMA_LAYER, 0, 1) == DestLayout()  # one rank: the whole model
+    # every rank's slices, from 3 FSDP ranks, cover each tensor's part exactly once (the planner's contract)
+    pieces = plan(LLAMA_LAYER, SourceLayout.fsdp(LLAMA_LAYER, 3), {f"tp{r}": ranks[r] for r in range(2)})
+    for r in range(2):
+        for name, shape in LLAMA_LAYER.items():
+            got = sum(volume(p.global_box) for p in pieces.pieces_for(f"tp{r}") if p.name == name)
+            assert got == volume(ranks[r].box(name, shape)), name
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_model_is_refused():
+    with pytest.raises(ReshardError, match="down_proj.weight. dim 1 has size 12.*5 equal parts"):
+        DestLayout.tensor_parallel(LLAMA_LAYER, 0, 5)
+    with pytest.raises(ReshardError, match="lm_head.weight. dim 0 has size 20.*3 equal parts"):
+        DestLayout.tensor_parallel(LLAMA_LAYER, 0, 3, shard_vocab=True)
+    with pytest.raises(ReshardError, match="0 <= rank < size"):
+        DestLayout.tensor_parallel(LLAMA_LAYER, 2, 2)

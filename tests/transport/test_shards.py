@@ -40,14 +40,14 @@ def cut(state: dict, rank: int, world: int = WORLD) -> tuple[dict, dict, dict]:
 class Fleet:
     """Rank 0's `LearnerServer` (told of WORLD ranks) and a `ShardServer` per other rank."""
 
-    def __init__(self) -> None:
-        # the other ranks bind free ports first (never rank 0's weights port + r, which another socket of this
-        # test process may hold), and rank 0 is told them
+    def __init__(self, address: str = "tcp://127.0.0.1:0", weights_address: str | None = None,
+                 published_before: int = -1) -> None:
+        # the other ranks bind free ports first, and rank 0 is told them (as `launch.bind_shard_channels` does)
         self.shards = {r: ShardServer("tcp://127.0.0.1:0", r, WORLD, CONFIG) for r in range(1, WORLD)}
         ports = [int(self.shards[r].endpoint.rsplit(":", 1)[1]) for r in range(1, WORLD)]
         shapes = {name: tuple(t.shape) for name, t in master_state().items()}
-        self.server = LearnerServer("tcp://127.0.0.1:0", CONFIG, shard_ranks=WORLD, shard_ports=ports,
-                                    model_shapes=shapes)
+        self.server = LearnerServer(address, CONFIG, weights_address=weights_address, shard_ranks=WORLD,
+                                    shard_ports=ports, model_shapes=shapes, published_before=published_before)
         assert self.server.shard_ports == ports
 
     def publish(self, version: int, state: dict, ranks=range(WORLD)) -> None:
@@ -96,6 +96,14 @@ def _client(fleet: Fleet, worker_id: str = "w") -> WorkerClient:
     return client
 
 
+def _client_on_version_1(fleet: Fleet, state: dict) -> WorkerClient:
+    """A worker that holds version 1 of ``state``, assembled from every rank."""
+    client = _client(fleet)
+    fleet.publish(1, state)
+    assert client.wait_weights(0, timeout_s=10)[0] == 1
+    return client
+
+
 def test_a_worker_assembles_every_ranks_slices_into_the_whole_model_then_takes_deltas(fleet):
     state, gen = master_state(), torch.Generator().manual_seed(1)
     client = _client(fleet)
@@ -135,10 +143,8 @@ def test_a_version_is_loaded_only_once_every_rank_has_sent_it_never_a_mix(fleet)
 
 def test_a_rank_that_is_gone_leaves_the_worker_on_its_version_and_is_named(fleet):
     state = master_state()
-    client = _client(fleet)
+    client = _client_on_version_1(fleet, state)
     try:
-        fleet.publish(1, state)
-        assert client.wait_weights(0, timeout_s=10)[0] == 1
         fleet.shards.pop(2).close()  # rank 2 dies before version 2
         random_walk(state, torch.Generator().manual_seed(3), 1e-2)
         fleet.publish(2, state, ranks=[0, 1])
@@ -150,6 +156,28 @@ def test_a_rank_that_is_gone_leaves_the_worker_on_its_version_and_is_named(fleet
         assert client.stats["weights/shard_versions_assembled"] == 1
     finally:
         client.close()
+
+
+def test_a_worker_follows_a_restarted_learner_whose_ranks_bound_other_ports(fleet):
+    state = master_state()
+    client = _client_on_version_1(fleet, state)
+    try:
+        old_ports = fleet.server.shard_ports
+        control, weights = fleet.server.control_endpoint, fleet.server.weights_endpoint
+        fleet.close()  # the learner stops; a resumed one binds rank 0's addresses again, its other ranks new ports
+        fleet.__init__(control, weights, published_before=1)
+        assert fleet.server.shard_ports != old_ports
+        random_walk(state, torch.Generator().manual_seed(4), 1e-2)
+        fleet.publish(2, state)
+        got = client.wait_weights(1, timeout_s=15)
+        assert got is not None and got[0] == 2 and _equal(got[1], state)
+    finally:
+        client.close()
+
+
+def test_a_learner_that_reshards_must_be_told_its_ranks_ports():
+    with pytest.raises(ValueError, match=r"ports of ranks 1..2 \(shard_ports\)"):
+        LearnerServer("tcp://127.0.0.1:0", CONFIG, shard_ranks=3, shard_ports=[5000])
 
 
 def test_slices_that_do_not_tile_the_model_are_refused_and_fetched_whole_again(fleet):
