@@ -12,6 +12,7 @@
     heterorl bench simulate             staleness of one run live and simulated with its measured timings
     heterorl bench service              the session primitives remote (heterorl serve) vs local
     heterorl bench reshard              a sharded learner's weights: every rank sends its slices vs gather
+    heterorl bench lora                 LoRA vs full fine-tuning: learning, bytes and time per version, sampling
     heterorl keys --name NAME [--out D] a CurveZMQ key pair for a learner or a remote worker
     heterorl keys revoke --name NAME --allow-keys D   refuse a worker's key (no restart)
     heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async)
@@ -151,7 +152,7 @@ def _setup(cfg, name: str, policy: str):
 def cmd_sft(args) -> int:
     from heterorl.config import to_dict
     from heterorl.loops.sft import run_sft
-    from heterorl.policies import save_policy
+    from heterorl.runs import save_trained_policy
 
     cfg = _resolve_config(args)
     if cfg is None:
@@ -163,7 +164,7 @@ def cmd_sft(args) -> int:
     finally:
         bar.close()
         logger.close()
-    out = save_policy(training.model, training.tokenizer, cfg.sft.output)
+    out = save_trained_policy(training, Path(cfg.sft.output), Path(cfg.sft.output) / "adapter")
     summary = {"success": result.success, "steps": result.steps, "minutes": result.minutes, "policy": str(out),
                "command": "heterorl sft " + " ".join(sys.argv[2:]), "config": to_dict(cfg)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -227,7 +228,7 @@ def cmd_demo(args) -> int:
 # heterorl bench NAME: the module of heterorl.bench whose main(argv) runs it
 BENCHMARKS = {"engine": "engine", "losses": "losses", "transport": "transport", "weights": "weights",
               "deltas": "deltas", "async": "async_modes", "simulate": "simulation", "service": "service",
-              "reshard": "reshard"}
+              "reshard": "reshard", "lora": "lora"}
 
 
 def cmd_bench(args) -> int:
@@ -439,8 +440,10 @@ def cmd_serve(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    from heterorl.policies import register_models
+
     service = Service(args.state_dir, result_ttl_s=args.result_ttl_s, max_sessions=args.max_sessions,
-                      max_samplers=args.max_samplers, device=args.device)
+                      max_samplers=args.max_samplers, device=args.device, models=register_models(args.model))
     def listening(url: str) -> None:
         print(f"serving training sessions on {url} (API: /api/v1, OpenAI-compatible: /v1; "
               f"{'a bearer token' if api_key else 'no key: loopback only'})", flush=True)
@@ -575,6 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "one, printed at start; any address other than loopback needs --api-key-file)")
     p.add_argument("--api-key-file", help="a file holding the bearer token every request must carry")
     p.add_argument("--state-dir", default="runs/serve", help="where sessions save their states (default runs/serve)")
+    p.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
+                   help="a local Hugging Face folder sessions may start from by NAME (repeatable; listed by "
+                   "list_base_models with the shipped policies)")
     p.add_argument("--device", default="cpu", help="torch device of the sessions' models (default cpu)")
     p.add_argument("--threads", type=_positive(int), help="torch threads (default: torch's)")
     p.add_argument("--max-sessions", type=_positive(int), default=8, help="sessions held at once (default 8)")

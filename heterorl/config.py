@@ -283,6 +283,46 @@ class PolicyConfig:
     device: str = "cpu"
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # a Llama's linears
+
+
+@dataclass
+class LoraConfig:
+    """Train a low-rank adapter instead of the whole model (``rank`` > 0; heterorl.training.lora): the base
+    stays frozen, and each version the learner publishes is the adapter alone (``publish: adapter``) or the
+    merged weights (``merged``). ``target_modules``: names (last part) of the linear layers to adapt. ``apply``:
+    how a torch worker uses an adapter version: ``merged`` into its weights (as fast to sample as the base) or
+    kept ``unmerged`` beside them (no merge per version, a few more matmuls per token)."""
+
+    rank: int = 0  # 0: off (full fine-tuning)
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0
+    target_modules: List[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    publish: str = "adapter"  # adapter | merged
+    apply: str = "merged"  # merged | unmerged
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def validate(self, key: str = "lora") -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
+            _fail(f"{key}.rank", self.rank, "must be an integer >= 0 (0: train the whole model)")
+        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
+            _fail(f"{key}.alpha", self.alpha, "must be a finite number > 0 (the update is scaled by alpha / rank)")
+        if not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
+            _fail(f"{key}.dropout", self.dropout, "must be in [0, 1)")
+        names = list(self.target_modules)
+        if self.enabled and (not names or not all(isinstance(n, str) and n for n in names)):
+            _fail(f"{key}.target_modules", names, "must name at least one linear layer (e.g. q_proj, v_proj)")
+        _one_of(f"{key}.publish", self.publish, ("adapter", "merged"))
+        _one_of(f"{key}.apply", self.apply, ("merged", "unmerged"))
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "alpha": float(self.alpha), "dropout": float(self.dropout),
+                "target_modules": sorted(self.target_modules)}
+
+
 @dataclass
 class RolloutConfig:
     group_size: int = 8  # completions per prompt
@@ -503,6 +543,7 @@ class Config:
     delay: DelaysConfig = field(default_factory=DelaysConfig)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> None:
         """Every section's own checks, then those that span sections; raises ConfigError naming the key."""
@@ -521,6 +562,12 @@ class Config:
             _fail("transport.credits_per_worker", self.transport.credits_per_worker,
                   f"must be at least `rollout.group_size` = {self.rollout.group_size}: the learner holds a group's "
                   "members on the worker's credit until the group is complete")
+        if self.lora.enabled and self.runtime.learner_sharding == "fsdp":
+            _fail("lora.rank", self.lora.rank, "a LoRA learner is not sharded: set runtime.learner_sharding=ddp "
+                  "(the adapter and its optimizer state are small; the frozen base is all that is large)")
+        if self.lora.enabled and (self.rl.base or self.policy.model) == "tiny":
+            _fail("lora.rank", self.lora.rank, "an adapter needs a base every worker loads bit for bit (a shipped "
+                  "policy, smollm2 or a folder: rl.base or policy.model), not a fresh tiny model")
         if self.buffer.max_groups < self.rl.prompts_per_step:
             _fail("buffer.max_groups", self.buffer.max_groups,
                   f"must hold at least one batch (`rl.prompts_per_step` = {self.rl.prompts_per_step})")
@@ -579,5 +626,5 @@ def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
-__all__ = ["BufferConfig", "Config", "ConfigError", "DelayConfig", "TransportConfig", "TinyModelConfig", "load_config",
+__all__ = ["BufferConfig", "Config", "ConfigError", "DelayConfig", "LoraConfig", "TransportConfig", "TinyModelConfig", "load_config",
            "load_trace", "loss_options", "packaged", "to_dict", "to_yaml"]

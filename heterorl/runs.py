@@ -124,18 +124,31 @@ def setup_run(cfg: Config, name: str, policy: str, append: bool = False, data_pa
     logger = MetricsLogger(run_dir, config=to_dict(cfg), name=name, wandb_project=cfg.logging.wandb_project,
                            wandb_mode=cfg.logging.wandb_mode, append=append, wandb_group=cfg.logging.wandb_group)
     training = TrainingClient(model, tokenizer, device=cfg.policy.device, seed=cfg.seed, data_parallel=data_parallel,
-                              shard=data_parallel and cfg.runtime.learner_sharding == "fsdp")
+                              shard=data_parallel and cfg.runtime.learner_sharding == "fsdp", lora=cfg.lora)
     return task, training, logger, run_dir
+
+
+def save_trained_policy(training, path: Path, adapter_path: Path) -> Path:
+    """The trained policy as a plain Hugging Face folder at ``path`` (`save_policy`): the model, or with LoRA the
+    base with the adapter merged, the adapter also alone at ``adapter_path`` (peft's format)."""
+    from heterorl.policies import save_policy
+
+    if training.lora is None:
+        return save_policy(training.full_model, training.tokenizer, path)
+    out = save_policy(training.frozen_copy(), training.tokenizer, path)
+    training.model.save_pretrained(adapter_path)
+    for file in Path(adapter_path).iterdir():
+        file.chmod(0o644)  # (safetensors writes 0600, as in save_policy)
+    return out
 
 
 def finish_run(cfg: Config, task, training, run_dir: Path, result: RunResult, extra: dict, *, title: str,
                xlabel: str) -> Path:
-    """What every finished RL run leaves in its run dir: the policy (unless logging.save_policy is off), the
-    success plot (returned) and summary.json (the result's fields, the loss and ``extra``)."""
-    from heterorl.policies import save_policy
-
+    """What every finished RL run leaves in its run dir: the policy (unless logging.save_policy is off; a LoRA
+    run's with its adapter merged, and the adapter alone in peft's format in ``adapter/``), the success plot
+    (returned) and summary.json (the result's fields, the loss and ``extra``)."""
     if cfg.logging.save_policy:
-        save_policy(training.full_model, training.tokenizer, run_dir / "policy")
+        save_trained_policy(training, run_dir / "policy", run_dir / "adapter")
     plot = plot_curves({cfg.loss.name: [(h["step"], h["eval/success"]) for h in result.history]},
                        run_dir / "success.png", title=f"{task.name}: held-out greedy success ({title})", xlabel=xlabel)
     summary = {**result.__dict__, "loss": cfg.loss.name, **extra}

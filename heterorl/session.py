@@ -10,6 +10,10 @@ another machine (or this one) and driven from here with the same methods, argume
     training.forward_backward(datums, loss_fn="gepo").result()
     training.optim_step(AdamParams(learning_rate=1e-4)).result()
 
+``service.create_lora_training_client("arith-hash-sft-base", rank=16)`` trains a LoRA adapter instead, and
+``service.list_base_models()`` names what a session can start from; `LocalService` gives the same three in this
+process, with no server.
+
 Each call is sent at once (so calls run in submission order) and returns a `concurrent.futures.Future`, which a
 background thread completes by long-polling the service. A call the connection dropped is sent again under
 the same request id: the service runs it once. Losses go by name (any registered one, with ``loss_config``); a
@@ -29,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
+from heterorl.config import LORA_TARGETS, LoraConfig
 from heterorl.engines.base import SamplingParams
 from heterorl.errors import HeteroRLError
 from heterorl.service import wire
@@ -36,6 +41,55 @@ from heterorl.training.session import AdamParams, Datum
 
 RETRIES = 4  # attempts per request when the connection fails (the same request id each time)
 POLL_S = 30.0  # how long one long-poll waits on the service
+
+
+def lora_spec(rank: int = 32, alpha: float | None = None, dropout: float = 0.0,
+              target_modules: Sequence[str] | None = None) -> LoraConfig:
+    """The adapter of `create_lora_training_client`: ``rank``; ``alpha`` (None: 2 × rank, an update scale of 2);
+    ``dropout``; ``target_modules`` (None: every attention and MLP projection of a Llama-family model)."""
+    spec = LoraConfig(rank=rank, alpha=float(alpha if alpha is not None else 2 * rank), dropout=dropout,
+                      target_modules=list(target_modules) if target_modules is not None else list(LORA_TARGETS))
+    spec.validate("lora")
+    if not spec.enabled:
+        raise HeteroRLError(f"rank {rank!r}: a LoRA session needs a rank >= 1")
+    return spec
+
+
+class LocalService:
+    """The service's session API in this process, with no server: `list_base_models`,
+    `create_training_client`, `create_lora_training_client`, each giving a local `TrainingClient` (the same
+    primitives and futures as a remote one)."""
+
+    def __init__(self, models: dict[str, str] | None = None, *, device: str = "cpu") -> None:
+        """``models``: local Hugging Face folders to start from by name ({name: path})."""
+        from heterorl.policies import register_models
+
+        self.models = register_models([f"{name}={path}" for name, path in (models or {}).items()])
+        self.device = device
+
+    def list_base_models(self) -> list[str]:
+        from heterorl.policies import base_models
+
+        return list(base_models(self.models))
+
+    def _load(self, base_model: str):
+        from heterorl.policies import load_policy
+
+        return load_policy(self.models.get(base_model, base_model), device=self.device)
+
+    def create_training_client(self, base_model: str, *, seed: int | None = None, share_prompts: bool = True):
+        from heterorl.training.session import TrainingClient
+
+        return TrainingClient(*self._load(base_model), device=self.device, seed=seed, share_prompts=share_prompts)
+
+    def create_lora_training_client(self, base_model: str, rank: int = 32, *, alpha: float | None = None,
+                                    dropout: float = 0.0, target_modules: Sequence[str] | None = None,
+                                    seed: int | None = None, share_prompts: bool = True):
+        from heterorl.training.session import TrainingClient
+
+        spec = lora_spec(rank, alpha, dropout, target_modules)
+        return TrainingClient(*self._load(base_model), device=self.device, seed=seed, share_prompts=share_prompts,
+                              lora=spec)
 
 
 def connect(url: str, api_key: str | None = None, *, timeout_s: float = 120.0, use_msgpack: bool = True
@@ -63,12 +117,32 @@ class ServiceClient:
         self._request("GET", "/health")
         self._request("GET", "/api/v1/sessions")  # (answers 401 to a wrong key)
 
+    def list_base_models(self) -> list[str]:
+        """The names of the policies the service can start a session from (`base_models` has what each is)."""
+        return [m["name"] for m in self.base_models()]
+
+    def base_models(self) -> list[dict]:
+        """[{name, description}] of the policies the service can start a session from."""
+        return self._request("GET", "/api/v1/base_models")["base_models"]
+
     def create_training_client(self, base_model: str, *, seed: int | None = None,
                                share_prompts: bool = True) -> "RemoteTrainingClient":
-        """A fresh session on the service: ``base_model`` (a shipped policy, "smollm2", or a folder on the
-        service's machine) and a new optimizer."""
+        """A fresh session on the service that trains the whole of ``base_model`` (a name `list_base_models`
+        gives, or a folder on the service's machine) with a new optimizer."""
         found = self._request("POST", "/api/v1/sessions", {"base_model": base_model, "seed": seed,
                                                            "share_prompts": share_prompts})
+        return RemoteTrainingClient(self, found)
+
+    def create_lora_training_client(self, base_model: str, rank: int = 32, *, alpha: float | None = None,
+                                    dropout: float = 0.0, target_modules: Sequence[str] | None = None,
+                                    seed: int | None = None, share_prompts: bool = True
+                                    ) -> "RemoteTrainingClient":
+        """A fresh session on the service that trains a LoRA adapter of ``rank`` on the frozen ``base_model``
+        (`lora_spec` for the other arguments); a rank or target module that does not fit the model is refused
+        with the mismatch named."""
+        found = self._request("POST", "/api/v1/sessions", {
+            "base_model": base_model, "seed": seed, "share_prompts": share_prompts,
+            "lora": lora_spec(rank, alpha, dropout, target_modules).to_dict()})
         return RemoteTrainingClient(self, found)
 
     def sampling_client(self, model: str = "latest") -> "RemoteSamplingClient":
@@ -169,6 +243,9 @@ class RemoteTrainingClient:
         self.session_id: str = described["session_id"]
         self.base_model: str = described["base_model"]
         self.version: int = described["version"]
+        lora = described.get("lora")
+        self.lora = LoraConfig(**lora) if lora else None  # the adapter this session trains (None: the whole model)
+        self.adapter_meta: dict | None = described.get("adapter")  # its base's digest, rank, alpha, targets
         self._tokenizer = None
         self._path = f"/api/v1/sessions/{self.session_id}/calls"
 
@@ -200,14 +277,15 @@ class RemoteTrainingClient:
 
         return self._run("optim_step", {"params": dataclasses.asdict(params or AdamParams())})
 
-    def save_weights_for_sampler(self) -> Future:
-        """Future of (version, state dict): the version is bumped on the service and its weights downloaded."""
+    def save_weights_for_sampler(self, form: str = "whole") -> Future:
+        """Future of (version, state dict): the version is bumped on the service and its weights downloaded; a
+        LoRA session's are the merged weights ("whole") or the adapter's tensors alone ("adapter")."""
         def fetch(raw) -> tuple[int, dict]:
             version = wire.result_from_wire(raw)
             self.version = max(self.version, version)
             data = self.service._request("GET", f"/api/v1/sessions/{self.session_id}/weights/{version}", raw=True)
             return version, wire.state_from_bytes(data)
-        return self._run("save_weights_for_sampler", {}, fetch)
+        return self._run("save_weights_for_sampler", {"form": form}, fetch)
 
     def snapshot(self) -> Future:
         """Future of the `RemoteSamplingClient` `save_weights_and_get_sampling_client` returns."""

@@ -225,7 +225,7 @@ def capture(workload: Workload, steps: int, folder: Path) -> tuple[list[VersionR
 
 # -- 2. publish -> applied through bandwidth-limited links --------------------------------------------------
 
-class _MeteredLink:
+class MeteredLink:
     """One worker's weights link: a `DelayLink` of ``bytes_per_s`` once armed (before, notices pass at once),
     and the bytes it was charged."""
 
@@ -282,10 +282,10 @@ def replay(folder: Path, versions: int, models: list, bits_per_s: float, deltas:
     from heterorl.transport import LearnerServer, WorkerClient
 
     config = TransportConfig(weights_deltas=deltas)
-    links: dict[str, _MeteredLink] = {}
+    links: dict[str, MeteredLink] = {}
 
     def link_of(worker_id: str):
-        links[worker_id] = _MeteredLink(f"{worker_id}/weights", bits_per_s / 8)
+        links[worker_id] = MeteredLink(f"{worker_id}/weights", bits_per_s / 8)
         return links[worker_id].schedule
 
     timeout_s = TIMEOUT_S + 2 * bf16_bytes * 8 / bits_per_s

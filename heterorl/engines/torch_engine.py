@@ -24,6 +24,7 @@ from heterorl.engines.base import (
     validate_request,
 )
 from heterorl.engines.logprobs import pad_right, selected_logprobs, token_logprobs
+from heterorl.errors import SamplingError
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -63,12 +64,21 @@ class TorchEngine(SamplingEngine):
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         # transformers ≥ 5.2x renamed the KV-cache argument from `past_key_values` to `cache`
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.adapter_loader = None  # loads an unmerged LoRA version into adapter layers placed on the model
 
     def _cache_of(self, out):
         return out.cache if self._cache_kwarg == "cache" else out.past_key_values
 
     def load_state_dict(self, state_dict) -> None:
-        """Replace the model's weights; a state whose names or shapes do not fit is refused before any is loaded."""
+        """Replace the model's weights; a state whose names or shapes do not fit is refused before any is loaded.
+        A LoRA version kept unmerged (a state dict with an ``adapter`` attribute, heterorl.transport.client's
+        ``AdapterWeights``) goes to ``adapter_loader``, which whoever placed the adapter layers sets."""
+        if getattr(state_dict, "adapter", None):
+            if self.adapter_loader is None:
+                raise SamplingError("this engine got a LoRA adapter but holds no adapter layers: merge adapters "
+                                    "into the weights first (lora.apply=merged)")
+            self.adapter_loader(state_dict)
+            return
         expected = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self.model.load_state_dict(check_weights(state_dict, expected, f"this engine's {type(self.model).__name__}"))
 

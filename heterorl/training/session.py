@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import gepo
+from heterorl.config import LoraConfig
 from heterorl.engines.base import SampleOutput, SamplingEngine, SamplingParams, WeightUpdates
 from heterorl.engines.logprobs import packed_completion_logprobs, pad_right, prompt_groups, should_pack, token_logprobs
 from heterorl.engines.torch_engine import TorchEngine
@@ -199,7 +200,8 @@ class TrainingClient:
     """
 
     def __init__(self, model, tokenizer, *, device: str = "cpu", seed: int | None = None,
-                 data_parallel: bool = False, shard: bool = False, share_prompts: bool = True):
+                 data_parallel: bool = False, shard: bool = False, share_prompts: bool = True,
+                 lora: LoraConfig | None = None):
         """``data_parallel``: when torch.distributed is initialised with several ranks, wrap the model in
         DistributedDataParallel (gloo on CPU, NCCL on GPU) so ``forward_backward`` averages gradients over the
         ranks; every rank must then call the same primitives in the same order.
@@ -212,7 +214,23 @@ class TrainingClient:
 
         ``share_prompts``: run a prompt that several datums repeat once per forward (a group's completions
         packed into one row behind it, each seeing only the prompt and itself): same log-probs and gradients,
-        a fraction of the tokens. Off, every datum is its own row."""
+        a fraction of the tokens. Off, every datum is its own row.
+
+        ``lora`` (``rank`` > 0): train a low-rank adapter on the frozen model (heterorl.training.lora): only the
+        adapter has gradients and optimizer state, `save_state` writes only it (with its config and the base's
+        digest, checked on load), and `save_weights_for_sampler` exports the merged weights or the adapter."""
+        if seed is not None:  # (first: a LoRA adapter's initial A is drawn from it)
+            torch.manual_seed(seed)
+        self.lora = lora if lora is not None and lora.enabled else None
+        self.base_hash: str | None = None  # LoRA: the digest of the frozen base (`lora.base_hash`)
+        if self.lora is not None:
+            from heterorl.training import lora as lora_lib
+
+            if shard:
+                raise HeteroRLError("LoRA with a sharded client is not supported: the adapter is small; shard=False")
+            model = model.to(device)
+            self.base_hash = lora_lib.base_hash(model)
+            model = lora_lib.attach(model, self.lora)
         self.model = model.to(device)
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -222,8 +240,6 @@ class TrainingClient:
         self.step = 0
         self.optimizer: torch.optim.AdamW | None = None
         self._executor = _SerialExecutor("training-client")
-        if seed is not None:
-            torch.manual_seed(seed)
         self._forward_model = self.model
         self.sharded = shard and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         self._mirror = None  # sharded: rank 0's whole copy, as of the last export
@@ -349,22 +365,26 @@ class TrainingClient:
     def _optim_step(self, params: AdamParams) -> OptimStepOutput:
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW(
-                self.model.parameters(), lr=params.learning_rate, betas=(params.beta1, params.beta2),
+                self.trainable_parameters(), lr=params.learning_rate, betas=(params.beta1, params.beta2),
                 eps=params.eps, weight_decay=params.weight_decay,
             )
         for group in self.optimizer.param_groups:
             group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
                          weight_decay=params.weight_decay)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
+        trainable = self.trainable_parameters()
+        if not any(p.grad is not None for p in trainable):
             raise HeteroRLError("optim_step called with no gradients: call forward_backward first")
         max_norm = params.grad_clip_norm if params.grad_clip_norm is not None else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # (sharded: a DTensor)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return OptimStepOutput(grad_norm=grad_norm, step=self.step)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer steps: every one, or with LoRA the adapter's."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def optim_step(self, params: AdamParams | None = None) -> Future:
         """Future of ``OptimStepOutput``: one AdamW step on the accumulated gradients, then zero them."""
@@ -379,6 +399,8 @@ class TrainingClient:
             _, state = self._export(bump=False)
             return build_from(self._shape, state, self.device) if state else None
         frozen = copy.deepcopy(self.model).eval()
+        if self.lora is not None:  # a plain model with the adapter merged: it samples as fast as the base
+            frozen = frozen.merge_and_unload()
         for p in frozen.parameters():
             p.requires_grad_(False)
         return frozen
@@ -400,11 +422,23 @@ class TrainingClient:
         return SamplingClient.for_model(self.full_model, self.tokenizer, device=str(self.device),
                                         version=self.version)
 
-    def _export(self, bump: bool = True) -> tuple[int, dict]:
+    def _export(self, bump: bool = True, form: str = "whole") -> tuple[int, dict]:
+        if form not in ("whole", "adapter"):
+            raise HeteroRLError(f"save_weights_for_sampler(form={form!r}): one of 'whole' (the weights an engine "
+                                "loads; with LoRA, merged) or 'adapter' (LoRA's tensors alone)")
+        if form == "adapter" and self.lora is None:
+            raise HeteroRLError("save_weights_for_sampler(form='adapter') needs a LoRA client "
+                                "(create_lora_training_client, or TrainingClient(..., lora=LoraConfig(rank=...)))")
         if bump:
             self.version += 1
         if self.sharded:
             return self.version, self._gather()
+        if self.lora is not None:
+            from heterorl.training import lora as lora_lib
+
+            if form == "adapter":
+                return self.version, lora_lib.adapter_state(self.model)
+            return self.version, lora_lib.merged_state(self.model, self.lora)
         copies, state = {}, {}
         for name, tensor in self.model.state_dict().items():  # tied weights stay one tensor (copied once)
             key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype) if tensor.numel() else name
@@ -442,10 +476,21 @@ class TrainingClient:
         every rank calls it); not sharded: nothing to do."""
         return self._executor.submit(self._gather if self.sharded else lambda: None)
 
-    def save_weights_for_sampler(self) -> Future:
+    def save_weights_for_sampler(self, form: str = "whole") -> Future:
         """Future of (version, state dict): bump the version and copy the weights for remote samplers. Sharded:
-        every rank calls it (the weights are gathered); rank 0 gets them, the others an empty dict."""
-        return self._executor.submit(self._export)
+        every rank calls it (the weights are gathered); rank 0 gets them, the others an empty dict. With LoRA,
+        ``form`` "whole" gives the base with the adapter merged (what any engine loads), "adapter" the adapter's
+        tensors alone (`lora.adapter_state`; `adapter_meta` says what they belong to)."""
+        return self._executor.submit(self._export, True, form)
+
+    @property
+    def adapter_meta(self) -> dict | None:
+        """LoRA: the base's digest, rank, alpha and target modules, as a worker checks them; None otherwise."""
+        if self.lora is None:
+            return None
+        from heterorl.training.lora import adapter_meta
+
+        return adapter_meta(self.lora, self.base_hash)
 
     def save_weights_and_get_sampling_client(self) -> SamplingClient:
         """Bump the policy version and return a sampler over a frozen copy of the current weights."""
@@ -456,6 +501,13 @@ class TrainingClient:
         return self._executor.submit(self._snapshot)
 
     def state_dict(self) -> dict:
+        if self.lora is not None:
+            from heterorl.training.lora import adapter_state
+
+            return {"model": adapter_state(self.model), "lora": self.lora.to_dict(), "base_hash": self.base_hash,
+                    "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                    "version": self.version, "step": self.step,
+                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
@@ -482,10 +534,16 @@ class TrainingClient:
             state = read_training_state(state, self.device)
         if self.sharded or "sharded" in state:
             return self._load_sharded(state)
+        self._check_lora_state(state)
         try:
-            self.model.load_state_dict(state["model"])
+            if self.lora is not None:
+                from heterorl.training.lora import load_adapter
+
+                load_adapter(self.model, state["model"])
+            else:
+                self.model.load_state_dict(state["model"])
             if state["optimizer"] is not None:
-                self.optimizer = torch.optim.AdamW(self.model.parameters())
+                self.optimizer = torch.optim.AdamW(self.trainable_parameters())
                 self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as exc:
             raise HeteroRLError(f"the training state does not fit this model ({_first_sentence(exc)}); was it "
@@ -495,6 +553,26 @@ class TrainingClient:
         version, internal, gauss = state["rng"]["python"]
         random.setstate((version, tuple(internal), gauss))
         return self.version
+
+    def _check_lora_state(self, state: dict) -> None:
+        """`LoraError` naming the mismatch when ``state`` holds an adapter and this client trains the whole model,
+        or the reverse, or its adapter's config or base differ from this client's."""
+        from heterorl.training.lora import LoraError
+
+        saved = state.get("lora")
+        if (saved is None) != (self.lora is None):
+            raise LoraError(f"this training state holds {'a LoRA adapter' if saved else 'a whole model'}, but the "
+                            f"client trains {'a LoRA adapter' if self.lora else 'the whole model'}: load it into "
+                            "a client made as the one that saved it")
+        if saved is None:
+            return
+        mine = self.lora.to_dict()
+        differ = [f"{key} {saved.get(key)!r} (saved) != {mine[key]!r}" for key in mine if saved.get(key) != mine[key]]
+        if differ:
+            raise LoraError(f"the saved adapter's config differs from this session's: {'; '.join(differ)}")
+        if state.get("base_hash") != self.base_hash:
+            raise LoraError("the saved adapter was trained on another base model than this session's (their "
+                            "weights' digests differ): load it into a session on the same base")
 
     def _load_sharded(self, state: dict) -> int:
         from heterorl.training.sharding import load_sharded
@@ -519,7 +597,7 @@ class TrainingClient:
         self._executor.shutdown()
 
 
-_STATE_FIELDS = ("model", "optimizer", "version", "step", "rng")
+_STATE_FIELDS = ("model", "optimizer", "version", "step", "rng")  # (LoRA states add "lora" and "base_hash")
 
 
 def _first_sentence(exc: BaseException) -> str:

@@ -535,6 +535,16 @@ class WorkerClient(_Endpoint):
             self._lock.notify_all()
 
 
+class AdapterWeights(dict):
+    """A LoRA learner's version as delivered: the adapter's tensors (a dict, by base-model name), and in
+    ``adapter`` what they belong to ({base, rank, alpha, targets}: the header's); the worker merges them into its
+    base or loads them beside it (heterorl.training.lora)."""
+
+    def __init__(self, tensors: dict, adapter: dict) -> None:
+        super().__init__(tensors)
+        self.adapter = dict(adapter)
+
+
 class _ReceiveBuffers:
     """The buffers of delivered weight versions, each reused for a later version of the same size once nothing
     views it any more. A fresh buffer costs a page fault per 4 KiB on its first write (about 25 ms per 100 MiB,
@@ -723,7 +733,7 @@ class _Fetch:
             log.warning("weights version %d came as one rank's slices, but the learner named no other ranks; "
                         "not loading it", header.version)
         else:
-            client._deliver_weights(header.version, state)
+            client._deliver_weights(header.version, AdapterWeights(state, header.adapter) if header.adapter else state)
         if self.held is not None and not header.is_delta:
             self.buffers.prepare(header.total_bytes)
 

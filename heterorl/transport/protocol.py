@@ -649,8 +649,11 @@ class WeightsHeader(Message):
     shard: list[int] = field(default_factory=list)  # [rank, world] of a sharded learner's slices; [] whole tensors
     full_shapes: list[list[int]] = field(default_factory=list)  # (slices) each tensor's whole shape
     boxes: list[list[list[int]]] = field(default_factory=list)  # (slices) each slice's [start, stop] per dim
+    # a LoRA learner's version holds only the adapter: {base (the digest of the base it was trained on), rank,
+    # alpha, targets}; {} whole weights (heterorl.training.lora)
+    adapter: dict = field(default_factory=dict)
     optional_fields: ClassVar[frozenset] = frozenset({"base_version", "payload_bytes", "checksums", "aliases",
-                                                      "shard", "full_shapes", "boxes"})
+                                                      "shard", "full_shapes", "boxes", "adapter"})
 
     @property
     def is_delta(self) -> bool:
@@ -702,7 +705,7 @@ class WeightsHeader(Message):
         return cls(version=version, names=names, dtypes=dtypes, shapes=shapes, total_bytes=total,
                    chunk_bytes=chunk_bytes, num_chunks=num_chunks, base_version=base, payload_bytes=payload,
                    checksums=checksums, aliases=_aliases(body.get("aliases", []), names, limits), shard=shard,
-                   full_shapes=full_shapes, boxes=boxes)
+                   full_shapes=full_shapes, boxes=boxes, adapter=_adapter(body.get("adapter", {}), limits))
 
 
 def _slices(body: dict, shapes: list[list[int]]) -> tuple[list[int], list[list[int]], list[list[list[int]]]]:
@@ -740,6 +743,18 @@ def _slices(body: dict, shapes: list[list[int]]) -> tuple[list[int], list[list[i
         full_shapes.append(full)
         boxes.append(pairs)
     return [rank, world], full_shapes, boxes
+
+
+def _adapter(value: Any, limits: Limits) -> dict:
+    """A LoRA version's adapter description, well formed ({} for whole weights)."""
+    if value == {}:
+        return {}
+    if not isinstance(value, dict) or set(value) != {"base", "rank", "alpha", "targets"}:
+        raise ProtocolError("adapter", "expected {base, rank, alpha, targets}", "type")
+    return {"base": _str("adapter.base", value["base"], 64, _ID_PATTERN),
+            "rank": _int("adapter.rank", value["rank"], 1, 1 << 16),
+            "alpha": _float("adapter.alpha", value["alpha"], 1e6),
+            "targets": _str_list("adapter.targets", value["targets"], limits, 64)}
 
 
 def _aliases(value: Any, names: list[str], limits: Limits) -> list[list[str]]:

@@ -143,3 +143,13 @@ def test_bench_reshard_times_gather_against_every_rank_sending_its_slices():
     assert len(rows) == 4  # (loopback, 1 Gbit/s) x (1, 2 workers)
     assert all(float(row.split("gather / reshard")[1].split("x")[0]) > 0 for row in rows)
     assert "(ideal 2.00x)" in rows[-1] and "resharding is at least" in out.stdout
+
+
+def test_bench_lora_compares_learning_bytes_per_version_and_sampling_side_by_side():
+    out = run_cli("bench", "lora", "--model", "arith-hash-sft-base", "--ranks", "4", "--versions", "1", "--steps",
+                  "1", "--samples", "4", "--rounds", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "full fine-tuning" in out.stdout and "LoRA rank 16" in out.stdout
+    line = next(line for line in out.stdout.splitlines() if "merged / adapter" in line)
+    assert float(line.split("bytes")[-1].split("x")[0]) > 1  # the adapter is the smaller version
+    assert "merged / unmerged" in out.stdout

@@ -59,3 +59,32 @@ logging: {{run_dir: {run}, wandb_mode: disabled, progress: false}}
 
 def test_a_vllm_worker_the_weights_do_not_fit_leaves_and_the_run_goes_on(tmp_path):
     run_with_a_misfit_worker(tmp_path, "vllm", sys.executable)
+
+
+def test_a_lora_run_feeds_a_torch_and_a_vllm_worker_adapters_kept_unmerged(tmp_path):
+    """Each version is the adapter alone; the torch worker keeps it in adapter layers, the vLLM worker runs it
+    as a vLLM LoRA adapter: at staleness 0 both sample with the learner's weights."""
+    run = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(f"""
+seed: 0
+task: {{name: arithmetic, options: {{digits: 3, ops: "+", eval_size: 32}}}}
+rollout: {{group_size: 4, max_tokens: 12}}
+optim: {{lr: 1.0e-3}}
+rl: {{base: arith-hash-sft-base, steps: 3, prompts_per_step: 4, eval_every: 3}}
+runtime: {{mode: sync, workers: 2, engines: [torch, vllm], vllm_python: {sys.executable}, vllm_kv_cache_gib: 0.25,
+           groups_per_call: 2, fleet_wait_s: 300}}
+lora: {{rank: 8, apply: unmerged}}
+logging: {{run_dir: {run}, wandb_mode: disabled, progress: false}}
+""")
+    out = run_cli("train", "--config", str(config), timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr + (run / "logs" / "worker-1.log").read_text()[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["weights"]["version_bytes"] < 10**6  # the adapter, not the 4 MB model
+    engines = summary["engines"]
+    assert sorted(engines) == ["torch", "vllm"], engines
+    for name, e in engines.items():
+        assert e["trajectories_trained"] > 0 and e["staleness_max"] == 0, (name, e)
+        if e["mismatch_tokens"]:
+            assert e["mismatch_abs_max"] < 1e-3, (name, e)
+    assert any(e["mismatch_tokens"] for e in engines.values())

@@ -109,6 +109,36 @@ def test_state_saved_and_loaded_by_name_on_the_service(client):
     remote.close()
 
 
+def test_a_lora_session_trains_saves_and_exports_the_adapter_as_a_local_one_does(client):
+    from heterorl.config import LoraConfig
+
+    assert {"add3-sft-base", "arith-hash-sft-base"} <= set(client.list_base_models())
+    remote = client.create_lora_training_client(BASE, rank=4, seed=0)
+    local = TrainingClient(*load_policy(BASE), seed=0, lora=LoraConfig(rank=4, alpha=8.0))
+    assert remote.lora.to_dict() == local.lora.to_dict() and remote.adapter_meta == local.adapter_meta
+    datums = _batch(local.tokenizer)
+    for training in (local, remote):
+        training.forward_backward(datums, loss_fn="gepo").result()
+        training.optim_step(AdamParams(learning_rate=1e-2)).result()
+    _, adapter_local = local.save_weights_for_sampler(form="adapter").result()
+    version, adapter_remote = remote.save_weights_for_sampler(form="adapter").result()
+    assert version == 1 and set(adapter_remote) == set(adapter_local)
+    assert all(torch.equal(adapter_remote[k], adapter_local[k]) for k in adapter_local)
+    assert remote.save_state("adapter.pt").result() == "adapter.pt"
+    remote.forward_backward(datums, loss_fn="gepo").result()
+    remote.optim_step(AdamParams(learning_rate=1e-2)).result()
+    assert remote.load_state("adapter.pt").result() == 1
+    _, whole = remote.save_weights_for_sampler().result()  # the base with the adapter merged
+    assert torch.equal(whole["model.norm.weight"], load_policy(BASE)[0].state_dict()["model.norm.weight"])
+    with pytest.raises(HeteroRLError, match="'attn' is not a linear layer"):
+        client.create_lora_training_client(BASE, rank=4, target_modules=["attn"])
+    with pytest.raises(HeteroRLError, match="rank 4096 exceeds"):
+        client.create_lora_training_client(BASE, rank=4096)
+    with pytest.raises(HeteroRLError, match="form='adapter'. needs a LoRA client"):
+        client.create_training_client(BASE).save_weights_for_sampler(form="adapter").result()
+    remote.close()
+
+
 def test_refusals_name_what_is_wrong_and_the_service_lives_on(served, client):
     server, service = served
     remote = client.create_training_client(BASE)
