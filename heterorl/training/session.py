@@ -501,20 +501,19 @@ class TrainingClient:
         return self._executor.submit(self._snapshot)
 
     def state_dict(self) -> dict:
-        if self.lora is not None:
-            from heterorl.training.lora import adapter_state
-
-            return {"model": adapter_state(self.model), "lora": self.lora.to_dict(), "base_hash": self.base_hash,
-                    "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                    "version": self.version, "step": self.step,
-                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
-        return {
+        """Weights (with LoRA: the adapter's, its config and the base's digest), optimizer, version, step, RNG."""
+        state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "version": self.version,
             "step": self.step,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
+        if self.lora is not None:
+            from heterorl.training.lora import adapter_state
+
+            state.update(model=adapter_state(self.model), lora=self.lora.to_dict(), base_hash=self.base_hash)
+        return state
 
     def _save_state(self, path) -> Path:
         if self.sharded:

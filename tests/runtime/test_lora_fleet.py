@@ -54,6 +54,11 @@ def test_a_lora_run_sends_only_the_adapter_and_workers_sample_with_the_learners_
     assert (run / "policy" / "config.json").is_file()  # the merged policy, a plain model folder
     checkpoint = json.loads((run / "checkpoints" / "learner_state.json").read_text())["weights"]
     assert (run / "checkpoints" / checkpoint).stat().st_size < 4 * adapter_bytes()  # adapter + Adam, no base
+    if apply == "merged":  # the adapter checkpoint resumes
+        out = run_cli("train", "--resume", str(run), "rl.steps=4")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "resumed at step" in (run / "logs" / "learner.log").read_text()
+        assert json.loads((run / "summary.json").read_text())["steps"] == 4
 
 
 def other_base(folder: Path) -> Path:
