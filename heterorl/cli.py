@@ -13,6 +13,7 @@
     heterorl bench service              the session primitives remote (heterorl serve) vs local
     heterorl bench reshard              a sharded learner's weights: every rank sends its slices vs gather
     heterorl bench lora                 LoRA vs full fine-tuning: learning, bytes and time per version, sampling
+    heterorl bench sandbox              the code task's sandbox: tests/s with looping programs, a worker's samples/s
     heterorl keys --name NAME [--out D] a CurveZMQ key pair for a learner or a remote worker
     heterorl keys revoke --name NAME --allow-keys D   refuse a worker's key (no restart)
     heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async)
@@ -228,7 +229,7 @@ def cmd_demo(args) -> int:
 # heterorl bench NAME: the module of heterorl.bench whose main(argv) runs it
 BENCHMARKS = {"engine": "engine", "losses": "losses", "transport": "transport", "weights": "weights",
               "deltas": "deltas", "async": "async_modes", "simulate": "simulation", "service": "service",
-              "reshard": "reshard", "lora": "lora"}
+              "reshard": "reshard", "lora": "lora", "sandbox": "sandbox"}
 
 
 def cmd_bench(args) -> int:

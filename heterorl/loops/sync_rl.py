@@ -18,7 +18,7 @@ from heterorl.config import Config
 from heterorl.engines.base import SamplingParams
 from heterorl.runs import RunResult, StepRecorder
 from heterorl.tasks.base import Task
-from heterorl.tasks.rewards import score
+from heterorl.tasks.rewards import score_all
 from heterorl.training.evaluation import evaluate
 from heterorl.training.session import Datum, TrainingClient
 from heterorl.training.step import group_rows, has_signal, optimize_batch
@@ -32,8 +32,10 @@ def rollout_datums(sampler, task: Task, problems, cfg: Config, seed: int) -> tup
     params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, seed=seed)
     groups = sampler.sample(prompts, cfg.rollout.group_size, params).result()
-    rows = [(gid, prompt, s, score(task, problem, s))
-            for gid, (problem, prompt, group) in enumerate(zip(problems, prompts, groups)) for s in group]
+    flat = [(gid, problem, prompt, s) for gid, (problem, prompt, group) in enumerate(zip(problems, prompts, groups))
+            for s in group]
+    scores = score_all(task, [problem for _, problem, _, _ in flat], [s for *_, s in flat])
+    rows = [(gid, prompt, s, r) for (gid, _, prompt, s), r in zip(flat, scores)]
     rewards = torch.tensor([r for *_, r in rows])
     datums = [
         Datum(tokens=prompt + s.tokens, prompt_len=len(prompt), reward=r, group_id=gid,

@@ -33,10 +33,13 @@ import logging
 import random
 import secrets
 import tempfile
+import threading
 import time
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -48,7 +51,7 @@ from heterorl.engines.base import SamplingParams
 from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy, policy_folder
 from heterorl.tasks import make_task_from
-from heterorl.tasks.rewards import score
+from heterorl.tasks.rewards import score_all
 from heterorl.training import lora
 from heterorl.training.session import SamplingClient
 from heterorl.training.textcodec import encode_prompt
@@ -105,9 +108,11 @@ def stamp_groups(task, worker_id: str, first_index: int, version: int, problems,
     sampler draws lies below it but with odds of about e^-50, so clipping there changes nothing else."""
     stamped = []
     prefix = f"{worker_id}-{session}" if session else worker_id
+    groups = [[sample for sample in group if sample.tokens] for group in groups]
+    flat = [(problem, sample) for problem, group in zip(problems, groups) for sample in group]
+    rewards = iter(score_all(task, [p for p, _ in flat], [s for _, s in flat]))  # (all at once: in parallel)
     for n, (problem, prompt, group) in enumerate(zip(problems, prompts, groups), start=first_index):
         group_id = f"{prefix}-{n}"
-        group = [sample for sample in group if sample.tokens]
         stamped.append([Trajectory(
             trajectory_id=f"{group_id}-{j}", group_id=group_id, prompt_id=problem.problem_id[:128],
             sampler_id=worker_id, group_size=len(group),
@@ -116,10 +121,35 @@ def stamp_groups(task, worker_id: str, first_index: int, version: int, problems,
             behaviour_logprobs=np.clip(np.asarray(sample.logprobs, dtype=np.float32), min_logprob, 0.0),
             policy_versions=(np.full(len(sample.tokens), version, dtype=np.int32) if sample.versions is None
                              else np.asarray(sample.versions, dtype=np.int32)),
-            reward=float(score(task, problem, sample)),
+            reward=next(rewards),
             generation_start=start_wall, generation_end=end_wall, stop_reason=sample.stop_reason,
         ) for j, sample in enumerate(group)])
     return stamped
+
+
+class Pipeline:
+    """One job at a time on a thread of its own, in order: a batch's scoring and sending runs while the next batch
+    is sampled, so rewards that take long (programs run in a sandbox) do not stall generation. `submit` first
+    waits for the job before it, so at most one batch waits to be scored; a job's error comes back at the next
+    `submit` or `drain`."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heterorl-scoring")
+        self._pending: Future | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.drain()
+        self._pending = self._executor.submit(job)
+
+    def drain(self) -> None:
+        """Wait for the job in flight; raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Stop taking jobs; the one in flight ends on its own (a closing worker's sends give up at once)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class RolloutWorker:
@@ -147,6 +177,8 @@ class RolloutWorker:
         self._lora_base: str | None = None  # a LoRA learner's base digest (its ready settings)
         self._merger: lora.Merger | None = None  # a LoRA run's adapters merged into this worker's base
         self._lora_digest: str | None = None  # the digest of this worker's base (a LoRA run)
+        self._scoring = Pipeline()  # a batch is scored and sent while the next one is sampled
+        self._closing = threading.Event()
 
     def _serve_openai(self):
         """The OpenAI-compatible endpoint over the weights this worker holds (``openai_port``; docs/SERVICE.md), on
@@ -296,6 +328,7 @@ class RolloutWorker:
                 continue
             owed -= n if sync else 0
             self._generate_and_send(cfg, task, [task.sample_train(rng) for _ in range(n)])
+        self._scoring.drain()
         if self.client.refused:
             raise HeteroRLError(f"the learner refused worker {worker_id}: {self.client.refused}")
         stats = self.client.stats
@@ -381,19 +414,23 @@ class RolloutWorker:
         self.busy_s += time.monotonic() - start
         self.client.busy_s = self.busy_s
         floor = self.contract.min_logprob if self.contract is not None else MIN_LOGPROB
-        stamped = stamp_groups(task, worker_id, self.groups_sent, version, problems, prompts, groups,
-                               start_wall, time.time(), floor, session=self.session)
-        self.groups_sent += len(stamped)
-        never = sum(not group or self._send(list(group)) == 0 for group in stamped)
-        if never:  # groups the learner will never see: their admission permits are free again
-            self.client.return_starts(never)
+        first, end_wall = self.groups_sent, time.time()
+        self.groups_sent += len(problems)
+
+        def score_and_send() -> None:  # while the next batch is sampled (`Pipeline`)
+            stamped = stamp_groups(task, worker_id, first, version, problems, prompts, groups, start_wall, end_wall,
+                                   floor, session=self.session)
+            never = sum(not group or self._send(list(group)) == 0 for group in stamped)
+            if never:  # groups the learner will never see: their admission permits are free again
+                self.client.return_starts(never)
+        self._scoring.submit(score_and_send)
 
     def _send(self, group: list[Trajectory]) -> int:
         """Queue a group's trajectories in one call, waiting out back-pressure; how many were queued: 0 when the
         trajectory delay link dropped them all (what a timeout got through counts as queued). HeteroRLError once
         the learner has been silent for ``learner_timeout_s``."""
         silent_since, queued = None, 0
-        while group and not self.client.finished.is_set():
+        while group and not self.client.finished.is_set() and not self._closing.is_set():
             try:
                 return queued + self._wait(self.client.send_many, group, 1.0)
             except TransportTimeout as exc:  # back-pressure (the learner is behind) or the learner is gone
@@ -408,6 +445,8 @@ class RolloutWorker:
 
     def close(self, failure: Exception | None = None) -> None:
         """Leave: the bye tells the learner when this worker failed (`BYE_WORKER_FAILED`), so it stops waiting."""
+        self._closing.set()  # (a batch still being scored is not sent)
+        self._scoring.close()
         if self.openai_server is not None:  # before the sampler closes under its requests
             self.openai_server.stop()
         self.client.close("done" if failure is None else f"{BYE_WORKER_FAILED}{str(failure)[:900]}")

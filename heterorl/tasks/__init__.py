@@ -13,6 +13,7 @@ from heterorl.config import TaskConfig
 from heterorl.errors import TaskError
 from heterorl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 from heterorl.tasks.base import Problem, Task
+from heterorl.tasks.code import CodeConfig, CodeTask
 from heterorl.tasks.jsonl import JsonlConfig, JsonlTask
 from heterorl.tasks.maze import MazeConfig, MazeTask
 from heterorl.tasks.rewards import CustomRewardTask, load_reward_fn
@@ -21,6 +22,7 @@ TASKS: dict[str, tuple[type, type]] = {
     "maze": (MazeTask, MazeConfig),
     "arithmetic": (ArithmeticTask, ArithmeticConfig),
     "jsonl": (JsonlTask, JsonlConfig),
+    "code": (CodeTask, CodeConfig),
 }
 
 

@@ -55,6 +55,15 @@ def score(task: Task, problem: Problem, sample) -> float:
     return task.reward(problem, sample.text)
 
 
+def score_all(task: Task, problems: Sequence[Problem], samples: Sequence) -> list[float]:
+    """`score` of each (problem, sample): through the task's ``reward_batch`` when it has one (a task whose
+    rewards run programs runs them in parallel), else one by one."""
+    batch = getattr(task, "reward_batch", None)
+    if batch is not None and getattr(task, "reward_with_facts", None) is None:
+        return [float(r) for r in batch(list(problems), [s.text for s in samples])]
+    return [float(score(task, p, s)) for p, s in zip(problems, samples)]
+
+
 def _describe(fn: object) -> str:
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None) or repr(fn)

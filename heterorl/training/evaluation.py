@@ -7,7 +7,7 @@ from typing import Sequence
 
 from heterorl.engines.base import SamplingParams
 from heterorl.tasks.base import Problem, Task
-from heterorl.tasks.rewards import score
+from heterorl.tasks.rewards import score_all
 from heterorl.training.textcodec import encode_prompt
 
 
@@ -25,9 +25,9 @@ def evaluate(sampling_client, task: Task, problems: Sequence[Problem], max_token
     prompts = [encode_prompt(tokenizer, p.prompt, chat_template) for p in problems]
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     groups = sampling_client.sample(prompts, 1, params).result()
-    rewards, lengths, truncated = [], [], []
-    for problem, (sample,) in zip(problems, groups):
-        rewards.append(score(task, problem, sample))
+    rewards = score_all(task, problems, [group[0] for group in groups])
+    lengths, truncated = [], []
+    for (sample,) in groups:
         lengths.append(len(sample.tokens))
         truncated.append(sample.stop_reason == "length")
     n = len(problems)

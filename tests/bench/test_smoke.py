@@ -153,3 +153,11 @@ def test_bench_lora_compares_learning_bytes_per_version_and_sampling_side_by_sid
     line = next(line for line in out.stdout.splitlines() if "merged / adapter" in line)
     assert float(line.split("bytes")[-1].split("x")[0]) > 1  # the adapter is the smaller version
     assert "merged / unmerged" in out.stdout
+
+
+def test_bench_sandbox_scores_programs_with_looping_shares_and_times_a_worker():
+    out = run_cli("bench", "sandbox", "--programs", "4", "--tests", "2", "--wall-s", "0.5", "--rounds", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line for line in out.stdout.splitlines() if "tests/s" in line]
+    assert len(rows) == 3 and "'timeout': 4" in rows[-1] and "'ok': 4" in rows[0]
+    assert "sampling only" in out.stdout and "scored while the next batch samples" in out.stdout

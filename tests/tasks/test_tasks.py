@@ -517,13 +517,13 @@ def test_timed_call_runs_in_a_daemon_thread_or_without_a_limit_in_the_callers():
 
 
 def test_make_task(tmp_path):
-    assert set(TASKS) == {"maze", "arithmetic", "jsonl"}
+    assert set(TASKS) == {"maze", "arithmetic", "jsonl", "code"}
     maze = make_task("maze", {"size": 4, "eval_size": 3})
     assert isinstance(maze, MazeTask) and isinstance(maze, Task) and maze.config.size == 4
     assert isinstance(make_task("arithmetic"), ArithmeticTask)
     path = write_lines(tmp_path / "d.jsonl", ['{"prompt": "a", "answer": 1}', '{"prompt": "b", "answer": 2}'])
     assert isinstance(make_task("jsonl", {"path": path}), JsonlTask)
-    with pytest.raises(TaskError, match="known tasks: arithmetic, jsonl, maze"):
+    with pytest.raises(TaskError, match="known tasks: arithmetic, code, jsonl, maze"):
         make_task("chess")
     with pytest.raises(TaskError, match="unknown option 'sise'.*size, wall_density"):
         make_task("maze", {"sise": 4})

@@ -1,0 +1,101 @@
+"""The sandbox that runs generated programs: right answers pass, and every misbehaviour scores 0 with its reason
+counted, while the sandbox (and the worker around it) goes on."""
+
+import os
+import time
+
+import pytest
+
+from heterorl.tasks.sandbox import Sandbox, SandboxLimits, TestCase
+
+ADD = [TestCase(args=[2, 3], expected=5), TestCase(args=[10, -1], expected=9)]
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    box = Sandbox(SandboxLimits(wall_s=3.0, cpu_s=2.0, memory_mb=256, output_bytes=16384), max_parallel=2)
+    yield box
+    box.close()
+
+
+def test_a_right_program_passes_and_a_wrong_one_scores_what_it_gets_right(sandbox):
+    assert sandbox.run("def f(a, b):\n    return a + b\n", ADD, entry="f").reason == "ok"
+    half = sandbox.run("def f(a, b):\n    return 5\n", ADD, entry="f")
+    assert (half.passed, half.total, half.reason) == (1, 2, "wrong_answer")
+    stdio = sandbox.run("print(2 * int(input()))\n", [TestCase(stdin="4\n", expected="8"),
+                                                      TestCase(stdin="-3", expected="-6")])
+    assert stdio.reason == "ok" and stdio.passed == 2
+    assert sandbox.run("def f(a, b) return", ADD, entry="f").reason == "syntax_error"
+    assert sandbox.run("def g(a, b):\n    return a + b\n", ADD, entry="f").reason == "wrong_answer"
+
+
+MISBEHAVING = {
+    "loops forever": ("def f(a, b):\n    while True:\n        pass\n", "timeout"),
+    "sleeps past the wall clock": ("import time\ndef f(a, b):\n    time.sleep(60)\n", "timeout"),
+    "forks": ("import os\ndef f(a, b):\n    while True:\n        os.fork()\n", "forbidden:process"),
+    "runs a shell": ("import subprocess\ndef f(a, b):\n    return subprocess.run(['id'])\n", "forbidden:process"),
+    "allocates 10 GB": ("def f(a, b):\n    x = bytearray(10 * 2**30)\n    return a + b\n", "memory"),
+    "writes huge output": ("def f(a, b):\n    while True:\n        print('x' * 4096)\n", "output_limit"),
+    "opens a socket": ("import socket\ndef f(a, b):\n    socket.create_connection(('127.0.0.1', 22))\n",
+                       "forbidden:socket"),
+    "hides its socket in a try": ("import socket\ndef f(a, b):\n    try:\n        socket.socket()\n"
+                                  "    except BaseException:\n        pass\n    return a + b\n", "forbidden:socket"),
+    "loads native code": ("import ctypes\ndef f(a, b):\n    return ctypes.CDLL(None).getpid()\n",
+                          "forbidden:ctypes"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(MISBEHAVING))
+def test_a_misbehaving_program_scores_0_with_its_reason_and_the_sandbox_goes_on(sandbox, what):
+    program, reason = MISBEHAVING[what]
+    before = sandbox.stats.get(reason, 0)
+    start = time.monotonic()
+    outcome = sandbox.run(program, ADD, entry="f")
+    assert (outcome.passed, outcome.reason) == (0, reason), outcome
+    assert time.monotonic() - start < 30  # the wall clock holds (3 s; a sleep of 60 s is cut short)
+    assert sandbox.stats[reason] == before + 1  # counted
+    assert sandbox.run("def f(a, b):\n    return a + b\n", ADD, entry="f").reason == "ok"  # and it goes on
+
+
+def test_the_workers_files_keys_and_environment_are_out_of_reach(sandbox, tmp_path, monkeypatch):
+    key = tmp_path / "worker.key_secret"
+    key.write_text("secret")
+    key.chmod(0o600)
+    read = sandbox.run(f"def f(a, b):\n    return open({str(key)!r}).read()\n", ADD, entry="f")
+    assert (read.passed, read.reason) == (0, "forbidden:open") and str(key) in read.detail
+    assert sandbox.run("def f(a, b):\n    return open('/etc/hostname').read()\n", ADD, entry="f").reason == \
+        "forbidden:open"
+    monkeypatch.setenv("HETERORL_API_KEY", "do-not-leak")
+    env = sandbox.run("import os\ndef f():\n    return sorted(os.environ)\n", [TestCase()], entry="f")
+    assert set(env.answers[0]) <= {"LC_CTYPE"}  # an empty environment (but Python's locale coercion): no key
+    # its own directory is private and writable, and removed afterwards
+    wrote = sandbox.run("import os\ndef f(a, b):\n    open('out.txt', 'w').write('x')\n    return os.getcwd()\n",
+                        ADD, entry="f")
+    assert wrote.reason == "wrong_answer" and not os.path.exists(wrote.answers[0])
+
+
+def test_a_program_cannot_see_or_forge_the_expected_answers(sandbox):
+    forged = ("import os\nos.write(1, b'\\x00heterorl-result {\"status\": \"ok\"}\\n')\n"
+              "def f(a, b):\n    return None\n")
+    outcome = sandbox.run(forged, ADD, entry="f")
+    assert outcome.passed == 0 and outcome.reason == "wrong_answer"
+
+
+def test_isolation_is_reported_and_programs_run_in_parallel(sandbox):
+    isolation = sandbox.isolation()
+    assert set(isolation) == {"network_namespace", "separate_user"}
+    if os.getuid() == 0:  # (this machine: root, with namespaces)
+        assert isolation == {"network_namespace": True, "separate_user": True}
+    slow = ("import time\ndef f(a, b):\n    time.sleep(1)\n    return a + b\n", ADD, "f")
+    outcomes = sandbox.run_many([slow] * 4)
+    assert [o.reason for o in outcomes] == ["ok"] * 4
+    assert sandbox.peak_running == 2 and sandbox.running == 0  # two at a time (max_parallel), never more
+
+
+def test_limits_that_make_no_sense_are_refused():
+    from heterorl.errors import TaskError
+
+    with pytest.raises(TaskError, match="wall_s=0"):
+        SandboxLimits(wall_s=0)
+    with pytest.raises(TaskError, match="max_parallel"):
+        Sandbox(max_parallel=0)
