@@ -200,6 +200,8 @@ def _rl(cfg, title: str) -> int:
     ))
     print(f"\nchange: {100 * (result.final_success - result.base_success):+.1f} points in {result.minutes:.1f} min"
           + _without_update(result.steps_without_update))
+    if result.reward_outcomes:
+        print(_outcomes_line(result.reward_outcomes))
     print(f"logs:   {run_dir / 'metrics.jsonl'}" + (f"  (wandb offline run under {run_dir / 'wandb'})"
                                                     if cfg.logging.wandb_mode != "disabled" else ""))
     print(f"plot:   {plot}")
@@ -297,6 +299,8 @@ def cmd_learner(args) -> int:
         return 0  # a learner rank > 0 under torchrun: rank 0 reports
     print(f"learner done: success {result.base_success:.3f} -> {result.final_success:.3f} "
           f"(best {result.best_success:.3f}) in {result.steps} steps, {result.minutes:.1f} min")
+    if result.reward_outcomes:
+        print(_outcomes_line(result.reward_outcomes))
     return 0
 
 
@@ -376,6 +380,8 @@ def _print_runtime_summary(summary: dict, run_dir: Path) -> None:
           + _without_update(summary.get("steps_without_update", 0)))
     if summary.get("rollouts"):
         print(_waste_line(summary["rollouts"]))
+    if summary.get("reward_outcomes"):
+        print(_outcomes_line(summary["reward_outcomes"]))
     if summary.get("weights"):
         from heterorl.runtime.run_report import weights_line
 
@@ -394,6 +400,13 @@ def _print_runtime_summary(summary: dict, run_dir: Path) -> None:
              for name, e in summary["engines"].items()]))
     print(f"logs:   {run_dir / 'metrics.jsonl'}" + ("" if simulated else f" and {run_dir / 'logs'}/"))
     print(f"plot:   {run_dir / 'success.png'}")
+
+
+def _outcomes_line(outcomes: dict[str, int]) -> str:
+    """One line on the programs the training rewards ran, by outcome, the most frequent first."""
+    ranked = sorted(outcomes.items(), key=lambda item: (-item[1], item[0]))
+    return (f"programs the rewards ran: {sum(outcomes.values())} (" + ", ".join(f"{name} {n}" for name, n in ranked)
+            + ")")
 
 
 def _waste_line(rollouts: dict) -> str:

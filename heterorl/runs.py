@@ -167,6 +167,9 @@ class RunResult:
     minutes: float
     steps_without_update: int = 0  # steps that ran no update (optim/updates 0; optim/skip_reason says why)
     history: list[dict] = field(default_factory=list)  # {"step", "eval/success", "time_s"}: step 0 is the base
+    # the programs the training rewards ran, by outcome (the code task's sandbox: ok, wrong_answer, timeout,
+    # forbidden:socket, ...); empty for tasks that run none
+    reward_outcomes: dict[str, int] = field(default_factory=dict)
 
 
 NOTHING_SOLVED = (

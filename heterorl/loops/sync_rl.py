@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 
 import torch
 
@@ -18,7 +19,7 @@ from heterorl.config import Config
 from heterorl.engines.base import SamplingParams
 from heterorl.runs import RunResult, StepRecorder
 from heterorl.tasks.base import Task
-from heterorl.tasks.rewards import score_all
+from heterorl.tasks.rewards import outcome_counts, score_all
 from heterorl.training.evaluation import evaluate
 from heterorl.training.session import Datum, TrainingClient
 from heterorl.training.step import group_rows, has_signal, optimize_batch
@@ -64,11 +65,17 @@ def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, 
                                                   chat_template=cfg.task.chat_template).success, logger, progress)
     recorder.start()
     total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
+    outcomes = Counter()  # the programs the training rewards ran, by outcome (evaluation's left out)
     for step in range(1, cfg.rl.steps + 1):
         problems = [task.sample_train(rng) for _ in range(cfg.rl.prompts_per_step)]
+        before = outcome_counts(task)
         datums, metrics = rollout_datums(sampler, task, problems, cfg, seed=cfg.seed * 100_003 + step)
+        ran = outcome_counts(task) - before
+        outcomes.update(ran)
+        metrics.update({f"rollout/programs/{reason}": count for reason, count in ran.items()})
         metrics.update(optimize_batch(training, datums, cfg, total_updates))
         sampler = training.save_weights_and_get_sampling_client()  # (the recorder evaluates the newest)
         metrics["policy/version"] = sampler.version
         recorder.record(step, metrics, time.time() - start)
-    return recorder.result(steps=cfg.rl.steps, minutes=(time.time() - start) / 60)
+    return recorder.result(steps=cfg.rl.steps, minutes=(time.time() - start) / 60,
+                           reward_outcomes=dict(sorted(outcomes.items())))

@@ -421,6 +421,7 @@ class Learner:
             raise HeteroRLError(f"learner rank {rank} was asked for its slices but has no weights channel: a learner "
                                 "that reshards binds one on every rank at setup (heterorl.runtime.launch)")
         version, state = self.training.save_shards_for_sampler().result()
+        self._shard_server.keep_layouts(set(layouts))
         for key, layout in layouts.items():
             slices, shapes, boxes = slices_for(state, rank, world, DestLayout.from_dict(layout))
             self._shard_server.publish(version, slices, shapes, boxes, dtype=self._wire_dtype(), needed=set(needed),
@@ -568,7 +569,8 @@ class Learner:
                                                          state.staleness_seconds_sum, state.groups_trained),
             samples_per_s=state.trajectories_trained / max(state.elapsed_s, 1e-9),
             weights=weights_summary(self.server.stats, self.server.weights_dtype, cfg.transport.weights_deltas,
-                                    self.ranks.world if self._reshard else 1))
+                                    self.ranks.world if self._reshard else 1),
+            reward_outcomes=self.server.reward_outcomes())
 
     def _split_cores(self, train_s: float) -> None:
         """With ``share_machine``: after `PROBE_STEPS` steps (start-up's left out), split the machine's cores by

@@ -53,6 +53,7 @@ from heterorl.runtime.learner import (
 from heterorl.runtime.run_report import run_staleness, seconds_histogram, weights_summary
 from heterorl.runtime.worker import sampling_params, shard_rng, stamp_groups
 from heterorl.tasks import Task
+from heterorl.tasks.rewards import outcome_counts
 from heterorl.training.session import SamplingClient, TrainingClient
 from heterorl.training.step import optimize_batch
 from heterorl.training.textcodec import encode_prompt
@@ -125,6 +126,7 @@ class Simulation:
         self._packed: PackedWeights | None = None  # the newest version, packed in the wire dtype
         self._chain = DeltaChain(cfg.transport.max_retained_versions)
         self.weights_stats: Counter = Counter()  # `run_report.weights_summary`'s counters
+        self._eval_outcomes: Counter = Counter()  # the programs evaluation ran (the rest: the training rewards')
         self._published_s: dict[int, float] = {}
         self._started = 0  # groups the fleet started (admission control)
         self.pacer = Pacer(cfg.buffer)
@@ -230,7 +232,10 @@ class Simulation:
                 w.wake(now)  # credit back (a no-op unless it waits; it rechecks what it waits for)
 
     def _evaluate(self) -> float:
-        return held_out_success(self.cfg, self._eval, self.task)
+        before = outcome_counts(self.task)
+        success = held_out_success(self.cfg, self._eval, self.task)
+        self._eval_outcomes.update(outcome_counts(self.task) - before)
+        return success
 
     # -- the worker side --------------------------------------------------------------------------
     def _run_workers(self, until: float, before: bool = False) -> None:
@@ -341,7 +346,8 @@ class Simulation:
             **run_staleness(dict(Counter(map(str, staleness_all))), seconds, seconds_sum, len(staleness_all)),
             samples_per_s=self._trained / self._now,
             weights=weights_summary(self.weights_stats, str(self._wire_dtype).removeprefix("torch."),
-                                    cfg.transport.weights_deltas))
+                                    cfg.transport.weights_deltas),
+            reward_outcomes=dict(sorted((outcome_counts(self.task) - self._eval_outcomes).items())))
 
     def _admission_cap(self) -> int | None:
         """`GroupBuffer.admission_limit` at the pace of the run's `Pacer` (None: no admission control)."""

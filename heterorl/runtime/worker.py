@@ -51,7 +51,7 @@ from heterorl.engines.base import SamplingParams
 from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy, policy_folder
 from heterorl.tasks import make_task_from
-from heterorl.tasks.rewards import score_all
+from heterorl.tasks.rewards import outcome_counts, score_all
 from heterorl.training import lora
 from heterorl.training.session import SamplingClient
 from heterorl.training.textcodec import encode_prompt
@@ -420,6 +420,9 @@ class RolloutWorker:
         def score_and_send() -> None:  # while the next batch is sampled (`Pipeline`)
             stamped = stamp_groups(task, worker_id, first, version, problems, prompts, groups, start_wall, end_wall,
                                    floor, session=self.session)
+            outcomes = dict(outcome_counts(task))  # the programs its reward ran, by outcome
+            if outcomes != self.client.reward_outcomes:
+                self.client.reward_outcomes = outcomes  # told to the learner in the next heartbeat
             never = sum(not group or self._send(list(group)) == 0 for group in stamped)
             if never:  # groups the learner will never see: their admission permits are free again
                 self.client.return_starts(never)

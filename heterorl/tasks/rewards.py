@@ -22,6 +22,7 @@ import numbers
 import queue
 import random
 import threading
+from collections import Counter
 from typing import Callable, Sequence
 
 from heterorl.config import TaskConfig
@@ -62,6 +63,12 @@ def score_all(task: Task, problems: Sequence[Problem], samples: Sequence) -> lis
     if batch is not None and getattr(task, "reward_with_facts", None) is None:
         return [float(r) for r in batch(list(problems), [s.text for s in samples])]
     return [float(score(task, p, s)) for p, s in zip(problems, samples)]
+
+
+def outcome_counts(task: Task) -> Counter:
+    """The programs ``task``'s reward has run so far, by outcome (the code task's `Sandbox.stats`: ok,
+    wrong_answer, timeout, forbidden:socket, ...); empty for a task whose reward runs none."""
+    return Counter(getattr(task, "stats", None) or {})
 
 
 def _describe(fn: object) -> str:

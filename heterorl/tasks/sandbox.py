@@ -49,6 +49,7 @@ from heterorl.errors import TaskError
 OK, WRONG, TIMEOUT, MEMORY, OUTPUT, CRASHED, SYNTAX = "ok", "wrong_answer", "timeout", "memory", "output_limit", \
     "crashed", "syntax_error"
 FORBIDDEN = "forbidden"  # + ":" what it tried: socket, open, process, ctypes
+FORBIDDEN_KINDS = ("socket", "open", "process", "ctypes")
 _RESULT_PREFIX = "\x00heterorl-result "  # the harness's lines on its results pipe
 
 
@@ -74,6 +75,8 @@ class SandboxLimits:
 class TestCase:
     """One hidden test: call the program's function with ``args`` (``call`` mode), or feed ``stdin`` and read
     what it prints (``stdio`` mode); ``expected``: the reference solution's answer, never shown to the program."""
+
+    __test__ = False  # not a pytest class, despite its name
 
     args: list = field(default_factory=list)
     stdin: str = ""
@@ -232,7 +235,10 @@ def _judge(output: bytes, killed: str, returncode: int, tests: list[TestCase], s
             answers.setdefault(record["i"], record.get("out"))
     passed = sum(1 for i, test in enumerate(tests) if i in answers and answers[i] == _canonical(test.expected))
     if status is not None and status.startswith(FORBIDDEN):
-        return Outcome(0, total, status, seconds, detail, answers)
+        # (a program that forges the line names no other reason: the reasons counted stay a short, known list)
+        what = status[len(FORBIDDEN) + 1:]
+        return Outcome(0, total, f"{FORBIDDEN}:{what if what in FORBIDDEN_KINDS else 'other'}", seconds, detail,
+                       answers)
     if killed:
         return Outcome(0, total, killed, seconds, answers=answers)
     if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
@@ -241,6 +247,8 @@ def _judge(output: bytes, killed: str, returncode: int, tests: list[TestCase], s
         return Outcome(0, total, CRASHED, seconds, f"exit code {returncode}", answers)
     if status in (MEMORY, SYNTAX, OUTPUT, CRASHED):
         return Outcome(0, total, status, seconds, detail, answers)
+    if status not in (OK, WRONG):  # what the harness says once the tests ran; anything else the program forged
+        return Outcome(0, total, CRASHED, seconds, f"unknown status {status[:60]!r}", answers)
     return Outcome(passed, total, OK if passed == total else WRONG, seconds, detail, answers)
 
 

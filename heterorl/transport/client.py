@@ -129,6 +129,8 @@ class WorkerClient(_Endpoint):
         self.advised_threads = 0  # torch threads the learner advises (a worker on its machine; 0: no advice)
         self.busy_s = 0.0  # reported in heartbeats; the rollout loop adds to them
         self.idle_s = 0.0
+        # `Heartbeat.reward_outcomes`, told within 50 ms of a change: give it a new dict, never change it in place
+        self.reward_outcomes = self._outcomes_said = {}
         self.finished = threading.Event()  # the learner said the run is over (or refused this worker: `refused`)
         self.refused: str | None = None  # the learner's reason when it refused this worker
         self.busy: str | None = None  # the learner's reason when it last could not take this worker (BYE_BUSY)
@@ -372,10 +374,13 @@ class WorkerClient(_Endpoint):
                           self.engine, self.layout.to_dict())
             _send(control, encode(hello), self.stats, "hello")
         started = self._starts_session  # permits used: said at once (within 50 ms), the learner grants more
+        outcomes = self.reward_outcomes
         if self.learner_alive and (now - self._last_beat >= self.config.heartbeat_interval_s or (
-                started != self._starts_said and now - self._last_beat >= 0.05)):
-            self._last_beat, self._starts_said = now, started
-            beat = Heartbeat(self.worker_id, self._version_held, time.time(), self.busy_s, self.idle_s, started)
+                (started != self._starts_said or outcomes is not self._outcomes_said)
+                and now - self._last_beat >= 0.05)):
+            self._last_beat, self._starts_said, self._outcomes_said = now, started, outcomes
+            beat = Heartbeat(self.worker_id, self._version_held, time.time(), self.busy_s, self.idle_s, started,
+                             outcomes)
             _send(control, encode(beat), self.stats, "heartbeat")
         return control
 

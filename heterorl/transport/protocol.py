@@ -264,7 +264,9 @@ class Heartbeat(Message):
     """Either direction, every ``heartbeat_interval_s``: I am alive. From a worker also: the version it holds,
     its cumulative seconds generating (``busy_s``) and waiting for credit or weights (``idle_s``), and the
     admission permits it has used this session (``groups_started``; −1: not reported, as by a worker of an
-    earlier version): groups started and still on their way count, which the learner cannot see."""
+    earlier version): groups started and still on their way count, which the learner cannot see. And
+    ``reward_outcomes``: the programs its task's reward ran this session, by outcome (the code task's sandbox:
+    ok, wrong_answer, timeout, forbidden:socket, ...; empty for other tasks)."""
 
     kind: ClassVar[str] = "heartbeat"
     sender_id: str
@@ -273,7 +275,14 @@ class Heartbeat(Message):
     busy_s: float = 0.0
     idle_s: float = 0.0
     groups_started: int = -1
-    optional_fields: ClassVar[frozenset] = frozenset({"groups_started"})
+    reward_outcomes: dict[str, int] = field(default_factory=dict)
+    optional_fields: ClassVar[frozenset] = frozenset({"groups_started", "reward_outcomes"})
+
+    def to_wire(self):
+        body = super().to_wire()
+        if not self.reward_outcomes:  # (left out when empty: a learner of an earlier version takes the beat)
+            del body["reward_outcomes"]
+        return body
 
     @classmethod
     def from_wire(cls, body, limits, data=()):
@@ -284,7 +293,21 @@ class Heartbeat(Message):
             busy_s=_float("busy_s", body["busy_s"], 1e9),
             idle_s=_float("idle_s", body["idle_s"], 1e9),
             groups_started=_int("groups_started", body.get("groups_started", -1), -1, _INT32_MAX),
+            reward_outcomes=_counts("reward_outcomes", body.get("reward_outcomes", {})),
         )
+
+
+MAX_OUTCOMES = 64  # outcome names in a heartbeat's reward_outcomes
+
+
+def _counts(name: str, value: Any) -> dict[str, int]:
+    """A map of at most `MAX_OUTCOMES` names (64 characters of [A-Za-z0-9_.:@/+=-]) to counts >= 0."""
+    if not isinstance(value, dict):
+        raise ProtocolError(name, f"expected a map, got {type(value).__name__}", "type")
+    if len(value) > MAX_OUTCOMES:
+        raise ProtocolError(name, f"{len(value)} entries exceed the limit {MAX_OUTCOMES}", "too_large")
+    return {_str(f"{name} key", key, 64, _ID_PATTERN): _int(f"{name}.{key}", count, 0, 2**53)
+            for key, count in value.items()}
 
 
 @dataclass

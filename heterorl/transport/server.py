@@ -136,6 +136,8 @@ class WorkerInfo:
     busy_base: float = 0.0  # busy_s when this session began: its start rate counts the busy seconds since
     idle_s: float = 0.0  # ... and waiting for credit, permits or weights
     groups_session: int = 0  # groups whose first trajectory arrived this session
+    reward_outcomes: dict = field(default_factory=dict)  # its process's programs run by outcome (heartbeats)
+    outcomes_before: Counter = field(default_factory=Counter)  # ... and its earlier processes' under this id
     last_group_id: str = ""
     starts_granted_session: int = 0  # admission permits granted this session (cumulative)
     starts_reported: int = -1  # permits it has used this session, as its latest heartbeat said (-1: none said)
@@ -208,6 +210,7 @@ class LearnerServer(_Endpoint):
         self._group_timeout_s = group_timeout_s
         self._held = 0  # members held in the workers' open groups
         self._departed: Counter = Counter()  # `_TOTALS` of the workers removed from the registry
+        self._departed_outcomes: Counter = Counter()  # and their `reward_outcomes`
         self._auth: ThreadAuthenticator | None = None
         self._allowed_keys: set[str] | None = None  # z85 public keys allowed in (CURVE only)
         self._keys_signature, self._keys_checked = None, 0.0  # (the allowed keys' files, when last read)
@@ -241,8 +244,7 @@ class LearnerServer(_Endpoint):
         if len(shard_ports or []) != shard_ranks - 1:
             raise ValueError(f"a learner of {shard_ranks} ranks that each send their own slices needs the weights "
                              f"ports of ranks 1..{shard_ranks - 1} (shard_ports), not {shard_ports}")
-        self._shard_ranks, self._shard_ports = shard_ranks, list(shard_ports or [])
-        self.shard_ports: list[int] = []  # a sharded learner's other ranks' weights ports, told to workers (Ready)
+        self.shard_ports = list(shard_ports or [])  # a sharded learner's other ranks' weights ports (told in Ready)
 
     # -- public API (any thread) ------------------------------------------------------------------
     def get(self, max_items: int, timeout_s: float) -> list[Trajectory]:
@@ -365,6 +367,16 @@ class LearnerServer(_Endpoint):
                                   if k not in ("pending_notices", "acks", "rejects", "poisoned_groups", "open_groups")})
                     for w in self._workers.values()]
 
+    def reward_outcomes(self) -> dict[str, int]:
+        """The programs the workers' rewards ran, by outcome (the code task's sandbox: ok, wrong_answer, timeout,
+        forbidden:socket, ...), over every worker this server has known, as their latest heartbeats said."""
+        with self._lock:
+            totals = Counter(self._departed_outcomes)
+            for worker in self._workers.values():
+                totals.update(worker.outcomes_before)
+                totals.update(worker.reward_outcomes)
+            return dict(sorted(totals.items()))
+
     def fleet_totals(self) -> dict[str, float]:
         """Over every worker this server has known, those removed from the registry included: trajectories
         accepted, duplicates, seconds generating (busy_s) and waiting (idle_s)."""
@@ -430,7 +442,6 @@ class LearnerServer(_Endpoint):
             weights_address = self._weights_address or (
                 f"{self._address.rsplit(':', 1)[0]}:{0 if self._address.endswith(':0') else _port_of(self._address) + 1}")
             weights, self.weights_endpoint = self._bind(ctx, weights_address, self.config.weights_hwm)
-            self.shard_ports = list(self._shard_ports)
             return auth, control, weights
         except BaseException:
             for s in sockets:
@@ -533,6 +544,7 @@ class LearnerServer(_Endpoint):
                     worker.busy_base = 0.0
                 worker.busy_s, worker.idle_s = message.busy_s, message.idle_s
                 worker.starts_reported = message.groups_started
+                self._take_outcomes(worker, message.reward_outcomes)
             elif isinstance(message, Bye):
                 worker.alive, worker.failed = False, message.failed
                 self._reclaim_starts(worker)
@@ -632,6 +644,8 @@ class LearnerServer(_Endpoint):
         self._reclaim_starts(worker)
         for name in _TOTALS:
             self._departed[name] += getattr(worker, name)
+        self._departed_outcomes.update(worker.outcomes_before)
+        self._departed_outcomes.update(worker.reward_outcomes)
         del self._workers[worker.worker_id]
         if self._by_routing.get(worker.routing_id) == worker.worker_id:
             del self._by_routing[worker.routing_id]
@@ -902,6 +916,17 @@ class LearnerServer(_Endpoint):
             for version in store.trim(needed):
                 if not key:
                     self._publish_times.pop(version, None)
+        kept = {w.layout_key for w in self._workers.values()}
+        for key in [key for key in self.stores if key not in kept and key]:
+            del self.stores[key]  # no worker of that layout is left: its packs (its newest one too) go
+
+    @staticmethod
+    def _take_outcomes(worker: WorkerInfo, outcomes: dict[str, int]) -> None:
+        """A heartbeat's counts, cumulative over the worker's process: lower ones come from a new process under the
+        same id, so the previous process's counts are kept aside."""
+        if any(outcomes.get(name, 0) < count for name, count in worker.reward_outcomes.items()):
+            worker.outcomes_before.update(worker.reward_outcomes)
+        worker.reward_outcomes = outcomes
 
     def _reclaim_starts(self, worker: WorkerInfo) -> None:
         """Return a dead or rejoining worker's unused admission permits to the fleet, so permits held by a

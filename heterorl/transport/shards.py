@@ -149,6 +149,12 @@ class ShardServer(_Endpoint):
                 needed = set(list(store.versions)[-self.config.max_retained_versions:])
             store.trim(set(needed))
 
+    def keep_layouts(self, keys: set[str]) -> None:
+        """Drop the packs of every layout but ``keys`` (the live workers' layouts rank 0 told this rank)."""
+        with self._lock:
+            for key in [key for key in self.stores if key not in keys and key]:
+                del self.stores[key]
+
     def close(self, reason: str = "") -> None:
         self._stop.set()
         self._wakeup.wake()

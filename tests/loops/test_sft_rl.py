@@ -53,16 +53,18 @@ def test_short_remake_of_the_base_follows_the_recorded_curve(config, base):
     assert losses[60] < 0.7 * losses[1]  # it learns (maze: 0.5x; add3: 0.61x)
 
 
-def test_sft_gives_the_same_weights_on_one_thread_and_on_two():
-    """What makes a base reproducible on machines like this one: seeded data and initialisation, and results
-    that do not depend on the number of torch threads (measured: the add3 base remade bit for bit)."""
+def test_sft_gives_the_same_weights_again_and_nearly_the_same_on_another_number_of_threads():
+    """What makes a base reproducible on machines like this one: seeded data and initialisation give the same
+    weights bit for bit at the same number of torch threads. On another number, the BLAS may split a matmul's
+    reduction differently (measured on an AVX-512 Xeon: gradients differ in the last bits, 2.6e-7 after 10
+    steps), so the weights agree to a tolerance."""
     import torch
 
     cfg = load_config(packaged("add3_sft.yaml"), ["sft.steps=10", "sft.eval_every=1000", "sft.stop_success=null"])
     task = _task(cfg)
     weights, before = [], torch.get_num_threads()
     try:
-        for threads in (1, 2):
+        for threads in (2, 2, 1):
             torch.set_num_threads(threads)
             model, tok = load_policy("tiny", alphabet=task.alphabet(), tiny=cfg.policy.tiny)
             run_sft(cfg, TrainingClient(model, tok, seed=cfg.seed), task)
@@ -70,6 +72,7 @@ def test_sft_gives_the_same_weights_on_one_thread_and_on_two():
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert all(torch.allclose(weights[0][k], weights[2][k], rtol=0, atol=1e-5) for k in weights[0])
 
 
 @pytest.mark.slow

@@ -247,6 +247,9 @@ def test_a_killed_worker_does_not_stop_the_run_and_garbage_is_counted(tmp_path):
         wait_until(lambda: learner_step(run) >= 2 and "worker w0 joined" in log.read_text(), 240, "two steps and w0")
         workers["w1"].send_signal(signal.SIGSTOP)
         workers["w0"].send_signal(signal.SIGKILL)
+        # the killed w0 falls silent past heartbeat_timeout_s (3 s) and is marked dead, however fast this machine:
+        # only then does it come back (nothing samples meanwhile, so the run cannot end without it)
+        wait_until(lambda: "worker w0 silent for" in log.read_text(), 240, "the killed w0 to be marked dead")
         workers["w0-again"] = spawn("rollout", "--connect", address, "--worker-id", "w0",
                                     log=tmp_path / "w0-again.log")
         # a stranger sends garbage and a forged trajectory while the run goes on

@@ -1,6 +1,7 @@
 """The `code` task: generated problems with hidden tests, scored in the sandbox; held-out problems are never
 drawn for training; a worker's scoring survives programs that misbehave."""
 
+import json
 import random
 import subprocess
 import sys
@@ -84,3 +85,32 @@ def test_a_worker_scores_misbehaving_programs_0_with_counted_reasons_and_goes_on
     assert [t.reward for group in stamped for t in group] == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     counted = task.stats - before
     assert counted == {"ok": 2, "timeout": 1, "forbidden:socket": 1, "forbidden:process": 1, "forbidden:open": 1}
+
+
+def test_every_run_reports_the_programs_its_training_rewards_ran_by_outcome(tmp_path):
+    """A fresh tiny policy writes no valid program, but each one is run and its outcome counted: in the summary,
+    its printed line and (the sync loop) each step's metrics. Evaluation's programs are left out."""
+    from heterorl.runs import read_metrics
+    from heterorl.tasks.sandbox import CRASHED, FORBIDDEN, MEMORY, OK, OUTPUT, SYNTAX, TIMEOUT, WRONG
+    from tests.conftest import run_cli
+
+    known = {OK, WRONG, TIMEOUT, MEMORY, OUTPUT, CRASHED, SYNTAX}
+    common = ["task.name=code", "rl.base=null", "rl.steps=2", "rl.prompts_per_step=2", "rollout.group_size=2",
+              "rollout.max_tokens=16", "task.options.eval_size=2", "task.options.tests=2",
+              "logging.wandb_mode=disabled", "logging.save_policy=false"]
+    for name, command in (("sync", ["rl"]), ("simulated", ["train", "runtime.execution=simulated"]),
+                          ("live", ["train", "runtime.workers=1"])):
+        run = tmp_path / name
+        out = run_cli(*command, *common, f"logging.run_dir={run}")
+        assert out.returncode == 0, out.stdout + out.stderr
+        outcomes = json.loads((run / "summary.json").read_text())["reward_outcomes"]
+        assert all(reason in known or reason.startswith(f"{FORBIDDEN}:") for reason in outcomes), outcomes
+        ran = sum(outcomes.values())
+        assert f"programs the rewards ran: {ran} (" in out.stdout, out.stdout
+        if name == "live":  # as the worker's heartbeats said: at least the first step's, told long before the end
+            assert ran >= 4, outcomes
+        else:  # one program per completion, 2 steps x 2 prompts x 2
+            assert ran == 8, outcomes
+        if name == "sync":
+            steps = [r for r in read_metrics(run / "metrics.jsonl") if r.get("step", 0) > 0]
+            assert [sum(v for k, v in r.items() if k.startswith("rollout/programs/")) for r in steps] == [4, 4]

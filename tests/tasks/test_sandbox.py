@@ -79,6 +79,10 @@ def test_a_program_cannot_see_or_forge_the_expected_answers(sandbox):
               "def f(a, b):\n    return None\n")
     outcome = sandbox.run(forged, ADD, entry="f")
     assert outcome.passed == 0 and outcome.reason == "wrong_answer"
+    # forged reasons: only the known ones are ever counted, so a program cannot grow the counts without bound
+    for status, reason in (("forbidden:anything at all", "forbidden:other"), ("a made-up reason", "crashed")):
+        forged = f"import os\nos.write(1, b'\\x00heterorl-result {{\"status\": \"{status}\"}}\\n')\nos._exit(0)\n"
+        assert sandbox.run(forged, ADD, entry="f").reason == reason, status
 
 
 def test_isolation_is_reported_and_programs_run_in_parallel(sandbox):

@@ -84,6 +84,7 @@ def test_arrays_are_little_endian_raw_buffers_and_decoded_as_views():
     Ready("w0", credits=64, newest_version=3, heartbeat_interval_s=1.0, settings={"weights_port": 5556, "x": "y"}),
     Heartbeat("w0", 7, 2.0, 3.5, 0.25),
     Heartbeat("w0", 7, 2.0, 3.5, 0.25, groups_started=40),
+    Heartbeat("w0", 7, 2.0, 3.5, 0.25, groups_started=40, reward_outcomes={"ok": 3, "forbidden:socket": 1}),
     Ack(["a", "b"], ["c: bad"], 70, 12),
     Ack(["a"], [], 70, 12, threads=2),
     WeightsNotice(9),
@@ -99,10 +100,22 @@ def test_fields_added_since_the_schema_may_be_left_out_by_an_earlier_peer():
     del beat["groups_started"]  # a worker of an earlier version: its permits used are not reported
     assert decode([msgpack.packb(beat)]).groups_started == -1
     rejects([msgpack.packb(beat | {"groups_started": -2})], "groups_started", "bounds")
+    assert "reward_outcomes" not in beat  # none to tell: left out, so that a learner of an earlier version takes it
+    assert decode([msgpack.packb(beat)]).reward_outcomes == {}
     ack = header_of(Ack(["a"], [], 3, 4, threads=2))
     del ack["threads"]  # a learner of an earlier version advises nothing
     assert decode([msgpack.packb(ack)]).threads == 0
     rejects([msgpack.packb(ack | {"threads": 10**6})], "threads", "bounds")
+
+
+def test_a_heartbeats_reward_outcomes_are_a_short_map_of_names_to_counts():
+    beat = header_of(Heartbeat("w0", 1, 2.0))
+    for outcomes, culprit, reason in (([1], "reward_outcomes", "type"), ({"ok": -1}, "reward_outcomes.ok", "bounds"),
+                                      ({"ok": 1.5}, "reward_outcomes.ok", "type"),
+                                      ({"a reason": 1}, "reward_outcomes key", "bounds"),
+                                      ({"x" * 65: 1}, "reward_outcomes key", "bounds"),
+                                      ({f"r{i}": 1 for i in range(65)}, "reward_outcomes", "too_large")):
+        rejects([msgpack.packb(beat | {"reward_outcomes": outcomes})], culprit, reason)
 
 
 def test_a_hello_without_an_engine_is_a_torch_workers_and_a_bad_engine_is_named():

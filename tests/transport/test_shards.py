@@ -14,6 +14,7 @@ from heterorl.transport.protocol import ProtocolError, decode, encode
 from heterorl.transport.reshard import SourceLayout
 from heterorl.transport.shards import ShardServer, describer
 from heterorl.transport.weights import pack_state_dict
+from tests.conftest import wait_until
 from tests.transport.test_deltas import BF16, _cast, _equal, master_state, random_walk
 from tests.transport.test_transport import FAST
 
@@ -41,12 +42,12 @@ class Fleet:
     """Rank 0's `LearnerServer` (told of WORLD ranks) and a `ShardServer` per other rank."""
 
     def __init__(self, address: str = "tcp://127.0.0.1:0", weights_address: str | None = None,
-                 published_before: int = -1) -> None:
+                 published_before: int = -1, config: TransportConfig = CONFIG) -> None:
         # the other ranks bind free ports first, and rank 0 is told them (as `launch.bind_shard_channels` does)
         self.shards = {r: ShardServer("tcp://127.0.0.1:0", r, WORLD, CONFIG) for r in range(1, WORLD)}
         ports = [int(self.shards[r].endpoint.rsplit(":", 1)[1]) for r in range(1, WORLD)]
         shapes = {name: tuple(t.shape) for name, t in master_state().items()}
-        self.server = LearnerServer(address, CONFIG, weights_address=weights_address, shard_ranks=WORLD,
+        self.server = LearnerServer(address, config, weights_address=weights_address, shard_ranks=WORLD,
                                     shard_ports=ports, model_shapes=shapes, published_before=published_before)
         assert self.server.shard_ports == ports
 
@@ -268,6 +269,30 @@ def test_a_worker_that_declares_its_slices_gets_exactly_those_from_every_rank(fl
     finally:
         tp.close()
         whole.close()
+
+
+def test_the_packs_of_a_layout_go_when_its_last_worker_leaves_the_registry():
+    from heterorl.transport.reshard import DestLayout, Placement
+
+    fleet = Fleet(config=dataclasses.replace(CONFIG, worker_expiry_s=1.0))
+    layout = DestLayout({f"layer{i}.weight": (Placement.shard(1, 2), 0) for i in range(4)})
+    tp = WorkerClient(fleet.server.control_endpoint, "tp0", CONFIG, layout=layout)
+    state = master_state()
+    try:
+        tp.wait_ready(10)
+        fleet.publish_for(1, state, layout)
+        fleet.publish(1, state)
+        assert tp.wait_weights(0, timeout_s=10)[0] == 1
+        assert set(fleet.server.stores) == {"", tp.layout_key}
+        tp.close()
+        wait_until(lambda: fleet.server.stats["workers_removed/expired"], 30, "the worker to leave the registry")
+        fleet.publish(2, state)
+        assert set(fleet.server.stores) == {""}  # its newest pack too, which trimming alone keeps
+        fleet.shards[1].keep_layouts(set(fleet.server.layouts()))  # what a rank > 0 does before it publishes
+        assert set(fleet.shards[1].stores) == {""}
+    finally:
+        tp.close()
+        fleet.close()
 
 
 def test_a_layout_that_does_not_fit_the_model_is_refused_with_the_reason(fleet):

@@ -1,5 +1,6 @@
 """ZeroMQ transport on real loopback sockets: flow control, weights, CURVE, fuzzing, a SIGKILLed worker."""
 
+import dataclasses
 import os
 import queue
 import random
@@ -574,6 +575,37 @@ def test_permits_held_by_a_worker_that_leaves_go_back_to_the_fleet(learner):
         leaving.close()
         if staying is not None:
             staying.close()
+
+
+def test_the_programs_workers_rewards_ran_are_counted_across_their_processes():
+    server = LearnerServer("tcp://127.0.0.1:0", dataclasses.replace(FAST, worker_expiry_s=1.0))
+    first = WorkerClient(server.control_endpoint, "w0", FAST)
+    clients = [first]
+    try:
+        first.wait_ready(10)
+        first.reward_outcomes = {"ok": 3, "timeout": 1}
+        assert wait_for(lambda: server.reward_outcomes() == {"ok": 3, "timeout": 1}, 10), server.reward_outcomes()
+        first.reward_outcomes = {"ok": 5, "timeout": 1, "forbidden:socket": 2}  # cumulative: the latest counts
+        assert wait_for(lambda: server.reward_outcomes().get("ok") == 5, 10), server.reward_outcomes()
+        first.close()
+        again = WorkerClient(server.control_endpoint, "w0", FAST)  # a new process under the same id: from 0
+        clients.append(again)
+        again.wait_ready(10)
+        again.reward_outcomes = {"ok": 1}
+        want = {"forbidden:socket": 2, "ok": 6, "timeout": 1}
+        assert wait_for(lambda: server.reward_outcomes() == want, 10), server.reward_outcomes()
+        other = WorkerClient(server.control_endpoint, "w1", FAST)
+        clients.append(other)
+        other.wait_ready(10)
+        other.reward_outcomes = {"memory": 1}
+        assert wait_for(lambda: server.reward_outcomes().get("memory") == 1, 10), server.reward_outcomes()
+        other.close()  # it leaves the registry: its counts stay in the totals
+        assert wait_for(lambda: server.stats["workers_removed/expired"], 30)
+        assert server.reward_outcomes() == {**want, "memory": 1}
+    finally:
+        for client in clients:
+            client.close()
+        server.close()
 
 
 def test_closing_the_learner_tells_workers_the_run_is_over():
