@@ -41,7 +41,8 @@ def register_loss(name: str, config_cls: type):
         def checked(batch: LossBatch, config):
             loss, metrics = fn(batch, config)
             if not bool(torch.isfinite(loss.detach())):
-                raise LossInputError(f"loss {name!r} is {float(loss)} (not finite) on this batch; metrics: {metrics}")
+                raise LossInputError(f"loss {name!r} is {float(loss.detach())} (not finite) on this batch; "
+                                     f"metrics: {metrics}")
             return loss, metrics
 
         _LOSSES[name] = LossSpec(name, checked, config_cls)

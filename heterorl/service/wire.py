@@ -18,6 +18,7 @@ import gepo
 from heterorl import errors
 from heterorl.engines.base import SampleOutput, SamplingParams
 from heterorl.training.session import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
+from heterorl.transport.weights import storage_key
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
@@ -127,7 +128,7 @@ def state_to_bytes(state: dict[str, torch.Tensor]) -> bytes:
 
     seen, unique, aliases = {}, {}, {}
     for name, tensor in state.items():
-        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype) if tensor.numel() else name
+        key = storage_key(tensor) or name
         if key in seen:
             aliases[name] = seen[key]
         else:

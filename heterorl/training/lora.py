@@ -17,6 +17,7 @@ import torch
 
 from heterorl.config import LoraConfig
 from heterorl.errors import HeteroRLError
+from heterorl.transport.weights import storage_key
 
 LORA_A, LORA_B = "lora_A", "lora_B"
 
@@ -72,7 +73,7 @@ def base_hash(model: torch.nn.Module) -> str:
 
     digest, seen = xxhash.xxh3_128(), set()
     for name, tensor in sorted(model.state_dict().items()):
-        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        key = storage_key(tensor)
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         if tensor.numel() and key not in seen:
             seen.add(key)
@@ -169,7 +170,7 @@ def merged_state(model: torch.nn.Module, spec: LoraConfig) -> dict[str, torch.Te
         if ".lora_" in peft_name:
             continue
         name = _base_name(peft_name)
-        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype) if tensor.numel() else name
+        key = storage_key(tensor) or name
         if key not in copies:
             copies[key] = tensor.detach().to("cpu", copy=True)
             module = name.removesuffix(".weight")

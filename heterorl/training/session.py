@@ -30,6 +30,7 @@ from heterorl.engines.logprobs import packed_completion_logprobs, pad_right, pro
 from heterorl.engines.torch_engine import TorchEngine
 from heterorl.errors import HeteroRLError, SamplingError
 from heterorl.files import write_atomically
+from heterorl.transport.weights import storage_key
 
 
 @dataclass
@@ -441,7 +442,7 @@ class TrainingClient:
             return self.version, lora_lib.merged_state(self.model, self.lora)
         copies, state = {}, {}
         for name, tensor in self.model.state_dict().items():  # tied weights stay one tensor (copied once)
-            key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype) if tensor.numel() else name
+            key = storage_key(tensor) or name
             if key not in copies:
                 copies[key] = tensor.detach().to("cpu", copy=True)
             state[name] = copies[key]

@@ -586,12 +586,18 @@ class _ReceiveBuffers:
         self._kept = [*self._kept, buffer][-self.keep:]
 
 
+RESYNC_BACKOFF_S = 0.5  # the second resync in a row waits this long before it asks, each later one twice as long
+RESYNC_BACKOFF_MAX_S = 30.0  # ... up to this
+
+
 class _Fetch:
     """State of one pull-based weights transfer on a worker (header, then pipelined chunks), and the verified
     bytes of the version it holds (``held``: the base of the deltas it asks for, `heterorl.transport.deltas`).
     Anything doubtful (a corrupted chunk, a delta from a version it does not hold, a payload that does not
     decode, rebuilt tensors whose checksums differ) is counted under ``weights/rejected/<reason>`` and answered
-    by a full resync (``weights/resyncs``); the worker samples with the weights it has meanwhile."""
+    by a full resync (``weights/resyncs``); the worker samples with the weights it has meanwhile. A resync that
+    follows another with no version verified between them waits first (`RESYNC_BACKOFF_S`, doubling;
+    ``weights/resync_backoffs``), so a link that corrupts every transfer is not asked again at full speed."""
 
     def __init__(self) -> None:
         self.buffers = _ReceiveBuffers()
@@ -606,8 +612,15 @@ class _Fetch:
         # takes a verified version (None: the client, as the whole model)
         self.want = -1
         self.deliver: Callable[[WeightsHeader, dict, float], None] | None = None
+        self.failures = 0  # resyncs since the last version verified
+        self.resume_at = 0.0  # backing off: no request before then
+        self.deferred: int | None = None  # the version a start held back by the back-off wants (`check_timeout`)
 
     def start(self, sock: zmq.Socket, client: WorkerClient, now: float, want: int = -1) -> None:
+        if now < self.resume_at:
+            self.deferred = want  # asked for when the back-off is over
+            return
+        self.deferred = None
         if self.active and self.header is None and want == self.want:
             return  # a header request is already out
         self._drop_transfer()
@@ -625,6 +638,12 @@ class _Fetch:
         client.stats["weights/resyncs"] += 1
         self._drop_transfer()
         self.held, self.active, self.header = None, False, None
+        self.failures += 1
+        if self.failures > 1:
+            wait = min(RESYNC_BACKOFF_S * 2 ** (self.failures - 2), RESYNC_BACKOFF_MAX_S)
+            self.resume_at = now + wait
+            client.stats["weights/resync_backoffs"] += 1
+            log.warning("%d resyncs in a row failed verification; asking again in %.1f s", self.failures - 1, wait)
         self.start(sock, client, now, self.want)
 
     def _drop_transfer(self) -> None:
@@ -721,6 +740,7 @@ class _Fetch:
                 self.buffers.reuse_later(payload)
             self.resync(sock, client, now, exc.reason)
             return
+        self.failures = 0
         client.stats["weights/fresh_buffers"] = self.buffers.allocated
         client.stats["weights/versions_received"] += 1
         client.stats["weights/deltas_applied" if header.is_delta else "weights/full_received"] += 1
@@ -743,9 +763,12 @@ class _Fetch:
             self.buffers.prepare(header.total_bytes)
 
     def check_timeout(self, sock, client: WorkerClient, now: float) -> None:
+        """The I/O loop's turn: give up a transfer silent for ``fetch_timeout_s``; start one the back-off held."""
         if self.active and now - self.last_progress > client.config.fetch_timeout_s:
             client.stats["weights/fetch_restarts"] += 1
             self.active = False
+        if self.deferred is not None and now >= self.resume_at:
+            self.start(sock, client, now, self.deferred)
 
 SHARD_RETRY_S = 0.05  # how soon a worker asks a rank again for a version it has not published yet
 

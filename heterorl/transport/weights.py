@@ -67,8 +67,9 @@ class PackedWeights:
         return self.checksums[index]
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple | None:
-    """What makes two tensors the same bytes (None for an empty one): tied weights share it."""
+def storage_key(tensor: torch.Tensor) -> tuple | None:
+    """What makes two tensors the same bytes (None for an empty one): tied weights share it. Every place that
+    keeps tied tensors one (packing, copies of a state dict, digests, saved files) keys them by it."""
     if tensor.numel() == 0:
         return None
     return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
@@ -84,7 +85,7 @@ def pack_state_dict(state: dict[str, torch.Tensor], version: int, chunk_bytes: i
     names, tensors, targets, aliases, seen = [], [], [], [], {}
     for name in sorted(state):
         tensor = state[name].detach()
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key is not None and key in seen:
             aliases.append([name, seen[key]])
             continue

@@ -1,4 +1,5 @@
-"""Learner data parallelism: 2 ranks (gloo, CPU) end with the same weights as 1 rank on the same batches."""
+"""Learner data parallelism: 2 ranks (gloo, CPU) end with the same weights as 1 rank on the same batches, the whole
+model's or a LoRA adapter's."""
 
 import os
 import socket
@@ -8,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from heterorl.config import load_config
+from heterorl.config import LoraConfig, load_config
 from heterorl.policies import TinyModelConfig, build_tiny_policy
 from heterorl.training.session import Datum, TrainingClient
 from heterorl.training.step import optimize_batch
@@ -37,22 +38,28 @@ def batches(vocab: int, steps: int = 3, groups: int = 4, group_size: int = 4) ->
     return out
 
 
-def train(rank: int, world: int) -> dict:
-    cfg = load_config(None, OVERRIDES)
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+def train(rank: int, world: int, lora: bool = False) -> dict:
+    """The trained weights: the whole state dict, or (``lora``) the adapter's tensors."""
+    cfg = load_config(None, [*OVERRIDES, *(["optim.lr=1e-2"] if lora else [])])
     model, tokenizer = build_tiny_policy(ALPHABET, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2,
                                                                    num_kv_heads=2, intermediate_size=64, seed=3))
-    training = TrainingClient(model, tokenizer, seed=0, data_parallel=True)
+    training = TrainingClient(model, tokenizer, seed=0, data_parallel=True, lora=LORA if lora else None)
     for datums in batches(len(tokenizer)):
         optimize_batch(training, datums, cfg, total_updates=6, shard=(rank, world))
+    if lora:
+        return training.save_weights_for_sampler("adapter").result()[1]
     return {k: v.detach().clone() for k, v in training.model.state_dict().items()}
 
 
-def _rank_main(rank: int, world: int, port: int, out_path: str) -> None:
+def _rank_main(rank: int, world: int, port: int, out_path: str, lora: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        state = train(rank, world)
+        state = train(rank, world, lora)
         if rank == 0:
             torch.save(state, out_path)
     finally:
@@ -68,7 +75,7 @@ def _free_port() -> int:
 def test_two_ranks_match_one_rank(tmp_path):
     single = train(0, 1)
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank_main, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, _free_port(), str(out), False), nprocs=2, join=True)
     double = torch.load(out)
     base = {k: v for k, v in build_tiny_policy(ALPHABET, TinyModelConfig(
         hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64, seed=3))[0]
@@ -77,6 +84,18 @@ def test_two_ranks_match_one_rank(tmp_path):
     diff = max((single[k] - double[k]).abs().max().item() for k in single)
     assert moved > 1e-3  # training changed the weights ...
     assert diff < 1e-5, diff  # ... and two ranks changed them exactly as one did
+
+
+def test_two_ranks_train_a_lora_adapter_as_one_rank_does(tmp_path):
+    single = train(0, 1, lora=True)
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_rank_main, args=(2, _free_port(), str(out), True), nprocs=2, join=True)
+    double = torch.load(out)
+    assert set(single) == set(double) and all(".lora_" in name for name in single)
+    moved = max(single[k].abs().max().item() for k in single if ".lora_B" in k)  # B starts at 0
+    diff = max((single[k] - double[k]).abs().max().item() for k in single)
+    assert moved > 1e-3  # the adapter trained ...
+    assert diff < 1e-5, diff  # ... and two ranks trained it exactly as one did
 
 
 def test_too_many_ranks_for_the_batch_is_a_clear_error():

@@ -22,7 +22,7 @@ from heterorl.transport.deltas import (
 )
 from heterorl.transport.protocol import ProtocolError, WeightsRequest, decode, encode
 from heterorl.transport.weights import pack_state_dict, wire_dtype
-from tests.transport.test_transport import FAST
+from tests.transport.test_transport import FAST, wait_for
 
 BF16 = torch.bfloat16
 
@@ -437,3 +437,25 @@ def test_a_sparse_zstd_record_with_indices_that_repeat_or_run_past_the_tensor_is
         apply_steps(layout, np.zeros(200, np.uint8), 0, np.concatenate([head, record, data]), 1,
                     np.empty(200, np.uint8), [0])
     assert info.value.reason == "delta_count", why
+
+
+def test_resyncs_that_keep_failing_back_off_and_the_version_comes_once_the_link_is_sound(server):
+    """A link that corrupts every transfer: the first resync asks at once, each later one waits twice as long as
+    the one before (0.5 s, 1 s, ...); once the transfers are sound again the worker gets the version, exact."""
+    state, gen = master_state(), torch.Generator().manual_seed(8)
+    client = _client(server, "w")
+    try:
+        random_walk(state, gen, 2e-5)
+        server.publish(1, state, dtype=BF16)
+        packed = server.store.versions[1]
+        packed.header.checksums[0] ^= 1  # every transfer of version 1 now fails verification
+        failing = wait_for(lambda: client.stats["weights/resyncs"] >= 3, 30)
+        packed.header.checksums[0] ^= 1  # sound again
+        assert failing, dict(client.stats)
+        got = client.wait_weights(0, timeout_s=30)
+        assert got is not None and got[0] == 1 and _equal(got[1], state)
+        resyncs = client.stats["weights/resyncs"]
+        assert client.stats["weights/resync_backoffs"] == resyncs - 1 >= 2  # all but the first waited
+        assert client.stats["weights/rejected/checksum"] == resyncs
+    finally:
+        client.close()
