@@ -63,7 +63,7 @@ class CodeConfig:
 @dataclass(frozen=True)
 class Family:
     """A kind of problem: ``make(rng)`` gives (statement, entry function or None for stdin/stdout, reference
-    solution source, constants); ``inputs(rng, constants)`` one test's (args, stdin)."""
+    solution source); ``inputs(rng)`` one test's (args, stdin)."""
 
     make: Callable
     inputs: Callable
@@ -164,18 +164,17 @@ def reference_answers(source: str, entry: str | None, inputs: list[tuple[list, s
     import contextlib
     import io
 
+    if entry is not None:  # defined once, called per test
+        namespace: dict = {}
+        exec(source, namespace)
+        return [namespace[entry](*args) for args, _ in inputs]
     answers = []
-    for args, stdin in inputs:
-        if entry is not None:
-            namespace: dict = {}
-            exec(source, namespace)
-            answers.append(namespace[entry](*args))
-        else:
-            out = io.StringIO()
-            with contextlib.redirect_stdout(out):
-                lines = iter(stdin.splitlines())
-                exec(source, {"input": lambda *_: next(lines)})
-            answers.append(out.getvalue().strip())
+    for _, stdin in inputs:  # a program runs whole for each test's input
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            lines = iter(stdin.splitlines())
+            exec(source, {"input": lambda *_: next(lines)})
+        answers.append(out.getvalue().strip())
     return answers
 
 
@@ -213,7 +212,7 @@ class CodeTask(GeneratedTask):
     @property
     def stats(self) -> Counter:
         """Programs run, by outcome reason (ok, wrong_answer, timeout, memory, output_limit, forbidden:WHAT...)."""
-        return Counter(self._sandbox.stats if self._sandbox is not None else {})
+        return self._sandbox.counts() if self._sandbox is not None else Counter()
 
     def alphabet(self) -> str:
         return "".join(chr(c) for c in range(32, 127)) + "\n"

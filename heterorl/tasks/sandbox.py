@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,7 +117,7 @@ class Sandbox:
         self.limits = limits or SandboxLimits()
         self.max_parallel = max_parallel
         self.python = python
-        self.stats: dict[str, int] = {}
+        self.stats: Counter = Counter()  # programs run, by outcome reason (`counts` copies it)
         self.running = self.peak_running = 0  # programs running now, and the most at once
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="heterorl-sandbox")
@@ -129,14 +130,20 @@ class Sandbox:
         with self._lock:
             self.running += 1
             self.peak_running = max(self.peak_running, self.running)
+        outcome = None
         try:
             outcome = self._run(program, list(tests), entry)
+            return outcome
         finally:
             with self._lock:
                 self.running -= 1
+                if outcome is not None:
+                    self.stats[outcome.reason] += 1
+
+    def counts(self) -> Counter:
+        """A copy of ``stats``, taken while no program's outcome is being counted."""
         with self._lock:
-            self.stats[outcome.reason] = self.stats.get(outcome.reason, 0) + 1
-        return outcome
+            return Counter(self.stats)
 
     def run_many(self, jobs: Sequence[tuple[str, Sequence[TestCase], str | None]]) -> list[Outcome]:
         """`run` for each (program, tests, entry), ``max_parallel`` at a time; in the order given."""
@@ -159,10 +166,11 @@ class Sandbox:
         start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="heterorl-sandbox-") as home:
             os.chmod(home, 0o777)  # (the program may run as nobody)
-            job = json.dumps({"program": program, "entry": entry, "inputs": [[t.args, t.stdin] for t in tests],
-                              "home": home, "output_bytes": limits.output_bytes, "limits": {"cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
-                                                       "file_bytes": limits.file_bytes,
-                                                       "processes": limits.processes}})
+            job = json.dumps({
+                "program": program, "entry": entry, "inputs": [[t.args, t.stdin] for t in tests], "home": home,
+                "output_bytes": limits.output_bytes,
+                "limits": {"cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "file_bytes": limits.file_bytes,
+                           "processes": limits.processes}})
             try:
                 proc = subprocess.Popen([self.python, "-I", "-S", "-c", self._source], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=home, env={},
