@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.heterorl-installed
 
-.PHONY: install demo test test-fast bench smollm2 clean vllm test-vllm
+.PHONY: install demo test test-fast lint bench smollm2 clean vllm test-vllm
 
 # torch is installed FIRST, pinned, so pip takes the local CPU wheel and never a multi-GB CUDA build.
 $(STAMP): setup.cfg pyproject.toml
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	WANDB_MODE=offline $(PY) -m pytest -q --durations=25
+
+# ruff, configured in pyproject.toml (line length 120, pyflakes, pycodestyle, isort, bugbear, pyupgrade)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 test-fast: $(STAMP)
 	WANDB_MODE=offline $(PY) -m pytest -q -m "not slow"

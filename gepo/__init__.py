@@ -16,7 +16,7 @@ from gepo.advantages import (
     raw_reward,
 )
 from gepo.batch import LossBatch, LossInputError, masked_mean
-from gepo.losses import RLConfig
+from gepo.losses import RLLossConfig
 from gepo.registry import LossSpec, get_loss, loss_names, make_loss_config, register_loss
 
 __all__ = [
@@ -25,7 +25,7 @@ __all__ = [
     "LossBatch",
     "LossInputError",
     "LossSpec",
-    "RLConfig",
+    "RLLossConfig",
     "advantages_for",
     "bnpo",
     "get_loss",

@@ -27,7 +27,7 @@ from gepo.registry import register_loss
 
 
 @dataclass
-class RLConfig:
+class RLLossConfig:
     """Fields every RL loss's config has. Subclasses override the defaults with their paper's.
 
     advantage: an estimator of gepo.advantages ("group_centered", "group_normalized", "bnpo"),
@@ -80,7 +80,7 @@ def cross_entropy(batch: LossBatch, config: CrossEntropyConfig):
 
 
 @dataclass
-class ImportanceSamplingConfig(RLConfig):
+class ImportanceSamplingConfig(RLLossConfig):
     """The plain (unclipped) importance-sampling policy gradient; advantages as given by default."""
 
     advantage: str = "given"
@@ -103,7 +103,7 @@ def importance_sampling(batch: LossBatch, config: ImportanceSamplingConfig):
 
 
 @dataclass
-class GRPOConfig(RLConfig):
+class GRPOConfig(RLLossConfig):
     """GRPO's defaults: clip ε = 0.2, group-normalised advantages."""
 
     clip_eps: float = 0.2
@@ -149,7 +149,7 @@ def dapo(batch: LossBatch, config: DAPOConfig):
 
 
 @dataclass
-class DrGRPOConfig(RLConfig):
+class DrGRPOConfig(RLLossConfig):
     """Dr.GRPO's defaults: clip ε = 0.2, no std division; the normaliser is B · max_completion_len."""
 
     clip_eps: float = 0.2
@@ -173,7 +173,7 @@ def dr_grpo(batch: LossBatch, config: DrGRPOConfig):
 
 
 @dataclass
-class BNPOConfig(RLConfig):
+class BNPOConfig(RLLossConfig):
     """BNPO as the GEPO authors ran it: clip ε = 0.2, Beta-re-weighted advantages, token-sum / token-count."""
 
     clip_eps: float = 0.2
@@ -195,7 +195,7 @@ def bnpo(batch: LossBatch, config: BNPOConfig):
 
 
 @dataclass
-class DecoupledPPOConfig(RLConfig):
+class DecoupledPPOConfig(RLLossConfig):
     """AReaL's decoupled PPO: clip ε = 0.2 against the proximal policy; optional behaviour-weight cap."""
 
     clip_eps: float = 0.2
@@ -253,7 +253,7 @@ def decoupled_ppo(batch: LossBatch, config: DecoupledPPOConfig):
 
 
 @dataclass
-class TISConfig(RLConfig):
+class TISConfig(RLLossConfig):
     """Truncated importance sampling: cap C = 2, per token or per sequence."""
 
     level: str = "token"  # "token": cap r_it; "sequence": cap ρ_i = Π_t r_it
@@ -278,7 +278,8 @@ def tis(batch: LossBatch, config: TISConfig):
     if config.level == "token":
         weight = torch.exp(log_ratio.clamp(max=cap))
         loss = masked_mean(-weight * advantages[:, None] * logp, batch.mask, dim=-1).mean()
-        return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": _frac(log_ratio > cap, batch.mask)})
+        clipped = {"is/clip_frac": _frac(log_ratio > cap, batch.mask)}
+        return loss, rl_metrics(batch, loss, log_ratio, batch.keep, clipped)
     log_rho = masked_sum(log_ratio, batch.mask, dim=-1)
     weight = torch.exp(log_rho.clamp(max=cap))
     loss = (-weight * advantages * masked_mean(logp, batch.mask, dim=-1)).mean()
@@ -287,7 +288,7 @@ def tis(batch: LossBatch, config: TISConfig):
 
 
 @dataclass
-class IcePopConfig(RLConfig):
+class IcePopConfig(RLLossConfig):
     """IcePop's token mask: keep r in [0.5, 5]."""
 
     ratio_low: float = 0.5
@@ -313,7 +314,7 @@ def icepop(batch: LossBatch, config: IcePopConfig):
 
 
 @dataclass
-class M2POConfig(RLConfig):
+class M2POConfig(RLLossConfig):
     """M2PO: second-moment trust region τ = 0.04, no clip."""
 
     m2_threshold: float = 0.04
@@ -352,7 +353,7 @@ def m2po(batch: LossBatch, config: M2POConfig):
 
 
 @dataclass
-class CISPOConfig(RLConfig):
+class CISPOConfig(RLLossConfig):
     """CISPO's defaults: no lower bound on the weight (1 − ε_low = 0); upper bound 1 + ε_high = 4.
 
     MiniMax-M1 sets ε_low large and tunes ε_high without publishing its value; the cap of 4 is
@@ -385,7 +386,7 @@ def cispo(batch: LossBatch, config: CISPOConfig):
 
 
 @dataclass
-class GSPOConfig(RLConfig):
+class GSPOConfig(RLLossConfig):
     """GSPO's defaults: sequence-ratio clip ε_low = 3e-4, ε_high = 4e-4 (the GEPO paper ran 0.2)."""
 
     clip_eps_low: float = 3e-4
@@ -414,7 +415,7 @@ def gspo(batch: LossBatch, config: GSPOConfig):
 
 
 @dataclass
-class GEPOConfig(RLConfig):
+class GEPOConfig(RLLossConfig):
     """GEPO's defaults: clip ε = 0.2, group-centred advantages, groups = prompts, no KL term."""
 
     clip_eps: float = 0.2

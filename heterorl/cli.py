@@ -1,8 +1,9 @@
 """The ``heterorl`` command line.
 
-    heterorl demo                       the async system on the maze from the shipped SFT base (README demo)
+    heterorl demo                       the async system (learner + 2 workers, GEPO, injected delays) on 3-digit
+                                        addition from the shipped add3-sft-base, with a table
     heterorl sft  [--config F] [k=v..]  supervised warm start (saves a policy folder)
-    heterorl rl   [--config F] [k=v..]  synchronous RL from a policy folder
+    heterorl rl   [--config F] [k=v..]  synchronous RL in one process from a policy (shipped name, folder, smollm2)
     heterorl bench engine               sampling throughput: our engine vs transformers generate
     heterorl bench losses               forward+backward time of every gepo loss, relative to grpo
     heterorl bench transport            trajectories and weights over ZeroMQ vs raw pyzmq
@@ -10,11 +11,11 @@
     heterorl bench deltas               staleness behind bandwidth-limited weights links, deltas on vs off
     heterorl bench async                samples/s of the same run in sync and in async mode
     heterorl bench simulate             staleness of one run live and simulated with its measured timings
-    heterorl bench service              the session primitives remote (heterorl serve) vs local
+    heterorl bench service              the session primitives remote (heterorl serve) vs local; OpenAI endpoint load
     heterorl bench reshard              a sharded learner's weights: every rank sends its slices vs gather
     heterorl bench lora                 LoRA vs full fine-tuning: learning, bytes and time per version, sampling
     heterorl bench sandbox              the code task's sandbox: tests/s with looping programs, a worker's samples/s
-    heterorl keys --name NAME [--out D] a CurveZMQ key pair for a learner or a remote worker
+    heterorl keys [make] --name NAME [--out D]   a CurveZMQ key pair for a learner or a remote worker
     heterorl keys revoke --name NAME --allow-keys D   refuse a worker's key (no restart)
     heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async)
     heterorl learner --bind ADDR        the learner alone (remote workers connect to it)
@@ -72,8 +73,8 @@ def _seed_list(text: str) -> list[int]:
 
 
 def _add_config_args(parser: argparse.ArgumentParser, default_config: str | None) -> None:
-    parser.add_argument("--config", default=default_config,
-                        help="YAML config file" + (f" (default: the packaged {default_config})" if default_config else ""))
+    default = f" (default: the packaged {default_config})" if default_config else ""
+    parser.add_argument("--config", default=default_config, help="YAML config file" + default)
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. optim.lr=3e-4")
 
@@ -180,7 +181,7 @@ def cmd_sft(args) -> int:
 
 def _rl(cfg, title: str) -> int:
     from heterorl.loops.sync_rl import run_sync_rl
-    from heterorl.runs import finish_run, format_table
+    from heterorl.runs import finish_run, format_table, outcomes_line, without_update_note
 
     base = cfg.rl.base or cfg.policy.model
     task, training, logger, run_dir = _setup(cfg, title, base)
@@ -199,9 +200,9 @@ def _rl(cfg, title: str) -> int:
          ["best during RL", result.best_success, ""]],
     ))
     print(f"\nchange: {100 * (result.final_success - result.base_success):+.1f} points in {result.minutes:.1f} min"
-          + _without_update(result.steps_without_update))
+          + without_update_note(result.steps_without_update))
     if result.reward_outcomes:
-        print(_outcomes_line(result.reward_outcomes))
+        print(outcomes_line(result.reward_outcomes))
     print(f"logs:   {run_dir / 'metrics.jsonl'}" + (f"  (wandb offline run under {run_dir / 'wandb'})"
                                                     if cfg.logging.wandb_mode != "disabled" else ""))
     print(f"plot:   {plot}")
@@ -284,6 +285,7 @@ def _log_to_console() -> None:
 def cmd_learner(args) -> int:
     import os
 
+    from heterorl.runs import outcomes_line
     from heterorl.runtime.launch import refuse_busy_ports, serve_learner
 
     cfg = _resolve_config(args)
@@ -300,7 +302,7 @@ def cmd_learner(args) -> int:
     print(f"learner done: success {result.base_success:.3f} -> {result.final_success:.3f} "
           f"(best {result.best_success:.3f}) in {result.steps} steps, {result.minutes:.1f} min")
     if result.reward_outcomes:
-        print(_outcomes_line(result.reward_outcomes))
+        print(outcomes_line(result.reward_outcomes))
     return 0
 
 
@@ -338,7 +340,8 @@ def cmd_train(args) -> int:
                                 f"{args.config} (give changes as key=value overrides)")
         saved = Path(args.resume) / "train_config.yaml"
         if not saved.is_file():
-            raise HeteroRLError(f"--resume {args.resume}: no train_config.yaml there; is it a `heterorl train` run dir?")
+            raise HeteroRLError(f"--resume {args.resume}: no train_config.yaml there; is it a `heterorl train` run "
+                                "dir?")
         cfg = _load(saved, overrides + [f"logging.run_dir={args.resume}"])
     else:
         cfg = _load(_config_path(args.config or DEMO_CONFIG), overrides)
@@ -354,71 +357,10 @@ def cmd_train(args) -> int:
     finally:
         bar.close()
     run_dir = Path(cfg.logging.run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    _print_runtime_summary(summary, run_dir)
+    from heterorl.runtime.accounting import summary_text
+
+    print(summary_text(json.loads((run_dir / "summary.json").read_text()), run_dir))
     return code
-
-
-def _print_runtime_summary(summary: dict, run_dir: Path) -> None:
-    from heterorl.runs import format_table
-
-    print()
-    print(format_table(
-        ["", "held-out greedy success", "learner steps"],
-        [["SFT base", summary["base_success"], 0],
-         [f"after RL ({summary['mode']}, {summary['loss']})", summary["final_success"], summary["steps"]],
-         ["best during RL", summary["best_success"], ""]],
-    ))
-    simulated = summary.get("execution") == "simulated"
-    clock = " of virtual time" if simulated else ""
-    print(f"\nchange: {100 * (summary['final_success'] - summary['base_success']):+.1f} points in "
-          f"{summary['minutes']:.1f} min; staleness mean {summary['staleness_mean']:.2f} versions "
-          f"(p50 {summary['staleness_p50']:g}, p95 {summary['staleness_p95']:g}, max {summary['staleness_max']}"
-          f"{', a fixed lag' if summary.get('fixed_lag_steps') is not None else ''}); "
-          f"{summary['tokens_per_s']:.0f} tokens/s{clock} trained; "
-          f"learner idle {summary['learner_idle_frac']:.0%}, workers idle {summary['worker_idle_frac']:.0%}{clock}"
-          + _without_update(summary.get("steps_without_update", 0)))
-    if summary.get("rollouts"):
-        print(_waste_line(summary["rollouts"]))
-    if summary.get("reward_outcomes"):
-        print(_outcomes_line(summary["reward_outcomes"]))
-    if summary.get("weights"):
-        from heterorl.runtime.run_report import weights_line
-
-        print(weights_line(summary["weights"]))
-        print(f"staleness in seconds: mean {summary['staleness_seconds_mean']:.2f}; "
-              f"{summary['samples_per_s']:.1f} samples/s{clock} trained")
-    if summary.get("engines"):
-        print("\nby sampling engine (mismatch: learner vs worker log-probs of the tokens sampled at staleness 0)")
-        print(format_table(
-            ["engine", "trained", "samples/s", "staleness mean/max", "tokens measured", "mean |Δ logp|",
-             "max |Δ logp|", "p/q var"],
-            [[name, e["trajectories_trained"], f"{e['samples_per_s']:.1f}",
-              f"{e['staleness_mean']:.2f}/{e['staleness_max']}", e["mismatch_tokens"],
-              *(("-",) * 3 if e["mismatch_abs_mean"] is None else
-                (f"{e['mismatch_abs_mean']:.2e}", f"{e['mismatch_abs_max']:.2e}", f"{e['is_ratio_var']:.2e}"))]
-             for name, e in summary["engines"].items()]))
-    print(f"logs:   {run_dir / 'metrics.jsonl'}" + ("" if simulated else f" and {run_dir / 'logs'}/"))
-    print(f"plot:   {run_dir / 'success.png'}")
-
-
-def _outcomes_line(outcomes: dict[str, int]) -> str:
-    """One line on the programs the training rewards ran, by outcome, the most frequent first."""
-    ranked = sorted(outcomes.items(), key=lambda item: (-item[1], item[0]))
-    return (f"programs the rewards ran: {sum(outcomes.values())} (" + ", ".join(f"{name} {n}" for name, n in ranked)
-            + ")")
-
-
-def _waste_line(rollouts: dict) -> str:
-    """One line on the rollouts generated, trained and not trained, by reason."""
-    reasons = [f"{n} {reason.replace('_', ' ')}" for reason, n in rollouts["discarded"].items() if n]
-    reasons += [f"{rollouts['left_over']} left over at the end"] if rollouts["left_over"] else []
-    return (f"rollouts: {rollouts['generated']} trajectories generated, {rollouts['trained']} trained; "
-            f"{rollouts['wasted_frac']:.1%} wasted" + (f" ({', '.join(reasons)})" if reasons else ""))
-
-
-def _without_update(count: int) -> str:
-    return f"; {count} steps without an update (optim/skip_reason in the metrics says why)" if count else ""
 
 
 def _finish_sweep(sweep, failed: list[str]) -> int:
@@ -532,13 +474,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="heterorl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="the async system on the maze task from the shipped SFT base, with a table")
+    p = sub.add_parser("demo", help="the async system on 3-digit addition from the shipped SFT base, with a table")
     _add_config_args(p, DEMO_CONFIG)
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("sft", help="supervised warm start on a task's demonstrations")
     _add_config_args(p, SFT_CONFIG)
     p.set_defaults(fn=cmd_sft)
-    p = sub.add_parser("rl", help="synchronous RL in one process (the GRPO loop over the session primitives)")
+    p = sub.add_parser("rl", help="synchronous RL in one process (the RL loop over the session primitives)")
     _add_config_args(p, RL_CONFIG)
     p.set_defaults(fn=cmd_rl)
     p = sub.add_parser("bench", help="benchmarks that print ratios measured in one run")
@@ -587,9 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "another only on a network you trust)")
     p.set_defaults(fn=cmd_rollout)
     p = sub.add_parser("serve", help="training sessions over HTTP (the session primitives, remote: "
-                       "heterorl.session.connect) and an OpenAI-compatible endpoint over their sampling clients")
-    p.add_argument("--bind", default="127.0.0.1:8765", help="HOST:PORT to listen on (default 127.0.0.1:8765; port 0: a free "
-                   "one, printed at start; any address other than loopback needs --api-key-file)")
+                       "heterorl.service.client.connect) and an OpenAI-compatible endpoint over their sampling clients")
+    p.add_argument("--bind", default="127.0.0.1:8765", help="HOST:PORT to listen on (default 127.0.0.1:8765; port 0: "
+                   "a free one, printed at start; any address other than loopback needs --api-key-file)")
     p.add_argument("--api-key-file", help="a file holding the bearer token every request must carry")
     p.add_argument("--state-dir", default="runs/serve", help="where sessions save their states (default runs/serve)")
     p.add_argument("--model", action="append", default=[], metavar="NAME=PATH",

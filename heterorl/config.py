@@ -13,6 +13,7 @@ span sections. Code that builds a section by hand (a `TransportConfig` for a tes
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 import gepo
 from heterorl.errors import ConfigError, DelayConfigError, HeteroRLError
+
+log = logging.getLogger("heterorl.config")
 
 SFT_BASE = "maze-sft-base"  # the shipped SFT base of the 5x5 maze (heterorl/assets/)
 ENGINES = ("torch", "vllm")  # sampling engines a rollout worker can run (runtime.engines, --engine)
@@ -91,7 +94,9 @@ class BufferConfig:
     pace_steps: Optional[int] = None
     select: str = "newest"  # window only: newest | oldest groups first
     max_groups: int = 256  # complete groups the learner holds; when full it stops pulling (back-pressure)
-    partial_group_timeout_s: float = 600.0  # a group still incomplete after this long is discarded (worker died)
+    # deprecated: read as `transport.group_timeout_s` (a value set here only is copied there, with a warning); kept
+    # equal to it, so that workers of the previous release read the config a learner sends them
+    partial_group_timeout_s: float = 600.0
 
     def validate(self, key: str = "buffer") -> None:
         _one_of(f"{key}.policy", self.policy, BUFFER_POLICIES)
@@ -121,7 +126,7 @@ class TransportConfig:
     weights_pipeline: int = 8  # chunk requests in flight per fetch
     fetch_timeout_s: float = 30.0  # restart a weights fetch after this long without a chunk
     max_retained_versions: int = 64  # packed versions kept for workers whose release is still delayed
-    # send a version as deltas from the one a worker holds (heterorl.transport.deltas): exact, checked, and a
+    # send a version as deltas from the one a worker holds (heterorl.transport.weights.deltas): exact, checked, and a
     # full snapshot whenever the chain is missing, longer than a snapshot, or doubted. Off: every version whole
     weights_deltas: bool = True
     dedup_window: int = 1_000_000  # trajectory ids remembered for duplicate detection
@@ -131,6 +136,7 @@ class TransportConfig:
     # their bytes; a member beyond either is refused with its group
     open_groups_per_worker: int = 32
     open_group_bytes_per_worker: int = 256 * 2**20
+    group_timeout_s: float = 600.0  # a group still incomplete this long after its first member arrived is dropped
     max_trajectories_per_s: float = 0.0  # per worker, enforced through its credit; 0: no limit
     keys_reload_s: float = 2.0  # how often the learner re-reads its allowed-keys folder (revocation)
     linger_ms: int = 1000
@@ -139,7 +145,8 @@ class TransportConfig:
     def validate(self, key: str = "transport") -> None:
         _positive(self, key, "control_hwm", "weights_hwm", "credits_per_worker", "trajectory_batch",
                   "weights_chunk_bytes", "weights_pipeline", "max_retained_versions", "dedup_window", "max_workers",
-                  "heartbeat_interval_s", "open_groups_per_worker", "open_group_bytes_per_worker", "keys_reload_s")
+                  "heartbeat_interval_s", "open_groups_per_worker", "open_group_bytes_per_worker", "group_timeout_s",
+                  "keys_reload_s")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             _fail(f"{key}.heartbeat_timeout_s", self.heartbeat_timeout_s,
                   f"must exceed `{key}.heartbeat_interval_s` ({self.heartbeat_interval_s})")
@@ -155,7 +162,7 @@ DELAY_KINDS = ("none", "constant", "uniform", "exponential", "lognormal", "weibu
 
 
 @dataclass
-class DelayConfig:
+class LinkDelayConfig:
     """One delay model, applied to each link separately (each link draws from its own seeded stream)."""
 
     kind: str = "none"  # none | constant | uniform | exponential | lognormal | weibull | trace
@@ -182,7 +189,7 @@ class DelayConfig:
             load_trace(self.trace_path, key)
 
 
-def _check_delay_fields(cfg: DelayConfig, key: str) -> None:
+def _check_delay_fields(cfg: LinkDelayConfig, key: str) -> None:
     def fail(name: str, requirement: str) -> None:
         raise DelayConfigError(f"config key `{key}.{name}` = {getattr(cfg, name)!r}: {requirement}")
 
@@ -345,11 +352,27 @@ class LossConfig:
     options: Dict[str, Any] = field(default_factory=dict)  # fields of the loss's own config dataclass
 
     def validate(self, key: str = "loss") -> None:
+        """The loss is a registered one and its options build its config, checked when the config loads (a typo
+        is refused before any process starts, not at the learner's first step)."""
+        if self.name not in gepo.loss_names():
+            _fail(f"{key}.name", self.name, f"is not a registered loss: choose one of {', '.join(gepo.loss_names())} "
+                  "(a loss of your own is registered with gepo.register_loss before the config loads)")
         _one_of(f"{key}.advantage", self.advantage, ("auto", *gepo.ADVANTAGE_ESTIMATORS))
         chosen = self.options.get("advantage")
         if self.advantage != "auto" and chosen is not None and chosen != self.advantage:
             raise ConfigError(f"config keys `{key}.advantage` = {self.advantage!r} and `{key}.options.advantage` = "
                               f"{chosen!r} disagree: set only one")
+        try:
+            gepo.make_loss_config(self.name, self.resolved_options())
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"config key `{key}.options` = {dict(self.options)!r}: {exc}") from None
+
+    def resolved_options(self) -> dict:
+        """The options of the loss's config dataclass, with ``advantage`` applied unless it is "auto"."""
+        options = dict(self.options)
+        if self.advantage != "auto":
+            options["advantage"] = self.advantage
+        return options
 
 
 @dataclass
@@ -402,11 +425,11 @@ class RLConfig:
 
 
 @dataclass
-class DelaysConfig:
+class DelayConfig:
     """The network-delay injector, per worker link (docs/DELAY.md)."""
 
-    up: DelayConfig = field(default_factory=DelayConfig)  # trajectories, worker → learner
-    down: DelayConfig = field(default_factory=DelayConfig)  # weights, learner → worker
+    up: LinkDelayConfig = field(default_factory=LinkDelayConfig)  # trajectories, worker → learner
+    down: LinkDelayConfig = field(default_factory=LinkDelayConfig)  # weights, learner → worker
     time_scale: float = 1.0  # simulated seconds per real second: 100 lets 1,800 s of delay pass in 18 s
     seconds_per_step: Optional[float] = None  # stated mapping of seconds to learner steps, for reports
     # a fixed staleness instead of delays (simulated execution): every batch is sampled by the policy exactly this
@@ -448,7 +471,7 @@ class RuntimeConfig:
     # each rank 1/world of the parameters, gradients and optimizer state; checkpoints sharded, DCP)
     learner_sharding: str = "ddp"
     # how a sharded learner's weights reach the workers: reshard (every rank sends its own slices, in parallel;
-    # heterorl.transport.shards) | gather (all ranks gather the whole model onto rank 0, which sends it)
+    # heterorl.transport.weights.shards) | gather (all ranks gather the whole model onto rank 0, which sends it)
     weights_fanout: str = "reshard"
     checkpoint_every: int = 25  # learner steps between checkpoints (0: only at the end)
     # async: a worker takes a newer version between decode steps of a generation in progress (torch engine;
@@ -540,13 +563,14 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
-    delay: DelaysConfig = field(default_factory=DelaysConfig)
+    delay: DelayConfig = field(default_factory=DelayConfig)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> None:
         """Every section's own checks, then those that span sections; raises ConfigError naming the key."""
+        self._read_deprecated_keys()
         for name in self.__dataclass_fields__:
             section = getattr(self, name)
             if hasattr(section, "validate"):
@@ -573,6 +597,22 @@ class Config:
                   f"must hold at least one batch (`rl.prompts_per_step` = {self.rl.prompts_per_step})")
 
 
+    def _read_deprecated_keys(self) -> None:
+        """``buffer.partial_group_timeout_s`` (the transport enforces it) is read as ``transport.group_timeout_s``:
+        a value set there only is copied, with a warning; two values set that differ are an error. The old key
+        then mirrors the new one."""
+        old, new = self.buffer.partial_group_timeout_s, self.transport.group_timeout_s
+        default = TransportConfig.group_timeout_s
+        if old != new and new != default and old != default:
+            raise ConfigError(f"config keys `buffer.partial_group_timeout_s` = {old!r} (deprecated) and "
+                              f"`transport.group_timeout_s` = {new!r} disagree: set only `transport.group_timeout_s`")
+        if old != new and new == default:
+            log.warning("config key `buffer.partial_group_timeout_s` is deprecated: its value %r is used as "
+                        "`transport.group_timeout_s`; set that key instead", old)
+            self.transport.group_timeout_s = old
+        self.buffer.partial_group_timeout_s = self.transport.group_timeout_s
+
+
 def _explain(exc: OmegaConfBaseException, source: str) -> ConfigError:
     key = getattr(exc, "full_key", None) or "?"
     message = str(exc).split("\n")[0]
@@ -581,14 +621,6 @@ def _explain(exc: OmegaConfBaseException, source: str) -> ConfigError:
     else:
         hint = message
     return ConfigError(f"config key `{key}` ({source}): {hint}")
-
-
-def loss_options(cfg: Config) -> dict:
-    """The options of the loss's config dataclass, with ``loss.advantage`` applied unless it is "auto"."""
-    options = dict(cfg.loss.options)
-    if cfg.loss.advantage != "auto":
-        options["advantage"] = cfg.loss.advantage
-    return options
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), text: str | None = None) -> Config:
@@ -626,5 +658,5 @@ def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
-__all__ = ["BufferConfig", "Config", "ConfigError", "DelayConfig", "LoraConfig", "TransportConfig", "TinyModelConfig", "load_config",
-           "load_trace", "loss_options", "packaged", "to_dict", "to_yaml"]
+__all__ = ["BufferConfig", "Config", "ConfigError", "DelayConfig", "LinkDelayConfig", "LoraConfig", "TransportConfig",
+           "TinyModelConfig", "load_config", "load_trace", "packaged", "to_dict", "to_yaml"]

@@ -48,10 +48,6 @@ class MetricsLogger:
             reinit="finish_previous", settings=wandb.Settings(console="off", x_disable_stats=True),
         )
 
-    @property
-    def wandb_dir(self) -> str | None:
-        return getattr(self._wandb_run, "dir", None) if self._wandb_run is not None else None
-
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
         record = {"step": step, "time_s": round(time.time() - self._start, 3), **clean}
@@ -224,3 +220,15 @@ class StepRecorder:
 def idle_fraction(idle_s: float, busy_s: float) -> float:
     """The share of time spent idle: idle / (busy + idle), 0 before anything ran."""
     return idle_s / (busy_s + idle_s) if busy_s + idle_s > 0 else 0.0
+
+
+def outcomes_line(outcomes: dict[str, int]) -> str:
+    """One line on the programs the training rewards ran, by outcome, the most frequent first."""
+    ranked = sorted(outcomes.items(), key=lambda item: (-item[1], item[0]))
+    return (f"programs the rewards ran: {sum(outcomes.values())} (" + ", ".join(f"{name} {n}" for name, n in ranked)
+            + ")")
+
+
+def without_update_note(count: int) -> str:
+    """The end of a run's "change:" line when some steps made no update (empty otherwise)."""
+    return f"; {count} steps without an update (optim/skip_reason in the metrics says why)" if count else ""

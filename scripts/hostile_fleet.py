@@ -202,7 +202,7 @@ def run(args) -> dict:
     config = out / "learner.yaml"
     config.write_text(to_yaml(load_config(packaged("maze_rl.yaml"), OVERRIDES + [
         f"rl.steps={args.steps}", f"logging.run_dir={run_dir}", f"transport.max_workers={args.max_workers}",
-        f"buffer.partial_group_timeout_s={args.group_timeout_s}"])))
+        f"transport.group_timeout_s={args.group_timeout_s}"])))
     learner = cli("learner", "--config", str(config), "--bind", "tcp://127.0.0.1:0", log=out / "learner.log")
     workers, report, memory, stop = [], {}, {}, threading.Event()
     threading.Thread(target=peak_rss_mib, args=(learner.pid, stop, memory), daemon=True).start()
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hellos", type=int, default=1100, help="hellos with new ids from one connection")
     parser.add_argument("--connections", type=int, default=100, help="connections saying hello once each")
     parser.add_argument("--max-workers", type=int, default=64, help="the learner's transport.max_workers")
-    parser.add_argument("--group-timeout-s", type=float, default=15.0, help="buffer.partial_group_timeout_s")
+    parser.add_argument("--group-timeout-s", type=float, default=15.0, help="transport.group_timeout_s")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="give up on the learner after this long")
     parser.add_argument("--out", default="runs/hostile", help="output folder")
     args = parser.parse_args(argv)

@@ -1,6 +1,7 @@
 """What every test shares: the environment of a test run, the CLI as a real process, and the factories of
 test objects (one of each: a trajectory, a small tiny policy)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -75,16 +76,59 @@ def maze_run(run_dir, steps: int, *, eval_size: int, eval_every: int, **sections
     return yaml.safe_dump(run, sort_keys=False)
 
 
-def wait_until(predicate, timeout_s: float, what: str, step_s: float = 0.02):
+def wait_until(predicate, timeout_s: float, what, step_s: float = 0.02):
     """Poll ``predicate`` until it returns something true, and return that; fail naming ``what`` after
-    ``timeout_s``."""
+    ``timeout_s`` (``what``: a string, or a function that says what it saw instead, called on failure). The one
+    wait of the tests: none waits without failing when its time runs out."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, (f"timed out after {timeout_s:g} s waiting for "
+                                             f"{what() if callable(what) else what}")
         time.sleep(step_s)
+
+
+@contextlib.contextmanager
+def ports_held_for_a_restart(run_dir):
+    """Hold the learner's ports named in ``RUN_DIR/endpoints.json`` (a killed learner's, which the learner resumed
+    after it binds again) against every other process until the block ends: each by a socket bound with
+    SO_REUSEADDR and not listening, a port the kernel gives no one else, while ZeroMQ's bind (SO_REUSEADDR, then
+    listen) still succeeds beside it. Enter it as soon as the old learner is dead: any process that asks the kernel
+    for a free port between the kill and the restart could otherwise be given one of them."""
+    import json
+    import socket
+
+    addresses = json.loads((Path(run_dir) / "endpoints.json").read_text()).values()
+    holders = []
+    try:
+        for address in addresses:
+            host, port = address.removeprefix("tcp://").rsplit(":", 1)
+            holder = socket.socket()
+            holders.append(holder)
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            holder.bind((host, int(port)))
+        yield
+    finally:
+        for holder in holders:
+            holder.close()
+
+
+@pytest.fixture()
+def silent_learner():
+    """The address of a socket bound on a free loopback port (bound at :0 and read back, held for the test) that
+    never answers: a learner a worker can dial but never hear from."""
+    import zmq
+
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    try:
+        yield f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    finally:
+        router.close(0)
+        context.term()
 
 
 @pytest.fixture(scope="session")

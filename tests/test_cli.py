@@ -79,8 +79,8 @@ def test_a_missing_config_names_the_packaged_ones_and_a_packaged_name_still_work
     out = run_cli("sft", "--config", "my_run.yaml", cwd=tmp_path)
     assert out.returncode == 2 and "reinstall" not in out.stderr
     assert f"my_run.yaml does not exist here ({tmp_path})" in out.stderr
-    assert ("packaged configs: add3_rl.yaml, add3_sft.yaml, arith_rl.yaml, arith_sft.yaml, demo.yaml, maze4_rl.yaml, maze4_sft.yaml, maze_rl.yaml, "
-            "maze_sft.yaml") in out.stderr
+    assert ("packaged configs: add3_rl.yaml, add3_sft.yaml, arith_rl.yaml, arith_sft.yaml, demo.yaml, maze4_rl.yaml, "
+            "maze4_sft.yaml, maze_rl.yaml, maze_sft.yaml") in out.stderr
     out = run_cli("rl", "--config", "maze4_rl.yaml", "--dry-run", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert yaml.safe_load(out.stdout)["rl"]["base"] == "maze4-sft-base"
@@ -102,7 +102,8 @@ def test_a_bad_flag_exits_2_naming_it(args, message):
 
 
 def test_task_name_on_the_command_line_drops_the_files_options_of_another_task(tmp_path):
-    """The README's JSONL command: the packaged configs' maze options do not follow task.name=jsonl."""
+    """The documented JSONL command (docs/TASKS.md): the packaged configs' maze options do not follow
+    task.name=jsonl."""
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
     out = run_cli("rl", "task.name=jsonl", f"task.options.path={data}", "task.options.eval_size=1", "--dry-run")

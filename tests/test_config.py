@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from heterorl.config import Config, ConfigError, load_config, loss_options, to_yaml
+from heterorl.config import Config, ConfigError, load_config, to_yaml
+from tests.conftest import run_cli
 
 
 def test_defaults_yaml_and_overrides_merge_in_order(tmp_path):
@@ -66,11 +67,29 @@ def test_file_errors_name_the_key_and_file(tmp_path):
 
 
 def test_loss_advantage_auto_defers_to_the_loss_and_a_name_overrides_it():
-    assert loss_options(load_config(None, ["loss.options.clip_eps=0.1"])) == {"clip_eps": 0.1}  # auto
-    assert loss_options(load_config(None, ["loss.name=gepo", "loss.advantage=bnpo"])) == {"advantage": "bnpo"}
+    assert load_config(None, ["loss.options.clip_eps=0.1"]).loss.resolved_options() == {"clip_eps": 0.1}  # auto
+    assert load_config(None, ["loss.name=gepo", "loss.advantage=bnpo"]).loss.resolved_options() == {
+        "advantage": "bnpo"}
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[1] / "heterorl" / "configs").glob("*.yaml")))
+@pytest.mark.parametrize("override, error", [
+    ("loss.name=gepoo", r"`loss.name` = 'gepoo': is not a registered loss: choose one of .*\bgepo\b.*\bgrpo\b"),
+    ("loss.options.clip_epz=0.1",
+     r"`loss.options` = \{'clip_epz': 0.1\}: loss 'grpo' has no option\(s\) \['clip_epz'\]"),
+    ("loss.options.clip_eps=-1", r"`loss.options` = \{'clip_eps': -1\}: clip_eps=-1: must be >= 0"),
+])
+def test_a_loss_name_or_option_that_does_not_exist_is_refused_when_the_config_loads(override, error):
+    with pytest.raises(ConfigError, match=error):
+        load_config(None, [override])
+
+
+def test_dry_run_refuses_a_misspelt_loss_before_anything_starts():
+    out = run_cli("train", "--dry-run", "loss.name=gepoo")
+    assert out.returncode == 2 and "`loss.name` = 'gepoo': is not a registered loss" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[1] / "heterorl" / "configs")
+                                        .glob("*.yaml")))
 def test_every_packaged_config_loads_and_names_what_it_starts_from(name):
     from heterorl.config import packaged
     from heterorl.policies import SHIPPED
@@ -110,3 +129,35 @@ def test_gpu_placement_and_vllm_keys_are_checked():
         load_config(overrides=["runtime.vllm_gpu_memory_utilization=1.5"])
     with pytest.raises(ConfigError, match="vllm_max_model_len"):
         load_config(overrides=["runtime.vllm_max_model_len=0"])
+
+
+def test_the_group_timeout_is_a_transport_key_and_the_old_buffer_key_is_still_read(caplog):
+    assert load_config(None).transport.group_timeout_s == 600.0
+    with caplog.at_level("WARNING", logger="heterorl.config"):
+        cfg = load_config(None, ["buffer.partial_group_timeout_s=30"])
+    assert (cfg.transport.group_timeout_s, cfg.buffer.partial_group_timeout_s) == (30.0, 30.0)  # the old mirrors
+    assert "`buffer.partial_group_timeout_s` is deprecated" in caplog.text
+    assert "`transport.group_timeout_s`" in caplog.text
+    both = ["buffer.partial_group_timeout_s=30", "transport.group_timeout_s=30"]
+    assert load_config(None, both).transport.group_timeout_s == 30  # the same value twice: no conflict
+    with pytest.raises(ConfigError, match="buffer.partial_group_timeout_s.*transport.group_timeout_s.*disagree"):
+        load_config(None, ["buffer.partial_group_timeout_s=30", "transport.group_timeout_s=45"])
+    with pytest.raises(ConfigError, match="transport.group_timeout_s"):
+        load_config(None, ["transport.group_timeout_s=0"])
+    caplog.clear()
+    cfg = load_config(None, ["transport.group_timeout_s=45"])
+    assert cfg.buffer.partial_group_timeout_s == 45 and "deprecated" not in caplog.text
+
+
+def test_the_config_a_learner_sends_its_workers_is_in_the_form_the_previous_release_reads():
+    """A worker of the previous release must still join: the config in ``ready`` names no key it does not know
+    (the group timeout travels as the deprecated key it mirrors), and it loads back to the same run config."""
+    import yaml
+
+    from heterorl.runtime.learner import learner_settings
+
+    cfg = load_config(None, ["transport.group_timeout_s=45", "loss.name=gepo"])
+    sent = learner_settings(cfg)["config"]
+    data = yaml.safe_load(sent)
+    assert "group_timeout_s" not in data["transport"] and data["buffer"]["partial_group_timeout_s"] == 45
+    assert to_yaml(load_config(text=sent)) == to_yaml(cfg)

@@ -1,7 +1,7 @@
 """``heterorl bench deltas``: the same run with weight deltas on and off, behind bandwidth-limited weights links.
 
 Each worker's weights link carries what the learner sends it: with ``transport.weights_deltas`` the steps since
-the version it holds (heterorl.transport.deltas), without them the whole version in the wire dtype. A link still
+the version it holds (heterorl.transport.weights.deltas), without them the whole version in the wire dtype. A link still
 transmitting lets versions published meanwhile wait, and sends only the newest of them next, so a whole version
 that takes longer than a learner step leaves workers further behind instead of queueing forever. The runs differ
 only in that switch (same seed, model, task, delays); the table puts their staleness (groups trained per
@@ -23,7 +23,8 @@ from heterorl.config import load_config
 
 def _overrides(args, run_dir: Path, mode: str, bandwidth_bps: float, deltas: bool) -> list[str]:
     return [
-        f"runtime.mode={mode}", "task.name=arithmetic", "task.options.digits=3", "task.options.ops=+", "task.options.answer_format=digits",
+        f"runtime.mode={mode}", "task.name=arithmetic", "task.options.digits=3", "task.options.ops=+",
+        "task.options.answer_format=digits",
         "task.options.eval_size=128", "rl.base=add3-sft-base", f"loss.name={args.loss}", f"rl.steps={args.steps}",
         f"rl.prompts_per_step={args.prompts}", f"rl.eval_every={args.steps}", "rollout.group_size=8",
         "rollout.max_tokens=6", f"runtime.workers={args.workers}", "runtime.checkpoint_every=0",

@@ -51,11 +51,11 @@ def _learn(overrides: list[str], steps: int, out: str) -> None:
     from heterorl.policies import load_policy
     from heterorl.tasks import make_task_from
     from heterorl.training.session import TrainingClient
-    from heterorl.transport.weights import pack_state_dict, wire_dtype
+    from heterorl.transport.weights import pack_state_dict, wire_dtype_for
 
     torch.set_num_threads(2)
-    cfg = load_config(packaged("arith_rl.yaml"), [f"rl.steps={steps}", f"rl.eval_every={steps}", "task.options.eval_size=256",
-                                "logging.wandb_mode=disabled", *overrides])
+    run = [f"rl.steps={steps}", f"rl.eval_every={steps}", "task.options.eval_size=256", "logging.wandb_mode=disabled"]
+    cfg = load_config(packaged("arith_rl.yaml"), [*run, *overrides])
     training = TrainingClient(*load_policy(cfg.rl.base), seed=cfg.seed, lora=cfg.lora)
     result = run_sync_rl(cfg, training, make_task_from(cfg.task))
     trainable = training.trainable_parameters()
@@ -64,7 +64,7 @@ def _learn(overrides: list[str], steps: int, out: str) -> None:
     weights = sum(p.numel() * p.element_size() for p in training.model.parameters())
     form = "adapter" if training.lora is not None else "whole"
     _, state = training.save_weights_for_sampler(form).result()
-    dtype = wire_dtype(cfg.runtime.weights_dtype, sum(t.numel() for t in state.values()))
+    dtype = wire_dtype_for(cfg.runtime.weights_dtype, state)
     Path(out).write_text(json.dumps({
         "base": result.base_success, "final": result.final_success, "minutes": result.minutes,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -190,10 +190,11 @@ def print_weights(rows: list[dict], model_name: str, bits_per_s: float, versions
           "publish -> applied, median")
     for r in rows:
         print(f"  rank {r['rank']:>3} | whole (bf16) {r['whole_mb']:7.2f} MB {r['whole_s']:6.2f} s | merged (bf16, "
-              f"deltas) {r['merged_mb']:7.2f} MB {r['merged_s']:6.2f} s | adapter (fp32, deltas) {r['adapter_mb']:6.2f} MB "
-              f"{r['adapter_s']:6.2f} s")
+              f"deltas) {r['merged_mb']:7.2f} MB {r['merged_s']:6.2f} s | adapter (fp32, deltas) "
+              f"{r['adapter_mb']:6.2f} MB {r['adapter_s']:6.2f} s")
         print(f"  {'':>8} | whole / adapter: bytes {r['whole_mb'] / r['adapter_mb']:6.1f}x, time "
-              f"{r['whole_s'] / r['adapter_s']:5.1f}x | merged / adapter: bytes {r['merged_mb'] / r['adapter_mb']:5.1f}x, "
+              f"{r['whole_s'] / r['adapter_s']:5.1f}x | merged / adapter: bytes "
+              f"{r['merged_mb'] / r['adapter_mb']:5.1f}x, "
               f"time {r['merged_s'] / r['adapter_s']:5.1f}x")
 
 

@@ -3,7 +3,7 @@
 - **gather**: every rank takes part in gathering the whole model onto rank 0 (FSDP2's full state dict, gloo),
   which packs it and sends it to every worker (`runtime.weights_fanout=gather`);
 - **reshard**: every rank sends the slices it owns straight to every worker on its own weights channel, and each
-  worker places them (`runtime.weights_fanout=reshard`, `heterorl.transport.shards`).
+  worker places them (`runtime.weights_fanout=reshard`, `heterorl.transport.weights.shards`).
 
 The model: ``--ranks`` real processes (gloo, CPU) holding a stack of ``--dim`` x ``--dim`` linear layers sharded
 with FSDP2 (``--mb`` MB in bf16 on the wire, twice that as the float32 master); ``--workers`` `WorkerClient`
@@ -52,10 +52,10 @@ class Uplinks:
     ``size`` bytes for it (the ranks' slices are the same size: FSDP's equal chunks). Not armed: no delay."""
 
     def __init__(self, ranks: int, bytes_per_s: float, latency_s: float) -> None:
-        from heterorl.config import DelayConfig
+        from heterorl.config import LinkDelayConfig
         from heterorl.delay.links import DelayLink
 
-        config = DelayConfig(kind="constant", constant_s=latency_s, bandwidth_bytes_per_s=bytes_per_s)
+        config = LinkDelayConfig(kind="constant", constant_s=latency_s, bandwidth_bytes_per_s=bytes_per_s)
         self.links = [DelayLink(config, f"rank{r}/uplink") for r in range(ranks)]
         self.armed = False
 
@@ -87,7 +87,7 @@ def _worker(client, versions: int, reports: queue.Queue) -> None:
 
 def _publish(mode: str, version: int, model, rank: int, world: int, endpoint) -> None:
     from heterorl.training.sharding import gather_full_state
-    from heterorl.transport.shards import describer, slices_of
+    from heterorl.transport.weights.shards import describer, slices_of
 
     if mode == "gather":
         state = gather_full_state(model, {})
@@ -106,7 +106,7 @@ def _servers(mode: str, rank: int, world: int, bits: float, latency_s: float, co
     import torch.distributed as dist
 
     from heterorl.transport import LearnerServer
-    from heterorl.transport.shards import ShardServer
+    from heterorl.transport.weights.shards import ShardServer
 
     uplinks, server, port = None, None, 0
     if rank > 0 and mode == "reshard":  # a free port of its own, told to rank 0

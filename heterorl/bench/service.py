@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -47,32 +48,30 @@ def _time(fn, repeats: int) -> list[float]:
     return times
 
 
-def start_service(threads: int, port: int = 0) -> tuple[subprocess.Popen, str]:
-    """A `heterorl serve` process on a free loopback port; (the process, its URL) once it answers."""
-    import socket
-
-    import httpx
-
-    if port == 0:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-    state = tempfile.mkdtemp(prefix="heterorl-bench-service-")
-    log = open(os.path.join(state, "serve.log"), "w")  # (a pipe nobody reads would stall the service once full)
-    process = subprocess.Popen([sys.executable, "-m", "heterorl.cli", "serve", "--bind", f"127.0.0.1:{port}",
-                                "--threads", str(threads), "--state-dir", state, "--log-level", "warning"],
-                               stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
+def start_service(*options: str, state_dir: str | None = None,
+                  timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """A `heterorl serve` process on a free loopback port that it picks itself (``--bind 127.0.0.1:0``), with
+    ``options`` (e.g. ``--threads 1``) and its log in ``state_dir`` (a new temporary folder when None); returns
+    (the process, its URL) once it prints the URL it serves on. No port is chosen here and released, so no other
+    process can take it between the choice and the bind."""
+    state = state_dir or tempfile.mkdtemp(prefix="heterorl-bench-service-")
+    log_path = os.path.join(state, "serve.log")
+    with open(log_path, "w") as log:  # (a pipe nobody reads would stall the service once full)
+        process = subprocess.Popen([sys.executable, "-m", "heterorl.cli", "serve", "--bind", "127.0.0.1:0",
+                                    "--state-dir", state, "--log-level", "warning", *options],
+                                   stdout=log, stderr=subprocess.STDOUT, cwd=state, env={**os.environ})
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        found = re.search(r"serving training sessions on (http://\S+)", open(log_path).read())
+        if found:
+            return process, found.group(1)
         if process.poll() is not None:
-            raise RuntimeError(f"heterorl serve exited: {open(log.name).read()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            time.sleep(0.1)
+            raise RuntimeError(f"heterorl serve exited: {open(log_path).read()[-2000:]}")
+        time.sleep(0.1)
     process.kill()
-    raise RuntimeError("heterorl serve did not answer within 60 s")
+    process.wait()
+    raise RuntimeError(f"heterorl serve did not say where it serves within {timeout_s:g} s: "
+                       f"{open(log_path).read()[-2000:]}")
 
 
 def _completions_rate(url: str, model: str, clients: int, seconds: float, max_tokens: int) -> float:
@@ -114,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from heterorl.engines.base import SamplingParams
     from heterorl.policies import load_policy, quiet_transformers
-    from heterorl.session import connect
+    from heterorl.service.client import connect
     from heterorl.training.session import AdamParams, TrainingClient
 
     quiet_transformers()
     torch.set_num_threads(args.threads)
-    process, url = start_service(args.threads)
+    process, url = start_service("--threads", str(args.threads))
     try:
         service = connect(url)
         model, tokenizer = load_policy(BASE)

@@ -408,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  trajectories, {label}: ours {ours:6.0f}/s {ours * mb:5.0f} MB/s | raw {raw:6.0f}/s "
                   f"{raw * mb:5.0f} MB/s | {_verdict(ours / raw, _TRAJECTORY_TARGET)}")
             print(f"    CPU per trajectory, all processes: ours {(ours_in + ours_out) * 1e6:4.0f} us "
-                  f"(learner {ours_in * 1e6:.0f} + senders {ours_out * 1e6:.0f}) | raw {(raw_in + raw_out) * 1e6:4.0f} us "
+                  f"(learner {ours_in * 1e6:.0f} + senders {ours_out * 1e6:.0f}) | raw "
+                  f"{(raw_in + raw_out) * 1e6:4.0f} us "
                   f"(PULL {raw_in * 1e6:.0f} + senders {raw_out * 1e6:.0f})")
     if "weights" not in args.skip:
         w = _bench_weights(ctx, args.weights_mib, args.weight_receivers, args.repeats)

@@ -171,8 +171,8 @@ def measure_version(layout, previous: np.ndarray, state: dict, version: int,
     """Version ``version`` (the float32 ``state``) as a step from the bf16 bytes ``previous``, encoded, applied
     into ``applied`` (a buffer reused from version to version, as a worker's are) and checked; its row and its
     bf16 bytes. Raises HeteroRLError when the applied bytes are not the cast."""
-    from heterorl.transport.deltas import apply_steps, encode_step, tensor_checksums
     from heterorl.transport.weights import pack_state_dict
+    from heterorl.transport.weights.deltas import apply_steps, encode_step, tensor_checksums
 
     packed = pack_state_dict(state, version, dtype=BF16)
     step = encode_step(layout, previous, packed.buffer, version - 1, version)
@@ -197,8 +197,8 @@ def capture(workload: Workload, steps: int, folder: Path) -> tuple[list[VersionR
     from heterorl.policies import load_policy
     from heterorl.tasks import make_task_from
     from heterorl.training.session import TrainingClient
-    from heterorl.transport.deltas import Layout
     from heterorl.transport.weights import pack_state_dict
+    from heterorl.transport.weights.deltas import Layout
 
     cfg = workload.config
     task = make_task_from(cfg.task)
@@ -230,10 +230,10 @@ class MeteredLink:
     and the bytes it was charged."""
 
     def __init__(self, name: str, bytes_per_s: float) -> None:
-        from heterorl.config import DelayConfig
+        from heterorl.config import LinkDelayConfig
         from heterorl.delay.links import DelayLink
 
-        self.link = DelayLink(DelayConfig(kind="constant", constant_s=0.0, bandwidth_bytes_per_s=bytes_per_s), name)
+        self.link = DelayLink(LinkDelayConfig(kind="constant", constant_s=0.0, bandwidth_bytes_per_s=bytes_per_s), name)
         self.armed = False
         self.charged: list[int] = []
 

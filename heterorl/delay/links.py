@@ -7,8 +7,8 @@ message sent at ``send_s`` with ``size_bytes``, `DelayLink.schedule` returns its
     delivery_s    = transmitted_s + delay_s                               delay_s ~ the configured distribution
     delivery_s    = max(delivery_s, previous delivery_s)                  unless reorder (order-preserving link)
 
-The GEPO paper's model (arXiv 2508.17850; kinds ``lognormal`` and ``weibull``): latency T has the central interval [L, U] with
-probability c, (1−c)/2 in each tail, and
+The GEPO paper's model (arXiv 2508.17850; kinds ``lognormal`` and ``weibull``): latency T has the central
+interval [L, U] with probability c, (1−c)/2 in each tail, and
 
     delay_s = clamp(T − d0, L, U)
 
@@ -26,7 +26,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from heterorl.config import DelayConfig, load_trace
+from heterorl.config import LinkDelayConfig, load_trace
 
 
 def _tails(c: float) -> tuple[float, float]:
@@ -42,7 +42,7 @@ class LogNormalLatency:
     sigma: float
 
     @classmethod
-    def fit(cls, L_s: float, U_s: float, c: float) -> "LogNormalLatency":
+    def fit(cls, L_s: float, U_s: float, c: float) -> LogNormalLatency:
         """F(L) = (1−c)/2 and F(U) = (1+c)/2. With z = Φ⁻¹((1+c)/2), ln L = μ − σz and ln U = μ + σz, so
 
             μ = (ln L + ln U)/2        σ = (ln U − ln L)/(2z)
@@ -68,7 +68,7 @@ class WeibullLatency:
     scale_s: float  # λ
 
     @classmethod
-    def fit(cls, L_s: float, U_s: float, c: float) -> "WeibullLatency":
+    def fit(cls, L_s: float, U_s: float, c: float) -> WeibullLatency:
         """F(L) = p_lo = (1−c)/2 and F(U) = p_hi = (1+c)/2. With a = −ln(1 − p_lo), b = −ln(1 − p_hi):
         (L/λ)^k = a and (U/λ)^k = b; dividing, (U/L)^k = b/a, so
 
@@ -96,14 +96,14 @@ def _simpson(f, a: float, b: float, intervals: int = 4000) -> float:
 
 
 class DelayModel:
-    """Draws one link's delays in seconds from a DelayConfig; ``rng`` is the link's own generator.
+    """Draws one link's delays in seconds from a LinkDelayConfig; ``rng`` is the link's own generator.
 
     Stateful only for ``trace`` (the replay position). Formulas, by kind (V ~ U[0, 1), E ~ Exp(1)):
     none 0 · constant constant_s · uniform low_s + (high_s − low_s)·V · exponential mean_s·E
     · lognormal / weibull clamp(T − d0_s, L_s, U_s) · trace values[i mod n] for the i-th message.
     """
 
-    def __init__(self, config: DelayConfig, rng: np.random.Generator, key: str = "delay"):
+    def __init__(self, config: LinkDelayConfig, rng: np.random.Generator, key: str = "delay"):
         config.validate(key)
         self.config = config
         self._rng = rng
@@ -190,7 +190,7 @@ class DelayLink:
     A lost message still occupies the bandwidth (it was transmitted, then lost).
     """
 
-    def __init__(self, config: DelayConfig, name: str = "link", key: str = "delay"):
+    def __init__(self, config: LinkDelayConfig, name: str = "link", key: str = "delay"):
         self.config = config
         self.name = name
         self.seed = link_seed(config.seed, name)
@@ -233,5 +233,5 @@ class DelayLink:
         return delivery_s
 
 
-__all__ = ["DelayConfig", "DelayLink", "DelayModel", "LogNormalLatency", "WeibullLatency", "link_seed",
+__all__ = ["LinkDelayConfig", "DelayLink", "DelayModel", "LogNormalLatency", "WeibullLatency", "link_seed",
            "load_trace"]

@@ -163,5 +163,5 @@ class SamplingEngine(ABC):
     def load_state_dict(self, state_dict) -> None:
         """Replace the engine's weights."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: most engines hold nothing outside this process)
         """Release what the engine holds beyond this process's memory (vLLM's engine processes)."""

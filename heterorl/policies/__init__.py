@@ -95,6 +95,7 @@ def quiet_transformers() -> None:
 
 
 __all__ = [
-    "SHIPPED", "TinyModelConfig", "base_models", "build_char_tokenizer", "register_models", "shipped_policy", "build_tiny_policy", "load_hf_folder", "load_policy",
+    "SHIPPED", "TinyModelConfig", "base_models", "build_char_tokenizer", "register_models", "shipped_policy",
+    "build_tiny_policy", "load_hf_folder", "load_policy",
     "quiet_transformers", "save_policy", "validate_hf_folder",
 ]

@@ -23,10 +23,12 @@ Every trajectory discarded is counted by reason in ``GroupBuffer.discarded`` (th
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from heterorl.config import BufferConfig
 from heterorl.transport.protocol import Trajectory
+
+_UNASSEMBLED = {"partial": "dropped_partial", "inconsistent": "inconsistent"}  # `count_unassembled`: its counter
 
 
 @dataclass
@@ -46,42 +48,25 @@ class Group:
         return max(int(t.policy_versions.max()) for t in self.trajectories)
 
 
-@dataclass
-class _Partial:
-    members: dict[str, Trajectory] = field(default_factory=dict)
-    group_size: int = 0
-    first_s: float = 0.0
-
-
 class GroupBuffer:
-    """Collects trajectories into complete groups and hands out batches by ``config.policy``."""
+    """Holds complete groups and hands out batches by ``config.policy``. Groups are assembled before they reach it
+    (`heterorl.transport.groups.GroupAssembler`: in the live learner's transport, or the simulation's)."""
 
     def __init__(self, config: BufferConfig | None = None) -> None:
         self.config = config or BufferConfig()
         self.config.validate()
         # keyed by `Trajectory.group_key` (group ids are chosen by workers: one worker's cannot clash with another's)
-        self._partial: OrderedDict[str, _Partial] = OrderedDict()
         self._groups: OrderedDict[str, Group] = OrderedDict()  # complete, in arrival order
         self.counters = {"groups_in": 0, "dropped_stale": 0, "dropped_overflow": 0, "dropped_partial": 0,
                          "inconsistent": 0, "groups_out": 0}
         self.discarded: Counter = Counter()  # trajectories discarded by reason: stale|overflow|partial|inconsistent
 
-    def add(self, traj: Trajectory, now_s: float) -> Group | None:
-        """Add one trajectory; returns its group when this completes it."""
-        key = traj.group_key
-        partial = self._partial.get(key)
-        if partial is None:
-            partial = self._partial[key] = _Partial(group_size=traj.group_size, first_s=now_s)
-        if traj.group_size != partial.group_size:
-            self.counters["inconsistent"] += 1  # one group, two sizes: refuse the newcomer
-            self.discarded["inconsistent"] += 1
-            return None
-        partial.members[traj.trajectory_id] = traj
-        if len(partial.members) < partial.group_size:
-            return None
-        del self._partial[key]
-        group = Group(traj.group_id, list(partial.members.values()), now_s)
-        self._groups[key] = group
+    def add_group(self, trajectories: list[Trajectory], now_s: float) -> Group:
+        """Add a complete group (its members, all of one group) that arrived whole at ``now_s``; when the buffer
+        is over ``max_groups``, its oldest groups go (overflow)."""
+        first = trajectories[0]
+        group = Group(first.group_id, list(trajectories), now_s)
+        self._groups[first.group_key] = group
         self.counters["groups_in"] += 1
         while len(self._groups) > self.config.max_groups:
             _, dropped = self._groups.popitem(last=False)
@@ -89,21 +74,15 @@ class GroupBuffer:
             self.discarded["overflow"] += len(dropped.trajectories)
         return group
 
-    def expire_partial(self, now_s: float) -> int:
-        """Discard groups incomplete for longer than ``partial_group_timeout_s``; returns how many."""
-        expired = [gid for gid, p in self._partial.items() if now_s - p.first_s > self.config.partial_group_timeout_s]
-        for gid in expired:
-            self.discarded["partial"] += len(self._partial.pop(gid).members)
-        self.counters["dropped_partial"] += len(expired)
-        return len(expired)
+    def count_unassembled(self, reason: str, trajectories: int) -> None:
+        """Count what never reached the buffer whole: ``partial``, a group that never completed (one group of
+        ``trajectories``), or ``inconsistent``, a member refused for a group size its group's first member did not
+        declare (``trajectories`` = 1)."""
+        self.counters[_UNASSEMBLED[reason]] += 1
+        self.discarded[reason] += trajectories
 
     def __len__(self) -> int:
         return len(self._groups)
-
-    @property
-    def incomplete(self) -> int:
-        """Groups still waiting for members."""
-        return len(self._partial)
 
     def staleness(self, group: Group, current_version: int) -> int:
         return current_version - group.oldest_version
@@ -130,9 +109,8 @@ class GroupBuffer:
 
     @property
     def held_trajectories(self) -> int:
-        """Trajectories held: in complete groups waiting for a batch, and in incomplete ones."""
-        return (sum(len(g.trajectories) for g in self._groups.values())
-                + sum(len(p.members) for p in self._partial.values()))
+        """Trajectories held in complete groups waiting for a batch."""
+        return sum(len(g.trajectories) for g in self._groups.values())
 
     def admission_limit(self, current_version: int, groups_per_step: int, *, total_steps: int | None = None,
                         ahead_steps: int | None = None) -> int | None:

@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from heterorl.runtime.buffer import Group
 
 UNKNOWN_ENGINE = "unknown"  # a trajectory whose worker left the registry before the learner saw its hello
 
@@ -45,7 +49,7 @@ class EngineTally:
     excess_sq_sum: float = 0.0
 
     @classmethod
-    def from_json(cls, raw: dict) -> "EngineTally":
+    def from_json(cls, raw: dict) -> EngineTally:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in names})
 
@@ -99,3 +103,54 @@ def step_mismatch(deltas: dict[str, list[np.ndarray]]) -> dict[str, float]:
 
 def tallies_to_json(tallies: dict[str, EngineTally]) -> dict[str, dict]:
     return {name: asdict(t) for name, t in tallies.items()}
+
+
+class FleetEngines:
+    """The learner's tallies by engine (`EngineTally`), each worker's engine looked up by its sampler id in what
+    ``workers`` lists (the registry's `WorkerInfo`s: ``worker_id``, ``engine``). Not thread-safe: its owner holds
+    its lock around every call."""
+
+    def __init__(self, workers: Callable[[], Iterable], tallies: dict[str, EngineTally] | None = None) -> None:
+        self._workers = workers
+        self._engine_of: dict[str, str] = {}  # sampler id → the engine its hello named
+        self.tallies: dict[str, EngineTally] = dict(tallies or {})  # engine → its totals (saved in checkpoints)
+
+    def engine(self, sampler_id: str) -> str:
+        """The engine ``sampler_id``'s worker named in its hello (a worker's hello precedes its trajectories; one
+        removed from the registry before the learner first looks is `UNKNOWN_ENGINE`)."""
+        engine = self._engine_of.get(sampler_id)
+        if engine is None:
+            self._engine_of.update((w.worker_id, w.engine) for w in self._workers())
+            engine = self._engine_of.setdefault(sampler_id, UNKNOWN_ENGINE)
+        return engine
+
+    def tally(self, sampler_id: str) -> EngineTally:
+        return self.tallies.setdefault(self.engine(sampler_id), EngineTally())
+
+    def add_batch(self, groups: list[Group], staleness: list[int], fresh: dict[int, list[float]],
+                  version: int) -> dict:
+        """Add a trained batch to its engines' tallies; the step's per-engine metrics: trajectories and staleness,
+        and the training–inference mismatch of the trajectories sampled by ``version`` (the weights the batch was
+        trained from) whose learner log-probs ``fresh`` holds (rows in the batch's order)."""
+        metrics: dict = {}
+        deltas: dict[str, list[np.ndarray]] = {}
+        row = 0
+        for group, gap in zip(groups, staleness):
+            engines = set()
+            for t in group.trajectories:
+                engine, tally = self.engine(t.sampler_id), self.tally(t.sampler_id)
+                engines.add(engine)
+                tally.trained += 1
+                tally.tokens_trained += len(t.completion_tokens)
+                metrics[f"engine/{engine}/trajectories"] = metrics.get(f"engine/{engine}/trajectories", 0) + 1
+                if row in fresh and bool((t.policy_versions == version).all()):
+                    delta = np.asarray(fresh[row], np.float64) - t.behaviour_logprobs.astype(np.float64)
+                    tally.add_mismatch(delta)
+                    deltas.setdefault(engine, []).append(delta)
+                row += 1
+            for engine in engines:
+                tally = self.tallies[engine]
+                tally.groups_trained += 1
+                tally.staleness_sum += gap
+                tally.staleness_max = max(tally.staleness_max, gap)
+        return {**metrics, **step_mismatch(deltas)}

@@ -56,7 +56,7 @@ def bind_shard_channels(cfg: Config, bind: str, curve=None, allow_plaintext: boo
     world = _shard_ranks(cfg)
     if world == 1:
         return None, []
-    from heterorl.transport.shards import ShardServer
+    from heterorl.transport.weights.shards import ShardServer
 
     host, rank, server, mine = _host_port(bind)[0], dist.get_rank(), None, None
     if not bind.startswith("tcp://"):
@@ -82,7 +82,8 @@ def _follow_rank(cfg: Config, resume: bool, shard_server=None) -> None:
     """A learner rank > 0: same model and optimizer, trains on its share of each batch; its only socket is
     ``shard_server`` (`bind_shard_channels`)."""
     from heterorl.policies import load_policy
-    from heterorl.runtime.learner import Learner, read_checkpoint
+    from heterorl.runtime.checkpoints import read_checkpoint
+    from heterorl.runtime.learner import Learner
     from heterorl.tasks import make_task_from
     from heterorl.training.session import TrainingClient
 
@@ -108,7 +109,8 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
                             "versions), or choose another logging.run_dir")
     import torch
 
-    from heterorl.runtime.learner import Learner, finish_learner_run, read_checkpoint
+    from heterorl.runtime.checkpoints import read_checkpoint
+    from heterorl.runtime.learner import Learner, finish_learner_run
     from heterorl.transport.protocol import BYE_LEARNER_STOPPING, BYE_RUN_FINISHED
 
     torch.set_num_threads(cfg.runtime.learner_threads or cfg.runtime.threads)
@@ -230,8 +232,9 @@ def _learner_server(cfg: Config, addresses: tuple[str, str | None], training, *,
         weights_delay = lambda worker_id: DelayLink(cfg.delay.down, name=f"{worker_id}/weights")  # noqa: E731
     contract = trajectory_contract(cfg, training.model)  # checked on every trajectory before it is buffered
     server = LearnerServer(bind, transport, curve=curve, weights_address=weights_address, weights_delay=weights_delay,
-                           settings=learner_settings(cfg, contract, training.base_hash), clock=delay_clock(cfg).now, contract=contract,
-                           published_before=published_before, group_timeout_s=cfg.buffer.partial_group_timeout_s,
+                           settings=learner_settings(cfg, contract, training.base_hash), clock=delay_clock(cfg).now,
+                           contract=contract,
+                           published_before=published_before,
                            shard_ranks=_shard_ranks(cfg), shard_ports=shard_ports,
                            model_shapes={name: tuple(t.shape) for name, t in training.model.state_dict().items()})
     (run_dir / ENDPOINTS).write_text(json.dumps({"control": server.control_endpoint,
@@ -368,7 +371,8 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
             if status is not None:
                 _follow(metrics_path, seen, progress)
                 if status != 0:
-                    raise HeteroRLError(f"the learner failed (exit {status}); log {learner.log_path}:\n{learner.tail()}")
+                    raise HeteroRLError(f"the learner failed (exit {status}); log {learner.log_path}:\n"
+                                        f"{learner.tail()}")
                 break
             _check_workers(children[1:], left)
             time.sleep(0.5)

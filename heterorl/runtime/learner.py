@@ -22,166 +22,43 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
 
-from heterorl.config import Config, to_yaml
+from heterorl.config import Config, to_dict
 from heterorl.errors import HeteroRLError
-from heterorl.files import write_atomically
-from heterorl.runs import RunResult, StepRecorder, finish_run, idle_fraction
+from heterorl.runs import StepRecorder, finish_run, idle_fraction
+from heterorl.runtime.accounting import LearnerResult, rollout_waste, step_metrics, weights_summary
 from heterorl.runtime.buffer import Group, GroupBuffer, Pacer
+from heterorl.runtime.checkpoints import (
+    CHECKPOINTS,
+    LEARNER_STATE,
+    Checkpoint,
+    LearnerState,
+    commit_checkpoint,
+    record_published,
+)
 from heterorl.runtime.cores import PROBE_STEPS, Split, decide_split, machine_cores
-from heterorl.runtime.engine_stats import UNKNOWN_ENGINE, EngineTally, step_mismatch, tallies_to_json
-from heterorl.runtime.run_report import run_staleness, seconds_histogram, weights_summary
+from heterorl.runtime.engine_stats import EngineTally, FleetEngines, tallies_to_json
 from heterorl.tasks.base import Task
 from heterorl.training.evaluation import evaluate
-from heterorl.training.session import Datum, SamplingClient, TrainingClient, read_training_state
+from heterorl.training.session import Datum, SamplingClient, TrainingClient
 from heterorl.training.step import SkippedUpdate, optimize_batch
 from heterorl.transport import LearnerServer
 from heterorl.transport.protocol import TrajectoryContract
-from heterorl.transport.reshard import DestLayout
-from heterorl.transport.shards import describer, slices_for, slices_of
-from heterorl.transport.weights import wire_dtype
+from heterorl.transport.weights import wire_dtype_for
+from heterorl.transport.weights.reshard import DestLayout
+from heterorl.transport.weights.shards import describer, slices_for, slices_of
 
 log = logging.getLogger("heterorl.runtime.learner")
 
-CHECKPOINTS = "checkpoints"  # the folder under the run dir
-LEARNER_STATE = "learner_state.json"  # the latest checkpoint: the learner's state, naming its weights file
-PREVIOUS_STATE = "learner_state.prev.json"  # the checkpoint before it, kept with its weights file until the next
-PUBLISHED = "published.json"  # the newest version published (and when), rewritten before each publish
-CHECKPOINT = "checkpoint.pt"  # the weights file of a learner state that names none (run dirs of older versions)
 SKIPPED_BATCHES = "skipped_batches.jsonl"  # one line per minibatch the loss refused: its trajectory ids, the reason
-
-
-@dataclass(kw_only=True)
-class LearnerResult(RunResult):
-    """A runtime run's result (live or simulated): the RL result and what the fleet did."""
-
-    staleness_mean: float  # versions, over every trained group
-    staleness_max: int
-    staleness_p50: float  # the median and 95th percentile of the same (linear interpolation)
-    staleness_p95: float
-    tokens_per_s: float  # completion tokens trained per second of wall (or virtual) time
-    learner_idle_frac: float
-    worker_idle_frac: float
-    # per sampling engine of the fleet: samples/s, staleness, training–inference mismatch (runtime.engine_stats)
-    engines: dict[str, dict] = field(default_factory=dict)
-    # trajectories generated, trained and discarded by reason, and the fraction wasted (`rollout_waste`)
-    rollouts: dict = field(default_factory=dict)
-    staleness_hist: list[int] = field(default_factory=list)  # groups trained at staleness 0, 1, 2, ... versions
-    staleness_seconds_mean: float = 0.0  # seconds from a group's oldest version's publish to its training
-    staleness_seconds_hist: dict[str, int] = field(default_factory=dict)  # the same by bin (run_report)
-    samples_per_s: float = 0.0  # trajectories trained per second of wall (or virtual) time
-    weights: dict = field(default_factory=dict)  # the weights path (`run_report.weights_summary`)
-
-
-@dataclass
-class LearnerState:
-    """What a resume needs besides the TrainingClient state."""
-
-    step: int = 0
-    trained_ids: list[str] = field(default_factory=list)  # `Trajectory.key` of each trajectory trained
-    history: list[dict] = field(default_factory=list)
-    publish_wall_s: dict[str, float] = field(default_factory=dict)  # version → time.time() it was published
-    staleness_sum: float = 0.0
-    staleness_max: int = 0
-    staleness_counts: dict[str, int] = field(default_factory=dict)  # staleness in versions → groups trained
-    staleness_seconds_sum: float = 0.0
-    staleness_seconds_counts: dict[str, int] = field(default_factory=dict)  # `run_report.seconds_histogram`
-    trajectories_trained: int = 0
-    groups_trained: int = 0
-    tokens_trained: int = 0
-    steps_without_update: int = 0
-    idle_s: float = 0.0
-    elapsed_s: float = 0.0
-    version: int = -1  # the policy version of the checkpoint's weights (-1: not recorded, older run dirs)
-    engines: dict[str, dict] = field(default_factory=dict)  # engine name → `EngineTally` fields
-    weights: str = CHECKPOINT  # the checkpoint's weights file in checkpoints/: model, optimizer, version, RNG
-
-
-@dataclass
-class Checkpoint:
-    """A checkpoint read back and checked (`read_checkpoint`): what `Learner.resume` continues from."""
-
-    state: LearnerState
-    training_state: dict  # its weights file, as `read_training_state` returns it
-    newest_published: int  # the newest version any learner of the run published: at least the checkpoint's
-    published_wall_s: dict[str, float]  # version → time.time() it was published, for those after the checkpoint
-
-
-def _read_learner_state(path: Path) -> LearnerState:
-    if not path.is_file():
-        raise HeteroRLError(f"{path} does not exist")
-    try:
-        raw = json.loads(path.read_bytes())
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise HeteroRLError(f"{path} is not a learner state: not valid JSON ({exc})") from None
-    names = {f.name for f in fields(LearnerState)}
-    if (not isinstance(raw, dict) or not set(raw) <= names or not isinstance(raw.get("step"), int)
-            or not isinstance(raw.get("trained_ids"), list) or not isinstance(raw.get("weights", ""), str)):
-        raise HeteroRLError(f"{path} is not a learner state: expected a JSON object with an integer step, a list "
-                            f"of trained_ids and no other keys than {', '.join(sorted(names))}")
-    return LearnerState(**raw)
-
-
-def _read_pair(folder: Path, name: str, map_location) -> tuple[LearnerState, dict]:
-    """The learner state ``name`` and the weights file it names, checked to belong together."""
-    state = _read_learner_state(folder / name)
-    weights = folder / Path(state.weights).name
-    training_state = read_training_state(weights, map_location)
-    if state.version >= 0 and training_state["version"] != state.version:
-        raise HeteroRLError(f"{weights} holds policy version {training_state['version']}, but {name} was written "
-                            f"with version {state.version}: they are not one checkpoint")
-    return state, training_state
-
-
-def _read_published(folder: Path) -> tuple[int, dict[str, float]]:
-    """(newest version published, {version: wall time} of those since the last checkpoint); (-1, {}) if none."""
-    path = folder / PUBLISHED
-    if not path.is_file():
-        return -1, {}
-    try:
-        raw = json.loads(path.read_bytes())
-        return int(raw["version"]), {str(int(v)): float(t) for v, t in raw["publish_wall_s"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise HeteroRLError(f"{path} is not a record of the newest version published ({exc!r}); stop every worker "
-                            "(one holding a newer version would ignore the learner's), delete the file and resume "
-                            "again: the versions then go on from the checkpoint's") from None
-
-
-def read_checkpoint(run_dir: str | Path, map_location="cpu") -> Checkpoint:
-    """The latest checkpoint of ``run_dir``, every file read and checked (the weights with
-    ``torch.load(weights_only=True)``); HeteroRLError naming the file and what is wrong, and which checkpoint
-    to resume from instead (the previous one, when it is good) and how."""
-    folder = Path(run_dir) / CHECKPOINTS
-    if not (folder / LEARNER_STATE).is_file() and not (folder / PREVIOUS_STATE).is_file():
-        raise HeteroRLError(f"no checkpoint to resume in {folder}; was the run started with this run dir?")
-    try:
-        state, training_state = _read_pair(folder, LEARNER_STATE, map_location)
-    except HeteroRLError as exc:
-        raise HeteroRLError(f"cannot resume from the latest checkpoint: {exc}. {_fallback(folder, map_location)}"
-                            ) from None
-    newest, wall_s = _read_published(folder)
-    return Checkpoint(state, training_state, max(newest, int(training_state["version"])), wall_s)
-
-
-def _fallback(folder: Path, map_location) -> str:
-    """What to resume from when the latest checkpoint is bad: the previous one if it is good, and how."""
-    try:
-        state, _ = _read_pair(folder, PREVIOUS_STATE, map_location)
-    except HeteroRLError as exc:
-        return f"No good checkpoint remains ({exc}): start the run again in another logging.run_dir."
-    return (f"The previous checkpoint (step {state.step}: {folder / PREVIOUS_STATE} and {state.weights}) is good; "
-            f"to resume from it, run `cp {folder / PREVIOUS_STATE} {folder / LEARNER_STATE}` and resume again "
-            f"(the steps after {state.step} are trained again)")
-
 
 class Ranks:
     """The learner's torch.distributed group: rank 0 owns the sockets, the buffer, evaluation, logs and
@@ -218,65 +95,10 @@ def group_datums(groups: list[Group]) -> list[Datum]:
     return datums
 
 
-def staleness_percentiles(counts: dict[int, int]) -> dict[str, float]:
-    """``staleness_p50`` and ``staleness_p95`` of the groups trained, from {staleness: groups} (0 when none)."""
-    if not counts:
-        return {"staleness_p50": 0.0, "staleness_p95": 0.0}
-    values = np.repeat(np.array(list(counts), dtype=float), list(counts.values()))
-    return {"staleness_p50": float(np.percentile(values, 50)), "staleness_p95": float(np.percentile(values, 95))}
-
-
-def _histogram(values: list[int]) -> list[int]:
-    return np.bincount(np.asarray(values, dtype=np.int64)).tolist() if values else []
-
-
 def held_out_success(cfg: Config, sampler: SamplingClient, task: Task) -> float:
     """Greedy success of ``sampler``'s weights on the task's held-out problems."""
     tokens = cfg.rl.eval_max_tokens or cfg.rollout.max_tokens
     return evaluate(sampler, task, task.eval_problems(), tokens, chat_template=cfg.task.chat_template).success
-
-
-def step_metrics(groups: list[Group], staleness: list[int], staleness_s: list[float], *, version: int,
-                 buffer: GroupBuffer, idle_s: float, elapsed_s: float, workers_busy_s: float,
-                 workers_idle_s: float, tokens_trained: int) -> dict:
-    """The metrics of one learner step that the live learner and the simulated one share: the batch's reward,
-    length and staleness (in versions and seconds), the new version, the buffer's state and counters, idle
-    fractions and trained-token throughput (per second of the run's clock)."""
-    rewards = [t.reward for g in groups for t in g.trajectories]
-    tokens = sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
-    stamps = [t.policy_versions for g in groups for t in g.trajectories if len(t.policy_versions)]
-    token_gaps = version - 1 - np.concatenate(stamps) if stamps else np.zeros(1)
-    return {
-        "rollout/reward_mean": float(np.mean(rewards)),
-        "rollout/reward_std": float(np.std(rewards)),
-        "rollout/completion_len": tokens / len(rewards),
-        "staleness/versions_mean": float(np.mean(staleness)),
-        "staleness/versions_max": int(max(staleness)),
-        "staleness/versions_hist": _histogram(staleness),
-        # per token (the version that drew each one: several in a trajectory that took in-flight updates)
-        "staleness/token_versions_mean": float(token_gaps.mean()),
-        "staleness/spanning_frac": float(np.mean([s.min() != s.max() for s in stamps])) if stamps else 0.0,
-        "staleness/seconds_mean": float(np.mean(staleness_s)),
-        "staleness/seconds_max": float(max(staleness_s)),
-        "policy/version": version,
-        "buffer/groups": len(buffer),
-        **{f"buffer/{k}": v for k, v in buffer.counters.items()},
-        "learner/idle_frac": idle_s / max(elapsed_s, 1e-9),
-        "workers/idle_frac": idle_fraction(workers_idle_s, workers_busy_s),
-        "throughput/tokens_per_s": tokens_trained / max(elapsed_s, 1e-9),
-    }
-
-
-def rollout_waste(*, generated: int, trained: int, buffer: GroupBuffer, left_over: int, **more: int) -> dict:
-    """The run's rollouts: ``generated`` (trajectories that reached the learner, refused ones included),
-    ``trained``, ``discarded`` by reason (the buffer's `GroupBuffer.discarded`, and ``more``: refused by the
-    transport, dropped with their group, already trained before a restart), ``left_over`` (buffered, never
-    trained: the run ended), ``discarded_frac`` and ``wasted_frac``: the shares of generated trajectories
-    discarded, and not trained (discarded or left over)."""
-    discarded = {**{k: 0 for k in ("stale", "overflow", "partial", "inconsistent")}, **buffer.discarded, **more}
-    share = (lambda n: n / generated) if generated else (lambda n: 0.0)
-    return {"generated": generated, "trained": trained, "discarded": discarded, "left_over": left_over,
-            "discarded_frac": share(sum(discarded.values())), "wasted_frac": share(max(0, generated - trained))}
 
 
 class Learner:
@@ -303,7 +125,7 @@ class Learner:
         self.state = LearnerState()
         self._trained: set[str] = set()
         self._eval_sampler = training.live_sampling_client() if self.ranks.rank == 0 else None
-        # a sharded learner's every rank sends its own slices of each version (heterorl.transport.shards)
+        # a sharded learner's every rank sends its own slices of each version (heterorl.transport.weights.shards)
         self._reshard = training is not None and training.sharded and cfg.runtime.weights_fanout == "reshard"
         self._shard_server = None  # ranks > 0 of a learner that reshards: their slices' weights channel (`follow`)
         self.recorder: StepRecorder | None = None  # made by `run`, over the (possibly resumed) state
@@ -313,21 +135,18 @@ class Learner:
         self._buffer_lock = threading.Condition()
         self._stop_ingest = threading.Event()
         self._ingest_error: BaseException | None = None
-        self._engine_of: dict[str, str] = {}  # sampler id → the engine its hello named
-        self._tallies: dict[str, EngineTally] = {}  # engine → its totals (saved in the learner state)
+        self.engines = FleetEngines(lambda: self.server.workers())  # tallies by engine (under _buffer_lock)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
-        """Checkpoint the learner as it stands: its weights file ``checkpoint-STEP.pt`` first, then
-        ``learner_state.json``, which names that file, as the commit (each written atomically, so a killed
-        learner leaves the old checkpoint or the new one). The checkpoint it replaces stays, as
-        ``learner_state.prev.json`` and its weights file; older weights files and temporary files go."""
+        """Checkpoint the learner as it stands: its weights file ``checkpoint-STEP.pt`` (every rank's shards into a
+        ``.dcp`` folder when sharded), then its state as the commit (`checkpoints.commit_checkpoint`)."""
         folder = self.run_dir / CHECKPOINTS
         folder.mkdir(parents=True, exist_ok=True)
         state = self.state
         state.trained_ids = sorted(self._trained)
         with self._buffer_lock:
-            state.engines = tallies_to_json(self._tallies)
+            state.engines = tallies_to_json(self.engines.tallies)
         if self.recorder is not None:
             state.steps_without_update = self.recorder.steps_without_update
         suffix = ".dcp" if self.training.sharded else ".pt"  # sharded: a folder every rank writes its shards into
@@ -335,22 +154,8 @@ class Learner:
         if self.training.sharded:
             self.ranks.share(("save", str(folder / state.weights)))
         self.training.save_state(folder / state.weights).result()
-        keep, latest = {state.weights}, folder / LEARNER_STATE
-        if latest.is_file():
-            data = latest.read_bytes()
-            write_atomically(folder / PREVIOUS_STATE, data)
-            try:
-                keep.add(json.loads(data).get("weights", CHECKPOINT))
-            except (ValueError, AttributeError):
-                pass  # not a learner state (the resume that read it would have refused it): nothing to keep
-        write_atomically(latest, json.dumps(asdict(state)).encode())
+        commit_checkpoint(folder, state)
         self._since_checkpoint.clear()  # every version published so far is in the checkpoint's publish_wall_s
-        for path in folder.iterdir():  # weights no checkpoint names, and what a killed learner left half-written
-            if path.name.startswith(".") or (path.suffix in (".pt", ".dcp") and path.name not in keep):
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
 
     def resume(self, checkpoint: Checkpoint) -> None:
         """Continue from ``checkpoint`` (`read_checkpoint`): its weights, optimizer, RNG and learner state. The
@@ -362,7 +167,7 @@ class Learner:
         self.state.publish_wall_s.update(checkpoint.published_wall_s)
         self._since_checkpoint = dict(checkpoint.published_wall_s)
         self._trained = set(self.state.trained_ids)
-        self._tallies = {name: EngineTally.from_json(raw) for name, raw in self.state.engines.items()}
+        self.engines.tallies = {name: EngineTally.from_json(raw) for name, raw in self.state.engines.items()}
         self._resumed_step = self.state.step
         self.training.version = checkpoint.newest_published
         log.info("resumed at step %d from version %d; the newest version published was %d, the next is %d",
@@ -377,7 +182,7 @@ class Learner:
         return held_out_success(self.cfg, self._eval_sampler, self.task)
 
     def _wire_dtype(self):
-        return wire_dtype(self.cfg.runtime.weights_dtype, sum(p.numel() for p in self.training.model.parameters()))
+        return wire_dtype_for(self.cfg.runtime.weights_dtype, self.training.model)
 
     def _publish(self) -> int:
         if self._reshard:
@@ -389,7 +194,7 @@ class Learner:
         wall_s = self.state.publish_wall_s[str(version)] = time.time()
         self._record_published(version, wall_s)
         if adapter:  # the adapter alone, stamped with its base (heterorl.training.lora), at its own wire dtype
-            dtype = wire_dtype(self.cfg.runtime.weights_dtype, sum(t.numel() for t in state.values()))
+            dtype = wire_dtype_for(self.cfg.runtime.weights_dtype, state)
             self.server.publish(version, state, dtype=dtype, describe=lambda header: setattr(header, "adapter",
                                                                                                 adapter))
         else:
@@ -430,13 +235,10 @@ class Learner:
         self._shard_server.publish(version, slices, shapes, boxes, dtype=self._wire_dtype(), needed=set(needed))
 
     def _record_published(self, version: int, wall_s: float) -> None:
-        """Write down ``version`` as the newest published before any worker can see it (a small file, written
-        atomically): a learner resumed from an older checkpoint publishes above it (`read_checkpoint`)."""
+        """Write down ``version`` as the newest published before any worker can see it: a learner resumed from an
+        older checkpoint publishes above it (`read_checkpoint`)."""
         self._since_checkpoint[str(version)] = wall_s
-        folder = self.run_dir / CHECKPOINTS
-        folder.mkdir(parents=True, exist_ok=True)
-        record = {"version": version, "publish_wall_s": self._since_checkpoint}
-        write_atomically(folder / PUBLISHED, json.dumps(record).encode())
+        record_published(self.run_dir / CHECKPOINTS, version, self._since_checkpoint)
 
     def _admit(self, waited_s: float = 0.0, train_s: float = 0.0) -> None:
         """Hand the fleet its admission cap for the learner's current step, after letting the pacer see the
@@ -492,16 +294,18 @@ class Learner:
             if room <= 0:
                 self._stop_ingest.wait(0.01)
                 continue
-            arrived = self.server.get(room * cfg.rollout.group_size, timeout_s=0.05)
+            arrived = self.server.get_groups(room * cfg.rollout.group_size, timeout_s=0.05)  # whole groups
             now = time.monotonic()
             with self._buffer_lock:
-                for traj in arrived:
-                    if traj.key in self._trained:
-                        self.dropped_trained += 1  # already trained before a restart: never twice
-                        continue
-                    self._tally(traj.sampler_id).received += 1
-                    self.buffer.add(traj, now)
-                self.buffer.expire_partial(now)
+                for group in arrived:
+                    fresh = [traj for traj in group if traj.key not in self._trained]
+                    self.dropped_trained += len(group) - len(fresh)  # already trained before a restart: never twice
+                    for traj in fresh:
+                        self.engines.tally(traj.sampler_id).received += 1
+                    if len(fresh) == len(group):
+                        self.buffer.add_group(fresh, now)
+                    elif fresh:  # (groups are trained whole: the rest of one trained in part can never complete)
+                        self.buffer.count_unassembled("partial", len(fresh))
                 self._buffer_lock.notify_all()
 
     def _next_batch(self, version: int) -> list[Group]:
@@ -522,9 +326,9 @@ class Learner:
                 if now - waiting_since > 30 * (reported + 1):
                     reported += 1
                     alive = sum(w.alive for w in self.server.workers())
-                    log.info("waiting %.0f s for a batch of %d groups at version %d: %d complete, %d incomplete "
-                             "groups buffered, %d live workers, %s", now - waiting_since, cfg.rl.prompts_per_step,
-                             version, len(self.buffer), self.buffer.incomplete, alive,
+                    log.info("waiting %.0f s for a batch of %d groups at version %d: %d groups buffered, %d "
+                             "trajectories at the transport, %d live workers, %s", now - waiting_since,
+                             cfg.rl.prompts_per_step, version, len(self.buffer), self.server.buffered(), alive,
                              self.server.admission_state())
                 if any(w.alive for w in self.server.workers()):
                     silent_since = None
@@ -538,7 +342,7 @@ class Learner:
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> LearnerResult:
         cfg, state = self.cfg, self.state
-        start = time.monotonic() - state.elapsed_s
+        start = time.monotonic() - state.tally.elapsed_s
         self.recorder = StepRecorder(cfg, self._evaluate, self.logger, self.progress, history=state.history,
                                      steps_without_update=state.steps_without_update)
         self.recorder.start()
@@ -558,16 +362,10 @@ class Learner:
         self.ranks.share("stop")
         fleet = self.server.fleet_totals()
         return self.recorder.result(
-            LearnerResult, steps=state.step, minutes=state.elapsed_s / 60,
-            staleness_mean=state.staleness_sum / max(state.groups_trained, 1), staleness_max=state.staleness_max,
-            **staleness_percentiles({int(k): n for k, n in state.staleness_counts.items()}),
-            tokens_per_s=state.tokens_trained / max(state.elapsed_s, 1e-9),
-            learner_idle_frac=state.idle_s / max(state.elapsed_s, 1e-9),
+            LearnerResult, steps=state.step, minutes=state.tally.elapsed_s / 60, **state.tally.summary_fields(),
             worker_idle_frac=idle_fraction(fleet["idle_s"], fleet["busy_s"]),
-            engines={name: t.summary(state.elapsed_s) for name, t in sorted(self._tallies.items())},
-            rollouts=self._waste(fleet), **run_staleness(state.staleness_counts, state.staleness_seconds_counts,
-                                                         state.staleness_seconds_sum, state.groups_trained),
-            samples_per_s=state.trajectories_trained / max(state.elapsed_s, 1e-9),
+            engines={name: t.summary(state.tally.elapsed_s) for name, t in sorted(self.engines.tallies.items())},
+            rollouts=self._waste(fleet),
             weights=weights_summary(self.server.stats, self.server.weights_dtype, cfg.transport.weights_deltas,
                                     self.ranks.world if self._reshard else 1),
             reward_outcomes=self.server.reward_outcomes())
@@ -604,92 +402,54 @@ class Learner:
                                  already_trained=self.dropped_trained)
 
     def _step(self, start: float, version: int) -> int:
-        """One learner step: wait for a batch, train on it, publish, record; returns the new version."""
-        cfg, state = self.cfg, self.state
+        """One learner step: batch → optimise → publish → record → checkpoint; returns the new version."""
         wait_start = time.monotonic()
         groups = self._next_batch(version)
         waited = time.monotonic() - wait_start
-        state.idle_s += waited
+        self.state.tally.idle_s += waited
         step_start = time.monotonic()
         now_wall = time.time()
         staleness = [version - g.oldest_version for g in groups]
-        staleness_s = [now_wall - state.publish_wall_s.get(str(g.oldest_version), now_wall) for g in groups]
+        staleness_s = [now_wall - self.state.publish_wall_s.get(str(g.oldest_version), now_wall) for g in groups]
+        metrics = self._optimise(groups, staleness, version)
+        self.state.step += 1
+        version = self._publish()
+        self._admit(waited, time.monotonic() - step_start)
+        self._split_cores(time.monotonic() - step_start)
+        self._record(groups, staleness, staleness_s, version, metrics, run_start=start, waited=waited,
+                     step_start=step_start)
+        every = self.cfg.runtime.checkpoint_every
+        if (every and self.state.step % every == 0) or self.state.step == self.cfg.rl.steps:
+            self.save_checkpoint()
+        return version
+
+    def _optimise(self, groups: list[Group], staleness: list[int], version: int) -> dict:
+        """Train every rank on the batch (`optimize_batch`); tally it by engine, keep what the loss refused, note
+        its trajectories as trained; the optimiser's and the engines' metrics."""
+        cfg = self.cfg
         _, datums, _ = self.ranks.share(("train", group_datums(groups), self.training.version))
-        total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
         skipped: list[SkippedUpdate] = []
         fresh: dict[int, list[float]] = {}
-        metrics = optimize_batch(self.training, datums, cfg, total_updates, (self.ranks.rank, self.ranks.world),
-                                 skipped=skipped, fresh_logprobs=fresh)
-        engine_metrics = self._tally_step(groups, staleness, fresh, version)
+        metrics = optimize_batch(self.training, datums, cfg, cfg.rl.steps * cfg.rl.updates_per_batch,
+                                 (self.ranks.rank, self.ranks.world), skipped=skipped, fresh_logprobs=fresh)
+        with self._buffer_lock:
+            metrics.update(self.engines.add_batch(groups, staleness, fresh, version))
         self._keep_skipped(groups, skipped)
         with self._buffer_lock:
             for g in groups:
                 self._trained.update(t.key for t in g.trajectories)
-        state.step += 1
-        version = self._publish()
-        self._admit(waited, time.monotonic() - step_start)
         self._trained_here += len(datums)
-        self._split_cores(time.monotonic() - step_start)
-        state.tokens_trained += sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
-        state.groups_trained += len(groups)
-        state.staleness_sum += sum(staleness)
-        state.staleness_max = max(state.staleness_max, max(staleness))
-        for gap in staleness:
-            state.staleness_counts[str(gap)] = state.staleness_counts.get(str(gap), 0) + 1
-        state.staleness_seconds_sum += sum(staleness_s)
-        state.staleness_seconds_counts = seconds_histogram(state.staleness_seconds_counts, staleness_s)
-        state.trajectories_trained += len(datums)
-        state.elapsed_s = time.monotonic() - start
+        return metrics
+
+    def _record(self, groups: list[Group], staleness: list[int], staleness_s: list[float], version: int,
+                metrics: dict, *, run_start: float, waited: float, step_start: float) -> None:
+        """Count the batch in the run's tally and log the step's metrics."""
+        tally = self.state.tally
+        tally.add_batch(groups, staleness, staleness_s)
+        tally.elapsed_s = time.monotonic() - run_start
         metrics.update(self._step_metrics(groups, staleness, staleness_s, version))
-        metrics.update(engine_metrics)
         metrics.update({"learner/wait_s": waited, "learner/train_s": time.monotonic() - step_start})
-        self.recorder.record(state.step, metrics, state.elapsed_s)
-        every = cfg.runtime.checkpoint_every
-        if (every and state.step % every == 0) or state.step == cfg.rl.steps:
-            self.save_checkpoint()
-        return version
-
-    def _engine(self, sampler_id: str) -> str:
-        """The engine ``sampler_id``'s worker named in its hello (a worker's hello precedes its trajectories; one
-        removed from the registry before the learner first looks is `UNKNOWN_ENGINE`)."""
-        engine = self._engine_of.get(sampler_id)
-        if engine is None:
-            self._engine_of.update((w.worker_id, w.engine) for w in self.server.workers())
-            engine = self._engine_of.setdefault(sampler_id, UNKNOWN_ENGINE)
-        return engine
-
-    def _tally(self, sampler_id: str) -> EngineTally:
-        return self._tallies.setdefault(self._engine(sampler_id), EngineTally())
-
-    def _tally_step(self, groups: list[Group], staleness: list[int], fresh: dict[int, list[float]],
-                    version: int) -> dict:
-        """Add a trained batch to its engines' tallies; the step's per-engine metrics: trajectories and staleness,
-        and the training–inference mismatch of the trajectories sampled by ``version`` (the weights the batch was
-        trained from) whose learner log-probs ``fresh`` holds (`heterorl.runtime.engine_stats`)."""
-        metrics: dict = {}
-        deltas: dict[str, list[np.ndarray]] = {}
-        row = 0
-        with self._buffer_lock:
-            for group, gap in zip(groups, staleness):
-                engines = set()
-                for t in group.trajectories:
-                    engine = self._engine(t.sampler_id)
-                    tally = self._tally(t.sampler_id)
-                    engines.add(engine)
-                    tally.trained += 1
-                    tally.tokens_trained += len(t.completion_tokens)
-                    metrics[f"engine/{engine}/trajectories"] = metrics.get(f"engine/{engine}/trajectories", 0) + 1
-                    if row in fresh and bool((t.policy_versions == version).all()):
-                        delta = np.asarray(fresh[row], np.float64) - t.behaviour_logprobs.astype(np.float64)
-                        tally.add_mismatch(delta)
-                        deltas.setdefault(engine, []).append(delta)
-                    row += 1
-                for engine in engines:
-                    tally = self._tallies[engine]
-                    tally.groups_trained += 1
-                    tally.staleness_sum += gap
-                    tally.staleness_max = max(tally.staleness_max, gap)
-        return {**metrics, **step_mismatch(deltas)}
+        self.recorder.record(self.state.step, metrics, tally.elapsed_s)
 
     def _keep_skipped(self, groups: list[Group], skipped: list[SkippedUpdate]) -> None:
         """Append each minibatch the loss refused to ``RUN_DIR/skipped_batches.jsonl``: the step, the version,
@@ -710,8 +470,7 @@ class Learner:
         busy, trajectories = fleet["busy_s"], fleet["trajectories"]
         with self._buffer_lock:
             shared = step_metrics(groups, staleness, staleness_s, version=version, buffer=self.buffer,
-                                  idle_s=state.idle_s, elapsed_s=state.elapsed_s, workers_busy_s=busy,
-                                  workers_idle_s=fleet["idle_s"], tokens_trained=state.tokens_trained)
+                                  tally=state.tally, workers_busy_s=busy, workers_idle_s=fleet["idle_s"])
         return {
             **shared,
             "buffer/trajectories_waiting": self.server.buffered(),
@@ -794,6 +553,14 @@ def learner_settings(cfg: Config, contract: TrajectoryContract | None = None, ba
     """What workers receive in ``ready``: the whole run config, so a fleet cannot drift apart, the contract
     their trajectories must keep (``contract.*``), so an honest worker never breaks it, and a LoRA learner's
     base digest (``lora_base``), so a worker on another base says so before it samples anything."""
-    return {"config": to_yaml(cfg), **(contract.settings() if contract is not None else {}),
+    return {"config": _config_for_workers(cfg), **(contract.settings() if contract is not None else {}),
             **({"lora_base": base_hash} if base_hash else {})}
 
+
+def _config_for_workers(cfg: Config) -> str:
+    """The run config as workers receive it, in the form workers of the previous release read too: the group
+    timeout, a key of the learner's alone that they do not know, travels as ``buffer.partial_group_timeout_s``,
+    the deprecated key that mirrors it."""
+    data = to_dict(cfg)
+    del data["transport"]["group_timeout_s"]
+    return yaml.safe_dump(data, sort_keys=False)

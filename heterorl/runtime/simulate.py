@@ -33,32 +33,23 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from heterorl.config import Config
 from heterorl.delay.links import DelayLink
 from heterorl.delay.queue import DelayQueue
 from heterorl.errors import HeteroRLError
 from heterorl.runs import StepRecorder, idle_fraction, setup_run
+from heterorl.runtime.accounting import LearnerResult, RunTally, rollout_waste, step_metrics, weights_summary
 from heterorl.runtime.buffer import Group, GroupBuffer, Pacer
-from heterorl.runtime.learner import (
-    LearnerResult,
-    finish_learner_run,
-    group_datums,
-    held_out_success,
-    rollout_waste,
-    staleness_percentiles,
-    step_metrics,
-)
-from heterorl.runtime.run_report import run_staleness, seconds_histogram, weights_summary
+from heterorl.runtime.learner import finish_learner_run, group_datums, held_out_success
 from heterorl.runtime.worker import sampling_params, shard_rng, stamp_groups
 from heterorl.tasks import Task
 from heterorl.tasks.rewards import outcome_counts
 from heterorl.training.session import SamplingClient, TrainingClient
 from heterorl.training.step import optimize_batch
 from heterorl.training.textcodec import encode_prompt
-from heterorl.transport.deltas import DeltaChain, Layout, encode_step
-from heterorl.transport.weights import PackedWeights, pack_state_dict, unpack_state_dict, wire_dtype
+from heterorl.transport.groups import GroupAssembler
+from heterorl.transport.weights import dtype_name, unpack_state_dict, wire_dtype_for
+from heterorl.transport.weights.store import WeightsStore
 
 log = logging.getLogger("heterorl.runtime.simulate")
 
@@ -109,6 +100,7 @@ class Simulation:
         self.logger, self.progress = logger, progress
         self.step_s, self.group_s = durations(cfg)
         self.buffer = GroupBuffer(cfg.buffer)
+        self._groups = GroupAssembler(cfg.transport.group_timeout_s)  # members in, whole groups to the buffer
         throttles = cfg.runtime.throttle or [1.0]
         self.workers = []
         for i in range(cfg.runtime.workers):
@@ -121,22 +113,20 @@ class Simulation:
         self._arrivals = DelayQueue()  # trajectories on their way to the learner
         self._weights: dict[int, dict] = {}  # version -> state dict, while some worker may still sample with it
         # what the live learner sends: the cast to the workers' dtype, as deltas (their bytes load the links)
-        parameters = sum(p.numel() for p in training.model.parameters())
-        self._wire_dtype = wire_dtype(cfg.runtime.weights_dtype, parameters)
-        self._packed: PackedWeights | None = None  # the newest version, packed in the wire dtype
-        self._chain = DeltaChain(cfg.transport.max_retained_versions)
-        self.weights_stats: Counter = Counter()  # `run_report.weights_summary`'s counters
+        self._wire_dtype = wire_dtype_for(cfg.runtime.weights_dtype, training.model)
+        self.weights_stats: Counter = Counter()  # `accounting.weights_summary`'s counters
+        # the versions packed in the wire dtype and their steps, as the live learner's weights server keeps them
+        self._store = WeightsStore(cfg.transport, self.weights_stats)
         self._eval_outcomes: Counter = Counter()  # the programs evaluation ran (the rest: the training rewards')
         self._published_s: dict[int, float] = {}
         self._started = 0  # groups the fleet started (admission control)
         self.pacer = Pacer(cfg.buffer)
         self._starved = False  # the fleet could start no group while the learner waited (`Pacer.observe`)
-        self._generated = self._trained = 0  # trajectories sampled, and trained (`rollout_waste`)
+        self._generated = 0  # trajectories sampled (`rollout_waste`)
+        self.tally = RunTally()  # what was trained and how stale, on the virtual clock (elapsed_s: `_now`)
         self._steps_done = 0  # learner steps finished and published
         self._lost = 0  # trajectories their link dropped
         self._now = 0.0  # the virtual clock
-        self._idle_s = 0.0  # virtual seconds the learner waited for a batch
-        self._tokens_trained = 0
         # one sampler for the whole fleet, over its own copy of the weights: each call loads its worker's version
         self._sampler = SamplingClient.for_model(training.frozen_copy().to(self._wire_dtype), training.tokenizer,
                                                  device=cfg.policy.device)
@@ -155,19 +145,12 @@ class Simulation:
         return version
 
     def _pack(self, version: int, state: dict) -> dict:
-        """``state`` as the workers receive it (cast to the wire dtype), its step from the previous version
-        encoded as the live learner does (`LearnerServer.publish`): the weights counters take both."""
-        packed = pack_state_dict(state, version, dtype=self._wire_dtype)
-        stats, previous = self.weights_stats, self._packed
-        stats["weights/versions"] += 1
-        stats["weights/version_bytes"] = packed.header.total_bytes
-        if self.cfg.transport.weights_deltas and previous is not None:
-            step = encode_step(Layout.of(packed.header), previous.buffer, packed.buffer, version - 1, version)
-            self._chain.add(version, step, packed.header.total_bytes)
-            stats["weights/steps_encoded"] += 1
-            stats["weights/step_bytes"] += len(step.blob)
-            stats["weights/encode_s"] += step.seconds
-        self._packed = packed
+        """``state`` as the workers receive it: packed in the wire dtype by a `WeightsStore`, with its step from the
+        previous version, as the live learner's server publishes it (its counters go to ``weights_stats``)."""
+        _, previous = self._store.begin(version)  # (no buffer reuse: the versions kept below are views of theirs)
+        packed, step = self._store.pack(state, version, None, previous, self._wire_dtype)
+        self._store.add(version, packed, step)
+        self._store.trim(set())  # the store keeps the newest; `_weights` keeps what the workers still sample with
         return unpack_state_dict(packed.header, packed.buffer)
 
     def _send_down(self, w: _Worker, version: int, now: float) -> None:
@@ -186,7 +169,7 @@ class Simulation:
             if self.cfg.runtime.mode == "sync" or w.version < 0:
                 w.wake(w.down.free_at)  # to send it once the link is free (its call settles the link first)
             return
-        steps = self._chain.bytes_between(w.noticed, version) if self.cfg.transport.weights_deltas else None
+        steps = self._store.chain.bytes_between(w.noticed, version) if self.cfg.transport.weights_deltas else None
         size = self.weights_stats["weights/version_bytes"] if steps is None else steps
         self.weights_stats["weights/link_transfers"] += 1
         self.weights_stats["weights/link_bytes"] += size
@@ -224,9 +207,14 @@ class Simulation:
                 self._arrivals.restore(due[i:])
                 break
             self._by_id[traj.sampler_id].in_transit -= 1
-            if self.buffer.add(traj, now) is not None:
+            added = self._groups.add(traj, now)
+            if added.refused is not None:  # (no bounds here: a member declaring another group size)
+                self.buffer.count_unassembled("inconsistent", 1)
+            elif added.complete is not None:
+                self.buffer.add_group(added.complete, now)
                 room -= 1
-        self.buffer.expire_partial(now)
+        for dropped in self._groups.expire(now):
+            self.buffer.count_unassembled("partial", len(dropped.members))
         for w in self.workers:
             if w.waiting_for == "credit" and w.in_transit < self.cfg.transport.credits_per_worker:
                 w.wake(now)  # credit back (a no-op unless it waits; it rechecks what it waits for)
@@ -309,43 +297,35 @@ class Simulation:
         wall_start = time.monotonic()
         recorder = StepRecorder(cfg, self._evaluate, self.logger, self.progress)
         recorder.start()
-        self._now, self._idle_s = 0.0, 0.0
+        self._now = 0.0
         version = self._publish(self._now)
-        staleness_all: list[int] = []
-        seconds: dict[str, int] = {}
-        seconds_sum = 0.0
         lag, base = cfg.delay.fixed_lag_steps, version
         for step in range(1, cfg.rl.steps + 1):
-            idle_before = self._idle_s
+            idle_before = self.tally.idle_s
             groups = self._next_batch(step, version) if lag is None else self._lagged_batch(version - lag)
             staleness = [version - g.oldest_version for g in groups]
             staleness_s = [self._now - self._published_s.get(g.oldest_version, (g.oldest_version - base) * self.step_s)
                            for g in groups]  # (a version before the base counts as published that many steps before)
-            staleness_all += staleness
-            seconds, seconds_sum = seconds_histogram(seconds, staleness_s), seconds_sum + sum(staleness_s)
-            self._trained += sum(len(g.trajectories) for g in groups)
+            self.tally.add_batch(groups, staleness, staleness_s)
             metrics = optimize_batch(self.training, group_datums(groups), cfg, cfg.rl.steps * cfg.rl.updates_per_batch)
-            self._tokens_trained += sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
             self._run_workers(self._now + self.step_s, before=True)  # calls started while the learner trains
             self._now += self.step_s
             self._steps_done = step
             starved = self._starved and 1 < step < cfg.rl.steps - self.pacer.ahead  # as the live learner
-            self.pacer.observe(self._idle_s - idle_before, self.step_s, starved)
+            self.pacer.observe(self.tally.idle_s - idle_before, self.step_s, starved)
             version = self._publish(self._now)
+            self.tally.elapsed_s = self._now
             metrics.update(self._step_metrics(groups, staleness, staleness_s, version))
             recorder.record(step, metrics, self._now)
         busy, idle = sum(w.busy_s for w in self.workers), sum(w.idle_s for w in self.workers)
         return recorder.result(
             LearnerResult, steps=cfg.rl.steps, minutes=(time.monotonic() - wall_start) / 60,
-            staleness_mean=float(np.mean(staleness_all)), staleness_max=int(max(staleness_all)),
-            **staleness_percentiles({int(v): n for v, n in zip(*np.unique(staleness_all, return_counts=True))}),
-            tokens_per_s=self._tokens_trained / self._now, learner_idle_frac=self._idle_s / self._now,
-            worker_idle_frac=idle_fraction(idle, busy),
-            rollouts=rollout_waste(generated=self._generated, trained=self._trained, buffer=self.buffer,
-                                   left_over=self.buffer.held_trajectories + len(self._arrivals), lost=self._lost),
-            **run_staleness(dict(Counter(map(str, staleness_all))), seconds, seconds_sum, len(staleness_all)),
-            samples_per_s=self._trained / self._now,
-            weights=weights_summary(self.weights_stats, str(self._wire_dtype).removeprefix("torch."),
+            **self.tally.summary_fields(), worker_idle_frac=idle_fraction(idle, busy),
+            rollouts=rollout_waste(generated=self._generated, trained=self.tally.trajectories_trained,
+                                   buffer=self.buffer,
+                                   left_over=self.buffer.held_trajectories + self._groups.held + len(self._arrivals),
+                                   lost=self._lost),
+            weights=weights_summary(self.weights_stats, dtype_name(self._wire_dtype),
                                     cfg.transport.weights_deltas),
             reward_outcomes=dict(sorted((outcome_counts(self.task) - self._eval_outcomes).items())))
 
@@ -368,7 +348,7 @@ class Simulation:
             if not math.isfinite(later):
                 raise HeteroRLError(f"the simulation stalled at step {step}: no data on its way and every "
                                     f"worker waiting ({len(self.buffer)} groups buffered); check buffer and delays")
-            self._idle_s += max(0.0, later - self._now)  # (an arrival held back by a full buffer is not "later")
+            self.tally.idle_s += max(0.0, later - self._now)  # (an arrival held back by a full buffer is not "later")
             cap = self._admission_cap()
             self._starved = self._starved or (cap is not None and cap <= self._started)
             self._now = max(self._now, later)
@@ -397,9 +377,8 @@ class Simulation:
 
     def _step_metrics(self, groups: list, staleness: list[int], staleness_s: list[float], version: int) -> dict:
         busy, idle = sum(w.busy_s for w in self.workers), sum(w.idle_s for w in self.workers)
-        shared = step_metrics(groups, staleness, staleness_s, version=version, buffer=self.buffer,
-                              idle_s=self._idle_s, elapsed_s=self._now, workers_busy_s=busy, workers_idle_s=idle,
-                              tokens_trained=self._tokens_trained)
+        shared = step_metrics(groups, staleness, staleness_s, version=version, buffer=self.buffer, tally=self.tally,
+                              workers_busy_s=busy, workers_idle_s=idle)
         return {**shared, "sim/time_s": self._now, "sim/lost_trajectories": self._lost,
                 "pace/ahead_steps": self.pacer.ahead}
 

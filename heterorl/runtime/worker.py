@@ -58,7 +58,7 @@ from heterorl.training.textcodec import encode_prompt
 from heterorl.transport import CurveConfig, TransportTimeout, WorkerClient
 from heterorl.transport.client import AdapterWeights
 from heterorl.transport.protocol import BYE_WORKER_FAILED, MIN_LOGPROB, Trajectory, TrajectoryContract
-from heterorl.transport.weights import wire_dtype
+from heterorl.transport.weights import wire_dtype_for
 
 log = logging.getLogger("heterorl.runtime.worker")
 
@@ -221,7 +221,7 @@ class RolloutWorker:
         clock = delay_clock(cfg)
         if cfg.delay.up.kind != "none":
             link = DelayLink(cfg.delay.up, name=f"{self.options.worker_id}/trajectories")
-            self.client.set_trajectory_delay(link.schedule, clock.now)
+            self.client.set_trajectory_delay(link.schedule, clock)
         return cfg
 
     def _check_lora_base(self, cfg: Config, model, base: str) -> str | None:
@@ -345,7 +345,7 @@ class RolloutWorker:
         device = cfg.policy.device if self.options.engine == "torch" else "cpu"
         model, tokenizer = load_policy(base, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=device)
         self._check_policy(model, base)
-        dtype = wire_dtype(cfg.runtime.weights_dtype, sum(p.numel() for p in model.parameters()))
+        dtype = wire_dtype_for(cfg.runtime.weights_dtype, model)
         digest = self._lora_digest = self._check_lora_base(cfg, model, base)
         if digest is not None and cfg.lora.apply == "merged":
             self._merger = lora.Merger(model.state_dict(), digest, dtype)  # (the float32 base, before the cast)

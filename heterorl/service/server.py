@@ -126,7 +126,8 @@ async def _body(request: Request, model: type[BaseModel], limit: int):
     try:
         data = wire.unpack(bytes(body), request.headers.get("content-type"))
     except Exception as exc:  # not JSON / msgpack at all
-        raise RequestValidationError([{"loc": ("body",), "msg": f"cannot be decoded: {exc}", "type": "decode"}])
+        raise RequestValidationError([{"loc": ("body",), "msg": f"cannot be decoded: {exc}", "type": "decode"}]
+                                     ) from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -238,7 +239,7 @@ class ServerThread:
         self.thread.join(10)
         self._socket.close()
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,7 +1,7 @@
 """The training-session service without its HTTP layer: sessions (a policy, its optimizer, its samplers), calls
 run as futures in submission order, results kept for retrieval by id, and retried requests run once.
 
-`heterorl.service.server` puts it behind HTTP; `heterorl.session` is its client.
+`heterorl.service.server` puts it behind HTTP; `heterorl.service.client` is its client.
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ class Service:
             done = asyncio.wrap_future(call.future)
             try:
                 await asyncio.wait_for(asyncio.shield(done), wait_s)
-            except (asyncio.TimeoutError, Exception):  # (a call's own error is in call.error)
+            except (TimeoutError, Exception):  # (a call's own error is in call.error)
                 pass
         if call.done_at is None:
             return {"status": "pending"}

@@ -48,7 +48,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
@@ -81,10 +81,10 @@ class SweepSpec:
     time_scale: float = 10.0  # live mode only: virtual seconds per real second
     losses: Any = None  # a list of presets or {label: overrides}; None: gepo and grpo
     delays: Any = None  # a list of presets or {label: overrides}; None: online (0) and 16 steps
-    seeds: List[int] = field(default_factory=lambda: [0])
-    grid: Dict[str, List[Any]] = field(default_factory=dict)
-    overrides: Dict[str, Any] = field(default_factory=dict)
-    wandb_project: Optional[str] = None
+    seeds: list[int] = field(default_factory=lambda: [0])
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    wandb_project: str | None = None
 
 
 def delay_overrides(label: str, seconds_per_step: float) -> dict[str, Any]:

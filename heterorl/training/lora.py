@@ -240,3 +240,23 @@ class Merger:
 
     def _to_dtype(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.dtype) if self.dtype is not None and tensor.is_floating_point() else tensor
+
+
+def check_lora_state(state: dict, lora: LoraConfig | None, base_hash: str | None) -> None:
+    """`LoraError` naming the mismatch when the training ``state`` holds an adapter and the client (its ``lora``
+    config, None for a whole model, on the base of digest ``base_hash``) trains the whole model, or the reverse,
+    or the saved adapter's config or base differ from the client's."""
+    saved = state.get("lora")
+    if (saved is None) != (lora is None):
+        raise LoraError(f"this training state holds {'a LoRA adapter' if saved else 'a whole model'}, but the "
+                        f"client trains {'a LoRA adapter' if lora else 'the whole model'}: load it into a client "
+                        "made as the one that saved it")
+    if saved is None:
+        return
+    mine = lora.to_dict()
+    differ = [f"{key} {saved.get(key)!r} (saved) != {mine[key]!r}" for key in mine if saved.get(key) != mine[key]]
+    if differ:
+        raise LoraError(f"the saved adapter's config differs from this session's: {'; '.join(differ)}")
+    if state.get("base_hash") != base_hash:
+        raise LoraError("the saved adapter was trained on another base model than this session's (their weights' "
+                        "digests differ): load it into a session on the same base")

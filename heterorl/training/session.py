@@ -121,7 +121,7 @@ class SamplingClient:
         self._executor = _SerialExecutor("sampling-client")
 
     @classmethod
-    def for_model(cls, model, tokenizer, *, device: str = "cpu", version: int = -1) -> "SamplingClient":
+    def for_model(cls, model, tokenizer, *, device: str = "cpu", version: int = -1) -> SamplingClient:
         """A sampler over ``model`` itself (no copy) with the default engine: the one place a loop's choice of
         engine is made. ``version`` -1: it holds no policy version yet (see `load_weights`)."""
         return cls(TorchEngine(model, tokenizer, device=device), tokenizer, version)
@@ -329,7 +329,8 @@ class TrainingClient:
             input_ids, attention_mask = pad_right(tokens, self.pad_token_id, self.device)
             logprobs = token_logprobs(forward_model, input_ids, attention_mask, temperature)  # predicts tokens[1:]
         width = max(d.completion_len for d in datums)
-        # completion token j of datum i sits at input column prompt_len + j, predicted by logprobs column prompt_len + j − 1
+        # completion token j of datum i sits at input column prompt_len + j, predicted by logprobs column
+        # prompt_len + j − 1
         cols = torch.stack(
             [torch.arange(width) + d.prompt_len - 1 for d in datums]
         ).clamp(max=logprobs.shape[1] - 1).to(self.device)
@@ -467,7 +468,7 @@ class TrainingClient:
 
     def save_shards_for_sampler(self) -> Future:
         """Sharded: future of (version, this rank's state dict as it holds it: DTensors, each rank's part of
-        dim 0), for a fan-out in which every rank sends its own slices (`heterorl.transport.shards`). No
+        dim 0), for a fan-out in which every rank sends its own slices (`heterorl.transport.weights.shards`). No
         collective and no copy (the slices are copied when published, before the next call runs); bumps the
         version as `save_weights_for_sampler` does."""
         return self._executor.submit(self._export_shards)
@@ -534,11 +535,11 @@ class TrainingClient:
             state = read_training_state(state, self.device)
         if self.sharded or "sharded" in state:
             return self._load_sharded(state)
-        self._check_lora_state(state)
+        from heterorl.training.lora import check_lora_state, load_adapter
+
+        check_lora_state(state, self.lora, self.base_hash)
         try:
             if self.lora is not None:
-                from heterorl.training.lora import load_adapter
-
                 load_adapter(self.model, state["model"])
             else:
                 self.model.load_state_dict(state["model"])
@@ -553,26 +554,6 @@ class TrainingClient:
         version, internal, gauss = state["rng"]["python"]
         random.setstate((version, tuple(internal), gauss))
         return self.version
-
-    def _check_lora_state(self, state: dict) -> None:
-        """`LoraError` naming the mismatch when ``state`` holds an adapter and this client trains the whole model,
-        or the reverse, or its adapter's config or base differ from this client's."""
-        from heterorl.training.lora import LoraError
-
-        saved = state.get("lora")
-        if (saved is None) != (self.lora is None):
-            raise LoraError(f"this training state holds {'a LoRA adapter' if saved else 'a whole model'}, but the "
-                            f"client trains {'a LoRA adapter' if self.lora else 'the whole model'}: load it into "
-                            "a client made as the one that saved it")
-        if saved is None:
-            return
-        mine = self.lora.to_dict()
-        differ = [f"{key} {saved.get(key)!r} (saved) != {mine[key]!r}" for key in mine if saved.get(key) != mine[key]]
-        if differ:
-            raise LoraError(f"the saved adapter's config differs from this session's: {'; '.join(differ)}")
-        if state.get("base_hash") != self.base_hash:
-            raise LoraError("the saved adapter was trained on another base model than this session's (their "
-                            "weights' digests differ): load it into a session on the same base")
 
     def _load_sharded(self, state: dict) -> int:
         from heterorl.training.sharding import load_sharded

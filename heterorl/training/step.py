@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from gepo import LossInputError
-from heterorl.config import Config, loss_options
+from heterorl.config import Config
 from heterorl.training.lr_schedule import learning_rate
 from heterorl.training.session import AdamParams, Datum, TrainingClient, resolve_loss
 
@@ -106,7 +106,7 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
     metrics: dict = {"optim/updates": 0}
     reason = NO_SIGNAL
     row_of = {id(d): i for i, d in enumerate(datums)}
-    loss_fn, loss_config = cfg.loss.name, loss_options(cfg)
+    loss_fn, loss_config = cfg.loss.name, cfg.loss.resolved_options()
     if world > 1:
         loss_fn, loss_config = resolve_loss(loss_fn, loss_config)
         loss_fn = refused_on_any_rank(loss_fn, rank, world)

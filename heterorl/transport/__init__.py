@@ -2,7 +2,8 @@
 
 Modules: `protocol` (versioned messages, the strict codec), `weights` (state-dict packing into chunks), `sockets`
 (addresses, CurveZMQ keys, socket setup and the helpers both ends share), `server` (`LearnerServer`, the learner's
-end) and `client` (`WorkerClient`, a worker's end). Each end runs one I/O thread that owns its sockets; callers
+end: an I/O loop over `registry`, `intake` with `groups`, `admission`, `release` and `membership`) and `client`
+(`WorkerClient`, a worker's end). Each end runs one I/O thread that owns its sockets; callers
 talk to it through locked state.
 
 Channels (patterns, HWMs and timeouts are stated where the sockets are made):
@@ -17,7 +18,8 @@ Delays (``heterorl.delay``) hold trajectories on the worker and weights notices 
 """
 
 from heterorl.transport.client import WorkerClient
-from heterorl.transport.server import LearnerServer, WorkerInfo
+from heterorl.transport.registry import WorkerInfo
+from heterorl.transport.server import LearnerServer
 from heterorl.transport.sockets import (
     CurveConfig,
     DelaySchedule,

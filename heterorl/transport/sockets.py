@@ -1,7 +1,7 @@
 """What both ends of the transport share: addresses, CurveZMQ keys, socket setup, non-blocking send and receive,
 the I/O thread's wake-up pipe, and the transport's errors.
 
-Sockets are made here with a channel's high-water marks, linger and inbound size limit (`_socket`); which
+Sockets are made here with a channel's high-water marks, linger and inbound size limit (`make_socket`); which
 pattern, HWM and timeouts each channel uses is stated where the learner binds it (`server.LearnerServer._open`)
 and where a worker connects it (`client.WorkerClient._connect`).
 """
@@ -139,20 +139,20 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def _require_security(address: str, curve: CurveConfig | None, config: TransportConfig, refusal: str) -> None:
+def require_security(address: str, curve: CurveConfig | None, config: TransportConfig, refusal: str) -> None:
     """Plaintext only on loopback, unless the config allows it; ``refusal`` is the error, naming the fix."""
     if curve is None and not is_loopback(address) and not config.allow_plaintext:
         raise ConfigError(refusal)
 
 
-def _port_of(address: str) -> int:
+def port_of(address: str) -> int:
     try:
         return int(address.rsplit(":", 1)[1])
     except (IndexError, ValueError):
         raise ConfigError(f"address {address!r} has no numeric port") from None
 
 
-def _socket(ctx: zmq.Context, kind: int, hwm: int, config: TransportConfig, limits: Limits) -> zmq.Socket:
+def make_socket(ctx: zmq.Context, kind: int, hwm: int, config: TransportConfig, limits: Limits) -> zmq.Socket:
     """A socket with the channel's high-water marks, linger and inbound size limit."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.SNDHWM, hwm)
@@ -162,7 +162,7 @@ def _socket(ctx: zmq.Context, kind: int, hwm: int, config: TransportConfig, limi
     return sock
 
 
-def _receive(sock: zmq.Socket, handle, limit: int = 256) -> None:
+def receive_waiting(sock: zmq.Socket, handle, limit: int = 256) -> None:
     """Hand up to ``limit`` waiting messages to ``handle(sock, frames)`` without blocking."""
     for _ in range(limit):
         try:
@@ -172,7 +172,7 @@ def _receive(sock: zmq.Socket, handle, limit: int = 256) -> None:
         handle(sock, frames)
 
 
-def _send(sock: zmq.Socket, frames: list, stats: Counter, what: str) -> bool:
+def send_frames(sock: zmq.Socket, frames: list, stats: Counter, what: str) -> bool:
     """Non-blocking send; a full queue or a vanished peer is counted, never raised."""
     try:
         sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
@@ -186,7 +186,7 @@ def _send(sock: zmq.Socket, frames: list, stats: Counter, what: str) -> bool:
     return False
 
 
-class _Wakeup:
+class Wakeup:
     """A self-pipe the I/O thread polls next to its sockets, so another thread can wake it at once (a pipe is
     safe to write from any thread; a ZeroMQ socket is not)."""
 
@@ -216,7 +216,7 @@ class _Wakeup:
                 pass
 
 
-class _Endpoint:
+class Endpoint:
     """Context-manager support: ``with LearnerServer(...) as server:`` closes it on the way out."""
 
     def close(self, reason: str = "") -> None:

@@ -1,7 +1,6 @@
 """Delay injector: distributions against their definitions, links, clocks and delayed delivery."""
 
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 from statistics import NormalDist
@@ -10,8 +9,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from heterorl.config import DelayConfig, load_trace
-from heterorl.delay.clock import Clock, ScaledClock, VirtualClock
+from heterorl.config import LinkDelayConfig, load_trace
+from heterorl.delay.clock import Clock, RealClock, ScaledClock
 from heterorl.delay.links import DelayLink, DelayModel, LogNormalLatency, WeibullLatency, link_seed
 from heterorl.delay.queue import DelayQueue
 from heterorl.errors import ClockError, ConfigError, DelayConfigError
@@ -21,7 +20,7 @@ N = 200_000
 
 
 def model(seed=0, **fields) -> DelayModel:
-    return DelayModel(DelayConfig(**fields), np.random.default_rng(seed))
+    return DelayModel(LinkDelayConfig(**fields), np.random.default_rng(seed))
 
 
 def assert_rate(hits: int, n: int, p: float) -> None:
@@ -118,7 +117,7 @@ def test_trace_replays_in_order_and_cycles(tmp_path):
     path = tmp_path / "lat.txt"
     path.write_text("# recorded latencies, seconds\n3.5\n\n1  # a fast one\n 20\n")
     assert load_trace(path).tolist() == [3.5, 1.0, 20.0]
-    link = DelayLink(DelayConfig(kind="trace", trace_path=str(path), reorder=True))
+    link = DelayLink(LinkDelayConfig(kind="trace", trace_path=str(path), reorder=True))
     assert [link.schedule(100.0 * i) - 100.0 * i for i in range(7)] == [3.5, 1.0, 20.0, 3.5, 1.0, 20.0, 3.5]
 
 
@@ -137,14 +136,14 @@ def test_link_seed_is_stable_and_depends_on_seed_and_name():
 
 
 def test_same_seed_same_sequence_different_seed_or_link_different():
-    cfg = DelayConfig(kind="weibull", seed=3, loss_prob=0.1)
-    assert deliveries(cfg) == deliveries(DelayConfig(kind="weibull", seed=3, loss_prob=0.1))
-    assert deliveries(cfg) != deliveries(DelayConfig(kind="weibull", seed=4, loss_prob=0.1))
+    cfg = LinkDelayConfig(kind="weibull", seed=3, loss_prob=0.1)
+    assert deliveries(cfg) == deliveries(LinkDelayConfig(kind="weibull", seed=3, loss_prob=0.1))
+    assert deliveries(cfg) != deliveries(LinkDelayConfig(kind="weibull", seed=4, loss_prob=0.1))
     assert deliveries(cfg) != deliveries(cfg, name="worker-1/trajectories")
 
 
 def test_order_preserving_link_delivers_at_max_of_sampled_and_previous():
-    cfg = DelayConfig(kind="lognormal", seed=1)
+    cfg = LinkDelayConfig(kind="lognormal", seed=1)
     got = deliveries(cfg, gap_s=5.0)
     delays = DelayLink(cfg, "worker-0/trajectories").model.sample(len(got))  # the same stream
     expected, last = [], -math.inf
@@ -156,7 +155,7 @@ def test_order_preserving_link_delivers_at_max_of_sampled_and_previous():
 
 
 def test_reorder_mode_delivers_at_sampled_times_and_reorders():
-    cfg = DelayConfig(kind="lognormal", seed=1, reorder=True)
+    cfg = LinkDelayConfig(kind="lognormal", seed=1, reorder=True)
     got = deliveries(cfg, gap_s=5.0)
     delays = DelayLink(cfg, "worker-0/trajectories").model.sample(len(got))
     assert got == [5.0 * i + d for i, d in enumerate(delays)]
@@ -164,15 +163,15 @@ def test_reorder_mode_delivers_at_sampled_times_and_reorders():
 
 
 def test_loss_rate_and_losses_leave_the_delay_stream_unchanged():
-    lossy = deliveries(DelayConfig(kind="exponential", mean_s=30, loss_prob=0.3, reorder=True), n=20_000)
-    clean = deliveries(DelayConfig(kind="exponential", mean_s=30, reorder=True), n=20_000)
+    lossy = deliveries(LinkDelayConfig(kind="exponential", mean_s=30, loss_prob=0.3, reorder=True), n=20_000)
+    clean = deliveries(LinkDelayConfig(kind="exponential", mean_s=30, reorder=True), n=20_000)
     assert_rate(sum(d is None for d in lossy), len(lossy), 0.3)
     assert all(d == c for d, c in zip(lossy, clean) if d is not None)
-    assert set(deliveries(DelayConfig(loss_prob=1.0), n=50)) == {None}
+    assert set(deliveries(LinkDelayConfig(loss_prob=1.0), n=50)) == {None}
 
 
 def test_bandwidth_adds_size_over_bandwidth_and_queues_fifo():
-    link = DelayLink(DelayConfig(kind="constant", constant_s=10, bandwidth_bytes_per_s=1000))
+    link = DelayLink(LinkDelayConfig(kind="constant", constant_s=10, bandwidth_bytes_per_s=1000))
     assert [link.schedule(0.0, 2000) for _ in range(3)] == [12.0, 14.0, 16.0]  # 2 s each on the wire, queued
     assert link.schedule(5.0, 500) == 16.5  # link busy until 6 s, then 0.5 s on the wire, then 10 s of delay
     assert link.schedule(100.0, 1000) == 111.0  # an idle link: no queueing
@@ -180,7 +179,7 @@ def test_bandwidth_adds_size_over_bandwidth_and_queues_fifo():
 
 
 def test_schedule_rejects_sends_out_of_order_and_bad_sizes():
-    link = DelayLink(DelayConfig())
+    link = DelayLink(LinkDelayConfig())
     link.schedule(10.0)
     with pytest.raises(ValueError, match="before the previous send"):
         link.schedule(9.0)
@@ -190,23 +189,11 @@ def test_schedule_rejects_sends_out_of_order_and_bad_sizes():
 
 # ---- clocks ----------------------------------------------------------------------------------------------------
 
-def test_virtual_clock_moves_only_when_advanced():
-    clock = VirtualClock(start_s=5.0)
-    assert isinstance(clock, Clock) and clock.now() == 5.0
-    clock.sleep(2.5)
-    assert clock.now() == 7.5 and clock.advance(0.5) == 8.0 and clock.advance_to(100.0) == 100.0
-    clock.wait_until(threading.Condition(), 150.0)
-    assert clock.now() == 150.0
-    with pytest.raises(ClockError, match="only moves forward"):
-        clock.advance_to(149.0)
-    with pytest.raises(ClockError, match=">= 0"):
-        clock.advance(-1)
-
-
 def test_scaled_clock_runs_factor_times_faster():
     clock = ScaledClock(200)
+    assert isinstance(clock, Clock) and isinstance(RealClock(), Clock) and RealClock().factor == 1.0
     real_a, sim_start, real_b = time.monotonic(), clock.now(), time.monotonic()
-    clock.sleep(20.0)  # 0.1 real seconds
+    time.sleep(0.1)  # 20 simulated seconds
     real_c, sim_end, real_d = time.monotonic(), clock.now(), time.monotonic()
     # the simulated interval, scaled back, lies between the real intervals that bracket its two readings
     assert real_c - real_b <= (sim_end - sim_start) / 200 <= real_d - real_a
@@ -217,20 +204,20 @@ def test_scaled_clock_runs_factor_times_faster():
 
 # ---- delayed delivery ------------------------------------------------------------------------------------------
 
-def test_delay_queue_on_a_virtual_clock_delivers_exactly_on_schedule():
-    clock = VirtualClock()
-    link, queue = DelayLink(DelayConfig(kind="weibull", reorder=True, seed=2)), DelayQueue()
+def test_delay_queue_on_virtual_time_delivers_exactly_on_schedule():
+    now = 0.0
+    link, queue = DelayLink(LinkDelayConfig(kind="weibull", reorder=True, seed=2)), DelayQueue()
     send_times = [7.0 * i for i in range(50)]
     scheduled, received = {}, []
     while len(received) < len(send_times):  # a discrete-event loop: sends and deliveries, earliest first
-        while len(scheduled) < len(send_times) and send_times[len(scheduled)] <= clock.now():
+        while len(scheduled) < len(send_times) and send_times[len(scheduled)] <= now:
             i = len(scheduled)
-            scheduled[i] = link.schedule(clock.now())
+            scheduled[i] = link.schedule(now)
             queue.put(scheduled[i], i)
-        received += [(clock.now(), m) for _, _, m in queue.pop_due(clock.now())]
+        received += [(now, m) for _, _, m in queue.pop_due(now)]
         events = [t for t in (queue.next_due_time(), *send_times[len(scheduled):len(scheduled) + 1]) if t is not None]
         if events:
-            clock.advance_to(min(events))
+            now = min(events)
     assert all(t == scheduled[m] for t, m in received)  # popped at exactly its delivery time
     assert [m for _, m in received] == sorted(scheduled, key=scheduled.get)
     assert [m for _, m in received] != sorted(scheduled)  # the reordering link did reorder
@@ -280,7 +267,7 @@ def test_delay_queue_counts_and_pops_only_what_is_due():
 ])
 def test_invalid_config_names_the_field_and_the_fix(fields, key, phrase):
     with pytest.raises(DelayConfigError, match=f"`{key}`") as caught:
-        DelayConfig(**fields).validate()
+        LinkDelayConfig(**fields).validate()
     assert phrase in str(caught.value) and isinstance(caught.value, ConfigError)
 
 
@@ -294,22 +281,22 @@ def test_bad_trace_file_names_the_line(tmp_path, text, phrase):
     path = tmp_path / "lat.txt"
     path.write_text(text)
     with pytest.raises(DelayConfigError, match="lat.txt") as caught:
-        DelayLink(DelayConfig(kind="trace", trace_path=str(path)))
+        DelayLink(LinkDelayConfig(kind="trace", trace_path=str(path)))
     assert phrase in str(caught.value)
 
 
 def test_missing_trace_file_is_named(tmp_path):
     with pytest.raises(DelayConfigError, match=r"nope\.txt .*does not exist"):
-        DelayConfig(kind="trace", trace_path=str(tmp_path / "nope.txt")).validate(key="rollout.delay")
+        LinkDelayConfig(kind="trace", trace_path=str(tmp_path / "nope.txt")).validate(key="rollout.delay")
 
 
 def test_config_nests_in_an_omegaconf_structured_config():
     @dataclass
     class Run:
-        delay: DelayConfig = field(default_factory=DelayConfig)
+        delay: LinkDelayConfig = field(default_factory=LinkDelayConfig)
 
     run = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Run),
                                               OmegaConf.from_dotlist(["delay.kind=weibull", "delay.U_s=3600",
                                                                       "delay.bandwidth_bytes_per_s=1e6"])))
-    assert run.delay == DelayConfig(kind="weibull", U_s=3600.0, bandwidth_bytes_per_s=1e6)
+    assert run.delay == LinkDelayConfig(kind="weibull", U_s=3600.0, bandwidth_bytes_per_s=1e6)
     run.delay.validate()

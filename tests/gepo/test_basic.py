@@ -39,7 +39,8 @@ def test_grpo_clip_zeroes_gradient_where_the_rule_says():
     lp = torch.tensor([[0.0], [0.0]], requires_grad=True)
     batch = gepo.LossBatch(logprobs=lp, mask=torch.ones(2, 1), behaviour_logprobs=torch.full((2, 1), -0.5),
                            advantages=torch.tensor([1.0, -1.0]))
-    loss, metrics = gepo.get_loss("grpo").fn(batch, gepo.make_loss_config("grpo", {"clip_eps": 0.2, "advantage": "given"}))
+    config = gepo.make_loss_config("grpo", {"clip_eps": 0.2, "advantage": "given"})
+    loss, metrics = gepo.get_loss("grpo").fn(batch, config)
     loss.backward()
     assert lp.grad[0, 0] == 0.0
     assert lp.grad[1, 0].item() == pytest.approx(math.exp(0.5) / 2)

@@ -46,7 +46,8 @@ def test_short_remake_of_the_base_follows_the_recorded_curve(config, base):
     task = _task(cfg)
     model, tok = load_policy("tiny", alphabet=task.alphabet(), tiny=cfg.policy.tiny)
     losses = {}
-    run_sft(cfg, TrainingClient(model, tok, seed=cfg.seed), task, progress=lambda s, m: losses.update({s: m["sft/loss"]}))
+    run_sft(cfg, TrainingClient(model, tok, seed=cfg.seed), task,
+            progress=lambda s, m: losses.update({s: m["sft/loss"]}))
     recorded = {r["step"]: r["sft/loss"] for r in read_metrics(packaged(base) / "sft_metrics.jsonl")}
     for step in (1, 10, 30, 60):
         assert losses[step] == pytest.approx(recorded[step], rel=0.02), step

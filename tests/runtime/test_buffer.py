@@ -5,8 +5,9 @@ import pytest
 
 from heterorl.config import BufferConfig
 from heterorl.errors import ConfigError
+from heterorl.runtime.accounting import rollout_waste
 from heterorl.runtime.buffer import GroupBuffer, Pacer
-from heterorl.runtime.learner import rollout_waste
+from heterorl.transport.groups import GroupAssembler
 from heterorl.transport.protocol import Trajectory
 from tests.conftest import trajectory
 
@@ -18,8 +19,7 @@ def member(group: str, j: int, version: int, size: int = 2, sampler: str = "w0")
 
 def fill(buffer: GroupBuffer, versions: dict[str, int], now: float = 0.0) -> None:
     for gid, version in versions.items():
-        for j in range(2):
-            buffer.add(member(gid, j, version), now)
+        buffer.add_group([member(gid, j, version) for j in range(2)], now)
 
 
 def ids(groups) -> list[str]:
@@ -27,24 +27,20 @@ def ids(groups) -> list[str]:
 
 
 def test_only_complete_groups_are_handed_out():
-    buffer = GroupBuffer(BufferConfig(policy="count_only"))
-    assert buffer.add(member("a", 0, 1), 0.0) is None
+    groups, buffer = GroupAssembler(timeout_s=600), GroupBuffer(BufferConfig(policy="count_only"))
+    assert groups.add(member("a", 0, 1), 0.0).complete is None
     assert buffer.take(1, current_version=1) is None  # half a group is not a group
-    group = buffer.add(member("a", 1, 1), 0.0)
-    assert group is not None and len(group.trajectories) == 2
+    group = buffer.add_group(groups.add(member("a", 1, 1), 0.0).complete, 0.0)
+    assert len(group.trajectories) == 2
     assert ids(buffer.take(1, current_version=1)) == ["a"]
 
 
-def test_a_group_mixing_sizes_refuses_the_newcomer_and_samplers_never_share_a_group():
+def test_what_never_arrived_whole_is_counted_by_reason():
     buffer = GroupBuffer()
-    buffer.add(member("a", 0, 1, size=2), 0.0)
-    assert buffer.add(member("a", 1, 1, size=3), 0.0) is None
-    assert buffer.counters["inconsistent"] == 1 and len(buffer) == 0
-    # group ids are the workers' own: "a" from another sampler is another group, and completes on its own
-    assert buffer.add(member("a", 1, 1, sampler="w9", size=2), 0.0) is None
-    assert buffer.add(member("a", 2, 1, sampler="w9", size=2), 0.0).trajectories[0].sampler_id == "w9"
-    assert buffer.add(member("a", 1, 1, size=2), 0.0).trajectories[0].sampler_id != "w9"
-    assert len(buffer) == 2 and buffer.counters["inconsistent"] == 1
+    buffer.count_unassembled("inconsistent", 1)  # a member refused for another group size
+    buffer.count_unassembled("partial", 3)  # a group of 4 that lost a member: its 3 expire
+    assert (buffer.counters["inconsistent"], buffer.counters["dropped_partial"], len(buffer)) == (1, 1, 0)
+    assert dict(buffer.discarded) == {"inconsistent": 1, "partial": 3}
 
 
 def test_window_discards_stale_groups_takes_the_newest_and_blocks_when_none_is_fresh():
@@ -81,8 +77,7 @@ def test_staleness_counts_the_oldest_token_of_the_group():
     buffer = GroupBuffer(BufferConfig(policy="count_only"))
     old = member("g", 0, 3)
     old.policy_versions = np.array([3, 4], dtype=np.int32)  # spans a weight update
-    buffer.add(old, 0.0)
-    buffer.add(member("g", 1, 4), 0.0)
+    buffer.add_group([old, member("g", 1, 4)], 0.0)
     [group] = buffer.take(1, current_version=6)
     assert (group.oldest_version, group.newest_version, buffer.staleness(group, 6)) == (3, 4, 3)
 
@@ -121,11 +116,9 @@ def test_the_pacer_rises_only_while_the_learner_waits_on_a_fleet_out_of_permits(
 
 
 def test_discarded_trajectories_are_counted_by_reason_in_the_waste_report():
-    buffer = GroupBuffer(BufferConfig(policy="window", max_staleness_steps=1, max_groups=2,
-                                      partial_group_timeout_s=10))
+    buffer = GroupBuffer(BufferConfig(policy="window", max_staleness_steps=1, max_groups=2))
     fill(buffer, {"a": 0, "b": 5, "c": 5})  # a overflows (2 trajectories)
-    buffer.add(member("p", 0, 5), 0.0)  # half a group, expired below
-    buffer.expire_partial(20.0)
+    buffer.count_unassembled("partial", 1)  # half a group, expired before it reached the buffer
     fill(buffer, {"d": 0})  # b overflows; d is stale at version 5
     assert ids(buffer.take(1, current_version=5)) == ["c"]
     assert dict(buffer.discarded) == {"overflow": 4, "partial": 1, "stale": 2}
@@ -136,11 +129,15 @@ def test_discarded_trajectories_are_counted_by_reason_in_the_waste_report():
 
 
 def test_overflow_and_partial_expiry_are_counted():
-    buffer = GroupBuffer(BufferConfig(policy="count_only", max_groups=2, partial_group_timeout_s=10))
+    buffer = GroupBuffer(BufferConfig(policy="count_only", max_groups=2))
     fill(buffer, {"a": 0, "b": 0, "c": 0})
     assert len(buffer) == 2 and buffer.counters["dropped_overflow"] == 1
-    buffer.add(member("half", 0, 0), now_s=100.0)
-    assert buffer.expire_partial(105.0) == 0 and buffer.expire_partial(111.0) == 1
+    groups = GroupAssembler(timeout_s=10)
+    groups.add(member("half", 0, 0), now_s=100.0)
+    assert groups.expire(105.0) == []
+    [expired] = groups.expire(111.0)
+    buffer.count_unassembled("partial", len(expired.members))
+    assert buffer.counters["dropped_partial"] == 1 and buffer.discarded["partial"] == 1
 
 
 @pytest.mark.parametrize("field, value", [("policy", "lifo"), ("select", "random"), ("max_staleness_steps", -1),

@@ -1,9 +1,6 @@
 """Learner data parallelism: 2 ranks (gloo, CPU) end with the same weights as 1 rank on the same batches, the whole
 model's or a LoRA adapter's."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -54,10 +51,10 @@ def train(rank: int, world: int, lora: bool = False) -> dict:
     return {k: v.detach().clone() for k, v in training.model.state_dict().items()}
 
 
-def _rank_main(rank: int, world: int, port: int, out_path: str, lora: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(rank: int, world: int, rendezvous: str, out_path: str, lora: bool) -> None:
+    """One rank; the ranks meet in the file ``rendezvous`` (no port to pick: gloo binds its own free ones)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         state = train(rank, world, lora)
         if rank == 0:
@@ -66,16 +63,10 @@ def _rank_main(rank: int, world: int, port: int, out_path: str, lora: bool) -> N
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_match_one_rank(tmp_path):
     single = train(0, 1)
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank_main, args=(2, _free_port(), str(out), False), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, str(tmp_path / "rendezvous"), str(out), False), nprocs=2, join=True)
     double = torch.load(out)
     base = {k: v for k, v in build_tiny_policy(ALPHABET, TinyModelConfig(
         hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64, seed=3))[0]
@@ -89,7 +80,7 @@ def test_two_ranks_match_one_rank(tmp_path):
 def test_two_ranks_train_a_lora_adapter_as_one_rank_does(tmp_path):
     single = train(0, 1, lora=True)
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank_main, args=(2, _free_port(), str(out), True), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, str(tmp_path / "rendezvous"), str(out), True), nprocs=2, join=True)
     double = torch.load(out)
     assert set(single) == set(double) and all(".lora_" in name for name in single)
     moved = max(single[k].abs().max().item() for k in single if ".lora_B" in k)  # B starts at 0

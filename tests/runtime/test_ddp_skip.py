@@ -13,9 +13,9 @@ from heterorl.config import load_config
 from heterorl.policies import TinyModelConfig, build_tiny_policy
 from heterorl.training.session import TrainingClient
 from heterorl.training.step import BAD_BATCH, SkippedUpdate, optimize_batch
-from tests.runtime.test_ddp import ALPHABET, OVERRIDES, _free_port, batches
+from tests.runtime.test_ddp import ALPHABET, OVERRIDES, batches
 
-TIMEOUT_S = 60  # both ranks finish in seconds; a rank left in the all-reduce would wait for gloo's 30 minutes
+TIMEOUT_S = 600  # both ranks finish in seconds (minutes on a busy machine); one left in the all-reduce waits 30 min
 POISONED_GROUP = 1  # with 2 ranks, groups 1 and 3 are rank 1's share of the minibatch: rank 0 sees none of it
 
 
@@ -38,10 +38,9 @@ def _weights(training: TrainingClient) -> dict:
     return {k: v.detach().clone() for k, v in training.model.state_dict().items()}
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank_main(rank: int, world: int, out_dir: str) -> None:
+    torch.set_num_threads(1)  # the ranks meet in a file (no port to pick: gloo binds its own free ones)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     try:
         cfg = load_config(None, OVERRIDES + ["rl.updates_per_batch=1"])  # the poisoned minibatch is the only one
         training = _client()
@@ -59,7 +58,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_a_minibatch_refused_on_one_rank_is_skipped_on_every_rank(tmp_path):
-    ranks = mp.start_processes(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False,
+    ranks = mp.start_processes(_rank_main, args=(2, str(tmp_path)), nprocs=2, join=False,
                                start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     try:

@@ -144,7 +144,7 @@ def test_a_hostile_worker_cannot_stop_the_learner_and_is_told_why(tmp_path):
         hostile.close()
         server.close()
     assert "error" not in outcome, outcome.get("error")
-    assert outcome["result"].steps == 3 and learner.state.groups_trained == 12
+    assert outcome["result"].steps == 3 and learner.state.tally.groups_trained == 12
 
     # every poison, and the rest of its group, refused for its reason and counted by reason
     expected = {"rejected/version_ahead": 1, "rejected/token_out_of_vocab": 2, "rejected/too_long": 2,
@@ -209,7 +209,7 @@ def test_a_batch_whose_loss_is_not_finite_is_skipped_and_kept_for_inspection(tmp
     assert len(steps) == 3 and sum(r.get("optim/skip_reason") == "bad_batch" for r in steps) == len(lines)
 
 
-def test_an_honest_worker_keeps_the_contract_the_learner_states(tmp_path):
+def test_an_honest_worker_keeps_the_contract_the_learner_states(tmp_path, silent_learner):
     """The rollout worker clips behaviour log-probs at the floor, caps each call's ``max_tokens`` so that prompt
     + completion fit the learner's context (and stops when a prompt alone does not), and refuses a policy with
     more token ids than the learner's model takes."""
@@ -223,7 +223,7 @@ def test_an_honest_worker_keeps_the_contract_the_learner_states(tmp_path):
     contract = TrajectoryContract(vocab_size=VOCAB, max_sequence_len=30, group_size=4)
     assert contract.breaches(TrajectoryBatch(group), 0) == []
 
-    worker = RolloutWorker(WorkerOptions("tcp://127.0.0.1:9", "w"))  # never connects: nothing listens there
+    worker = RolloutWorker(WorkerOptions(silent_learner, "w"))  # never joins: the learner never answers
     try:
         worker.contract = contract
         assert worker._sampling_params(cfg, [[5] * 4, [5] * 10]).max_tokens == 20  # 30 − the longest prompt

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from heterorl.runs import read_metrics
-from tests.conftest import ENV, REPO, maze_run, run_cli, trajectory, wait_until
+from tests.conftest import ENV, REPO, maze_run, ports_held_for_a_restart, run_cli, trajectory, wait_until
 
 
 def write_config(tmp_path: Path, steps: int = 6, extra: str = "") -> Path:
@@ -209,10 +209,15 @@ def test_kill_minus_nine_learner_resumes_and_workers_reconnect(tmp_path):
         wait_until(lambda: learner_step(run) >= 2, 240, "the first checkpoint")
         learner.send_signal(signal.SIGKILL)
         learner.wait(30)
-        before = learner_step(run)
-        versions_before = [r["policy/version"] for r in read_metrics(run / "metrics.jsonl") if "policy/version" in r]
-        learner = spawn("learner", "--config", str(config), "--resume", log=tmp_path / "learner2.log")
-        assert learner.wait(400) == 0, (tmp_path / "learner2.log").read_text()[-3000:]
+        with ports_held_for_a_restart(run):
+            before = learner_step(run)
+            versions_before = [r["policy/version"] for r in read_metrics(run / "metrics.jsonl")
+                               if "policy/version" in r]
+            log = tmp_path / "learner2.log"
+            learner = spawn("learner", "--config", str(config), "--resume", log=log)
+            wait_until(lambda: "learner listening" in log.read_text() or learner.poll() is not None, 240,
+                       "the resumed learner to bind")
+        assert learner.wait(400) == 0, log.read_text()[-3000:]
         for w in workers:
             assert w.wait(60) == 0  # they reconnected by themselves and left on the bye
         state = json.loads((run / "checkpoints" / "learner_state.json").read_text())

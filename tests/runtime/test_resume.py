@@ -19,8 +19,9 @@ from heterorl.engines.base import SampleOutput
 from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy
 from heterorl.runs import read_metrics
+from heterorl.runtime.checkpoints import PUBLISHED, read_checkpoint
 from heterorl.runtime.launch import keep_metrics_until, serve_learner
-from heterorl.runtime.learner import PUBLISHED, Learner, read_checkpoint
+from heterorl.runtime.learner import Learner
 from heterorl.runtime.worker import new_session, stamp_groups
 from heterorl.tasks import make_task, make_task_from
 from heterorl.training.session import AdamParams, Datum, TrainingClient
@@ -35,7 +36,7 @@ from heterorl.transport.protocol import (
     decode,
     encode,
 )
-from tests.conftest import maze_run, run_cli, trajectory, wait_until
+from tests.conftest import maze_run, ports_held_for_a_restart, run_cli, trajectory, wait_until
 from tests.runtime.test_processes import endpoint, spawn
 
 # a step takes about 0.1 s: the run goes on long after the last kill, which cannot come after its end however
@@ -112,13 +113,16 @@ def test_a_learner_killed_between_checkpoints_resumes_and_its_workers_carry_on(t
         restart("w1")
         for at_step, stop, restart_w1 in SCHEDULE:
             wait_until(lambda: last_step(run) >= at_step, 240, f"step {at_step}")
-            if stop is not None:
-                learners[-1].send_signal(stop)
-                assert learners[-1].wait(30) == (130 if stop == signal.SIGINT else -stop)
+            if stop is None:
+                if restart_w1:
+                    restart("w1")
+                continue
+            learners[-1].send_signal(stop)
+            assert learners[-1].wait(30) == (130 if stop == signal.SIGINT else -stop)
+            with ports_held_for_a_restart(run):  # until the resumed learner binds them again
                 kills.append({"signal": stop.name, **at_kill(run)})
-            if restart_w1:
-                restart("w1")
-            if stop is not None:
+                if restart_w1:
+                    restart("w1")
                 log = tmp_path / f"learner-{len(learners)}.log"
                 learners.append(spawn("learner", "--config", str(config), "--resume", log=log))
                 # it drops the metrics after its checkpoint before it listens: the next wait reads its own steps
@@ -148,7 +152,7 @@ def test_a_learner_killed_between_checkpoints_resumes_and_its_workers_carry_on(t
     state = json.loads((run / "checkpoints" / "learner_state.json").read_text())
     trained_groups = {tid.rsplit("-", 1)[0] for tid in state["trained_ids"]}
     # every step took 4 whole groups, each counted once: no group (nor any of its trajectories) trained twice
-    assert state["step"] == STEPS and state["groups_trained"] == len(trained_groups) == STEPS * GROUPS_PER_STEP
+    assert state["step"] == STEPS and state["tally"]["groups_trained"] == len(trained_groups) == STEPS * GROUPS_PER_STEP
     assert all(key.startswith(("w0|w0-", "w1|w1-")) for key in state["trained_ids"])  # namespaced by worker
     sessions = {key.split("-")[1] for key in state["trained_ids"] if key.startswith("w1|")}
     assert len(sessions) >= 2  # w1's lives stamped ids of their own

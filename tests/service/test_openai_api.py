@@ -244,9 +244,9 @@ def test_a_busy_sampler_holds_up_only_its_own_requests(api, served):
     assert answers[0].choices[0].text == own_sample(served["tiny"], PROMPT, max_tokens=3, temperature=0)[1].text
 
 
-def test_a_rollout_worker_serves_the_weights_it_holds(add3_policy):
+def test_a_rollout_worker_serves_the_weights_it_holds(add3_policy, silent_learner):
     model, tokenizer = add3_policy
-    worker = RolloutWorker(WorkerOptions("tcp://127.0.0.1:9", "w0", openai_port=0))  # no learner listens there
+    worker = RolloutWorker(WorkerOptions(silent_learner, "w0", openai_port=0))  # the learner never answers
     try:
         url = worker.openai_server.url
         assert httpx.get(f"{url}/v1/models").json() == {"object": "list", "data": []}  # no weights yet

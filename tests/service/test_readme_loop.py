@@ -1,25 +1,25 @@
-"""The README's GRPO loop, taken from the README as it is and run against `heterorl serve` in its own process on
-loopback: it must learn (held-out greedy success rises, fixed seeds)."""
+"""The documented remote GRPO loop (docs/SERVICE.md), taken from the page as it is and run against
+`heterorl serve` in its own process on loopback: it must learn (held-out greedy success rises, fixed seeds)."""
 
 import os
 import re
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from heterorl.bench.service import start_service
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "<!-- the remote GRPO loop -->"
 
 
 def readme_loop() -> str:
-    """The python block that follows the marker in the README."""
-    text = (ROOT / "README.md").read_text()
-    assert MARKER in text, f"README.md lost its {MARKER!r} block"
+    """The python block that follows the marker in docs/SERVICE.md."""
+    text = (ROOT / "docs" / "SERVICE.md").read_text()
+    assert MARKER in text, f"docs/SERVICE.md lost its {MARKER!r} block"
     found = re.search(r"```python\n(.*?)```", text[text.index(MARKER):], re.S)
-    assert found, "no ```python block after the marker"
+    assert found, "no ```python block after the marker in docs/SERVICE.md"
     return found.group(1)
 
 
@@ -28,18 +28,10 @@ def served(tmp_path):
     """`heterorl serve --bind 127.0.0.1:0` with a key; yields (url, key)."""
     key = "readme-loop-key"
     (tmp_path / "key.txt").write_text(key + "\n")
-    log = tmp_path / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "heterorl.cli", "serve", "--bind", "127.0.0.1:0",
-                                 "--api-key-file", str(tmp_path / "key.txt"), "--state-dir", str(tmp_path / "state"),
-                                 "--threads", "1", "--log-level", "warning"],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+    (tmp_path / "state").mkdir()
+    proc, url = start_service("--api-key-file", str(tmp_path / "key.txt"), "--threads", "1",
+                              state_dir=str(tmp_path / "state"))
     try:
-        deadline, url = time.monotonic() + 120, None
-        while url is None and proc.poll() is None and time.monotonic() < deadline:
-            found = re.search(r"serving training sessions on (http://\S+)", log.read_text())
-            url = found.group(1) if found else time.sleep(0.1)
-        assert url, f"heterorl serve did not start:\n{log.read_text()}"
         yield url, key
     finally:
         proc.terminate()
@@ -55,7 +47,7 @@ def test_the_readme_grpo_loop_learns_against_a_served_learner(served, monkeypatc
     monkeypatch.setenv("HETERORL_URL", url)
     monkeypatch.setenv("HETERORL_API_KEY", key)
     scope: dict = {"__name__": "readme_loop"}
-    exec(compile(readme_loop(), "README.md (the remote GRPO loop)", "exec"), scope)
+    exec(compile(readme_loop(), "docs/SERVICE.md (the remote GRPO loop)", "exec"), scope)
     scope["service"].close()
     before, after = scope["before"], scope["after"]
     print(capsys.readouterr().out)

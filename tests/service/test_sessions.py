@@ -9,9 +9,9 @@ import torch
 from heterorl.engines.base import SamplingParams
 from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy
+from heterorl.service.client import connect
 from heterorl.service.server import ServerThread, create_app
 from heterorl.service.sessions import Service
-from heterorl.session import connect
 from heterorl.training.session import AdamParams, Datum, TrainingClient
 
 BASE = "add3-sft-base"

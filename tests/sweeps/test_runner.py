@@ -136,10 +136,21 @@ def test_a_sweep_runs_every_cell_resumes_and_reports(tmp_path):
     assert changed.returncode == 0 and "0 done already, 1 to run" in changed.stdout, changed.stdout + changed.stderr
 
 
+def test_a_cell_whose_loss_option_is_refused_stops_the_sweep_before_any_cell_runs(tmp_path):
+    path = write_sweep(tmp_path, SWEEP.replace(
+        "losses: [gepo, grpo]",
+        "losses: {gepo: {loss.name: gepo}, broken: {loss.name: gepo, loss.options.clip_eps: -1}}"))
+    result = run_cli("sweep", str(path), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2 and not (tmp_path / "out" / "cells" / "gepo__d0__s0" / "summary.json").exists()
+    assert "cell broken__d0__s0: config key `loss.options` = {'clip_eps': -1}: clip_eps=-1: must be >= 0" in (
+        result.stderr)
+
+
 @pytest.mark.slow
 def test_a_failing_cell_is_reported_and_the_others_finish(tmp_path):
     path = write_sweep(tmp_path, SWEEP.replace('delays: ["0", "4"]', 'delays: ["0"]').replace(
-        "losses: [gepo, grpo]", "losses: {gepo: {loss.name: gepo}, broken: {loss.name: gepo, loss.options.clip_eps: -1}}"))
+        "losses: [gepo, grpo]",  # (a bad loss option is refused when the sweep plans: a missing policy is not)
+        f"losses: {{gepo: {{loss.name: gepo}}, broken: {{loss.name: gepo, rl.base: {tmp_path / 'no-such-policy'}}}}}"))
     out = tmp_path / "out"
     result = run_cli("sweep", str(path), "--out", str(out))
     assert result.returncode == 1

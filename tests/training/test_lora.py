@@ -6,7 +6,7 @@ import torch
 
 from heterorl.config import LoraConfig
 from heterorl.policies import load_policy
-from heterorl.session import LocalService
+from heterorl.service.client import LocalService
 from heterorl.training import lora
 from heterorl.training.session import AdamParams, TrainingClient
 from tests.service.test_sessions import _batch

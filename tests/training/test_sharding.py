@@ -10,8 +10,8 @@ import torch.multiprocessing as mp
 
 from heterorl.policies import load_policy
 from heterorl.training.session import AdamParams, Datum, TrainingClient, read_training_state
-from heterorl.transport.reshard import DestLayout, Placement, box_slices, local
-from heterorl.transport.shards import slices_for
+from heterorl.transport.weights.reshard import DestLayout, Placement, box_slices, local
+from heterorl.transport.weights.shards import slices_for
 
 BASE = "add3-sft-base"
 WORLD = 2
@@ -74,7 +74,8 @@ def _ranks(rank: int, rendezvous: str, folder: str) -> None:
         _, whole_again = again.save_weights_for_sampler().result()
         if rank == 0:
             sampled = fsdp.live_sampling_client().sample([tokenizer.encode("123+456=")], 1).result()
-            result = {"slices0": (slices, boxes), "losses": losses, "ddp": {k: v.clone() for k, v in ddp.model.state_dict().items()},
+            result = {"slices0": (slices, boxes), "losses": losses,
+                      "ddp": {k: v.clone() for k, v in ddp.model.state_dict().items()},
                       "fsdp": whole, "again": whole_again, "redo": redo, "version": version,
                       "sampled": sampled[0][0].tokens}
         else:

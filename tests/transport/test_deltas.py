@@ -9,7 +9,9 @@ import zstandard
 
 from heterorl.config import TransportConfig
 from heterorl.transport import LearnerServer, WorkerClient
-from heterorl.transport.deltas import (
+from heterorl.transport.protocol import ProtocolError, WeightsRequest, decode, encode
+from heterorl.transport.weights import pack_state_dict, wire_dtype
+from heterorl.transport.weights.deltas import (
     FULL,
     SPARSE,
     SPARSE_ZSTD,
@@ -20,9 +22,8 @@ from heterorl.transport.deltas import (
     encode_step,
     tensor_checksums,
 )
-from heterorl.transport.protocol import ProtocolError, WeightsRequest, decode, encode
-from heterorl.transport.weights import pack_state_dict, wire_dtype
-from tests.transport.test_transport import FAST, wait_for
+from tests.conftest import wait_until
+from tests.transport.test_transport import FAST
 
 BF16 = torch.bfloat16
 
@@ -318,7 +319,8 @@ def test_a_slow_link_carries_the_delta_not_the_whole_version():
         state, gen = master_state(), torch.Generator().manual_seed(7)
         _publish_and_fetch(server, client, state, gen, range(1, 4))
         full = server.store.versions[3].header.total_bytes
-        assert sizes[0] == full and all(s == server.store.chain.bytes_between(v - 1, v) for s, v in zip(sizes[1:], (2, 3)))
+        chain = server.store.chain
+        assert sizes[0] == full and all(s == chain.bytes_between(v - 1, v) for s, v in zip(sizes[1:], (2, 3)))
         assert max(sizes[1:]) < full / 2
         client.close()
     finally:
@@ -358,13 +360,13 @@ def test_a_bandwidth_limited_link_sends_only_the_newest_of_the_versions_publishe
     """Virtual clock: each whole version takes 10 s on the link. Versions 2 and 3 are published while version 1
     is on the wire: only 3 follows it (a worker fetches the newest version released to it), costing the steps
     from 1 to 3 with deltas, the whole version without."""
-    from heterorl.config import DelayConfig
+    from heterorl.config import LinkDelayConfig
     from heterorl.delay.links import DelayLink
 
     config = TransportConfig(**{**SMALL_CHUNKS.__dict__, "weights_deltas": deltas})
     state, gen, clock = master_state(), torch.Generator().manual_seed(9), [0.0]
     full = len(pack_state_dict(state, 0, dtype=BF16).buffer)
-    link = DelayLink(DelayConfig(kind="constant", constant_s=0.0, bandwidth_bytes_per_s=full / 10), "w/weights")
+    link = DelayLink(LinkDelayConfig(kind="constant", constant_s=0.0, bandwidth_bytes_per_s=full / 10), "w/weights")
     server = LearnerServer("tcp://127.0.0.1:0", config, weights_delay=lambda wid: link, clock=lambda: clock[0])
     client = WorkerClient(server.control_endpoint, "w", config)
     try:
@@ -449,9 +451,10 @@ def test_resyncs_that_keep_failing_back_off_and_the_version_comes_once_the_link_
         server.publish(1, state, dtype=BF16)
         packed = server.store.versions[1]
         packed.header.checksums[0] ^= 1  # every transfer of version 1 now fails verification
-        failing = wait_for(lambda: client.stats["weights/resyncs"] >= 3, 30)
-        packed.header.checksums[0] ^= 1  # sound again
-        assert failing, dict(client.stats)
+        try:
+            wait_until(lambda: client.stats["weights/resyncs"] >= 3, 30, lambda: dict(client.stats))
+        finally:
+            packed.header.checksums[0] ^= 1  # sound again
         got = client.wait_weights(0, timeout_s=30)
         assert got is not None and got[0] == 1 and _equal(got[1], state)
         resyncs = client.stats["weights/resyncs"]

@@ -15,6 +15,7 @@ from heterorl.errors import HeteroRLError
 from heterorl.transport.protocol import (
     BYE_RUN_FINISHED,
     BYE_WORKER_FAILED,
+    DEFAULT_LIMITS,
     MIN_LOGPROB,
     SCHEMA_VERSION,
     Ack,
@@ -48,7 +49,7 @@ def frames_of(body: dict) -> list[bytes]:
     return [msgpack.packb(body, use_bin_type=True)]
 
 
-def rejects(frames, field, reason=None, limits=Limits()):
+def rejects(frames, field, reason=None, limits=DEFAULT_LIMITS):
     with pytest.raises(ProtocolError) as info:
         decode(frames, limits)
     assert info.value.field == field, str(info.value)

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from heterorl.transport.reshard import (
+from heterorl.transport.weights.reshard import (
     Assembler,
     DestLayout,
     Piece,

@@ -11,9 +11,9 @@ import torch
 from heterorl.config import TransportConfig
 from heterorl.transport import LearnerServer, WorkerClient
 from heterorl.transport.protocol import ProtocolError, decode, encode
-from heterorl.transport.reshard import SourceLayout
-from heterorl.transport.shards import ShardServer, describer
 from heterorl.transport.weights import pack_state_dict
+from heterorl.transport.weights.reshard import SourceLayout
+from heterorl.transport.weights.shards import ShardServer, describer
 from tests.conftest import wait_until
 from tests.transport.test_deltas import BF16, _cast, _equal, master_state, random_walk
 from tests.transport.test_transport import FAST
@@ -62,7 +62,7 @@ class Fleet:
 
     def publish_for(self, version: int, state: dict, layout) -> None:
         """Every rank's pieces of ``version`` for the workers of ``layout`` (before `publish` notifies them)."""
-        from heterorl.transport.reshard import layout_key, plan, take
+        from heterorl.transport.weights.reshard import layout_key, plan, take
 
         shapes = {name: tuple(t.shape) for name, t in state.items()}
         pieces = plan(shapes, SourceLayout.fsdp(shapes, WORLD), {"w": layout})
@@ -231,7 +231,7 @@ def test_a_worker_that_was_not_told_of_other_ranks_never_loads_one_ranks_slices(
 
 def test_a_worker_declares_the_slices_it_wants_in_its_hello_and_a_malformed_layout_is_refused():
     from heterorl.transport.protocol import Hello
-    from heterorl.transport.reshard import DestLayout, Placement, layout_key
+    from heterorl.transport.weights.reshard import DestLayout, Placement, layout_key
 
     wanted = DestLayout({"layer0.weight": (Placement.shard(1, 4), 2)})
     hello = decode(encode(Hello("w", "host", 1, layout=wanted.to_dict())))
@@ -246,7 +246,7 @@ def test_a_worker_declares_the_slices_it_wants_in_its_hello_and_a_malformed_layo
 
 
 def test_a_worker_that_declares_its_slices_gets_exactly_those_from_every_rank(fleet):
-    from heterorl.transport.reshard import DestLayout, Placement
+    from heterorl.transport.weights.reshard import DestLayout, Placement
 
     layout = DestLayout({f"layer{i}.weight": (Placement.shard(1, 2), 1) for i in range(4)})
     tp = WorkerClient(fleet.server.control_endpoint, "tp1", CONFIG, layout=layout)
@@ -272,7 +272,7 @@ def test_a_worker_that_declares_its_slices_gets_exactly_those_from_every_rank(fl
 
 
 def test_the_packs_of_a_layout_go_when_its_last_worker_leaves_the_registry():
-    from heterorl.transport.reshard import DestLayout, Placement
+    from heterorl.transport.weights.reshard import DestLayout, Placement
 
     fleet = Fleet(config=dataclasses.replace(CONFIG, worker_expiry_s=1.0))
     layout = DestLayout({f"layer{i}.weight": (Placement.shard(1, 2), 0) for i in range(4)})
@@ -296,7 +296,7 @@ def test_the_packs_of_a_layout_go_when_its_last_worker_leaves_the_registry():
 
 
 def test_a_layout_that_does_not_fit_the_model_is_refused_with_the_reason(fleet):
-    from heterorl.transport.reshard import DestLayout, Placement
+    from heterorl.transport.weights.reshard import DestLayout, Placement
 
     bad = WorkerClient(fleet.server.control_endpoint, "tp-bad", CONFIG,
                        layout=DestLayout({"layer0.weight": (Placement.shard(1, 5), 0)}))  # 96 columns: not by 5

@@ -20,6 +20,7 @@ import zmq
 from heterorl.config import TransportConfig
 from heterorl.errors import ConfigError
 from heterorl.transport import CurveConfig, LearnerServer, TransportTimeout, WorkerClient, make_keypair
+from heterorl.transport.admission import permit_share
 from heterorl.transport.protocol import (
     SCHEMA_VERSION,
     Heartbeat,
@@ -31,8 +32,7 @@ from heterorl.transport.protocol import (
     decode,
     encode,
 )
-from heterorl.transport.server import permit_share
-from tests.conftest import ENV, trajectory
+from tests.conftest import ENV, trajectory, wait_until
 
 FAST = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0, credits_per_worker=8, linger_ms=0)
 
@@ -42,16 +42,6 @@ def traj(worker: str, i: int, n: int = 3, size: int = 1) -> Trajectory:
     by default each trajectory is one), ``n`` completion tokens, version 0."""
     return trajectory(trajectory_id=f"{worker}-{i}", group_id=f"{worker}-g{i // size}", sampler_id=worker,
                       group_size=size, completion_len=n, version=0, reward=float(i % 2), sent_at=0.0)
-
-
-def wait_for(predicate, timeout_s: float, step_s: float = 0.02):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step_s)
-    return predicate()
 
 
 @pytest.fixture
@@ -141,11 +131,11 @@ def test_a_slow_learner_applies_back_pressure_instead_of_dropping(learner, worke
         worker.send(traj("w0", i), timeout_s=5)
     with pytest.raises(TransportTimeout, match="no credit"):
         worker.send(traj("w0", 99), timeout_s=0.5)
-    assert wait_for(lambda: learner.buffered() == FAST.credits_per_worker, 5)
+    wait_until(lambda: learner.buffered() == FAST.credits_per_worker, 5, "a full credit's trajectories buffered")
     assert len(learner.get(3, timeout_s=1)) == 3  # consuming frees three credits
     for i in range(3):
         worker.send(traj("w0", 100 + i), timeout_s=5)
-    assert wait_for(lambda: learner.buffered() == FAST.credits_per_worker, 5)
+    wait_until(lambda: learner.buffered() == FAST.credits_per_worker, 5, "a full credit's trajectories buffered")
     assert learner.stats["accepted"] == FAST.credits_per_worker + 3 and learner.stats["rejected"] == 0
 
 
@@ -165,12 +155,33 @@ def test_send_many_queues_a_group_in_order_and_says_how_far_it_got_on_back_press
     assert learner.stats["rejected"] == 0 and worker.send_many([], timeout_s=0.1) == 0
 
 
+def test_the_consumer_takes_whole_groups_within_a_trajectory_count(learner, worker):
+    """`get_groups` hands out whole groups, oldest first, of at most ``max_items`` trajectories in all (the first
+    one whole even when larger); `get` cuts at ``max_items``, and the rest of a cut group comes first next."""
+    def group(name: str, size: int) -> list[Trajectory]:  # smaller than the rollout's: empty completions left out
+        return [trajectory(trajectory_id=f"{name}-{j}", group_id=name, sampler_id="w0", group_size=size,
+                           completion_len=2, version=0) for j in range(size)]
+
+    def ids(groups) -> list[list[str]]:
+        return [[t.trajectory_id for t in g] for g in groups]
+
+    worker.send_many(group("a", 3) + group("b", 2) + group("c", 1), timeout_s=5)
+    wait_until(lambda: learner.buffered() == 6, 5, "three whole groups")
+    assert ids(learner.get_groups(4, timeout_s=1)) == [["a-0", "a-1", "a-2"]]  # a and b: 5 > 4
+    assert ids(learner.get_groups(1, timeout_s=1)) == [["b-0", "b-1"]]
+    worker.send_many(group("d", 3), timeout_s=5)
+    wait_until(lambda: learner.buffered() == 4, 5, "d whole")
+    assert [t.trajectory_id for t in learner.get(2, timeout_s=1)] == ["c-0", "d-0"]
+    assert ids(learner.get_groups(10, timeout_s=1)) == [["d-1", "d-2"]]
+    assert learner.buffered() == 0 and learner.get_groups(10, timeout_s=0) == []
+
+
 def test_duplicate_trajectory_is_accepted_once(learner, worker):
     for _ in range(3):
         worker.send(traj("w0", 7), timeout_s=5)
-    assert wait_for(lambda: learner.stats["duplicates"] == 2, 5)
+    wait_until(lambda: learner.stats["duplicates"] == 2, 5, "two duplicates counted")
     assert [t.trajectory_id for t in learner.get(10, timeout_s=1)] == ["w0-7"]
-    assert wait_for(lambda: worker.stats["acked"] == 3, 5)  # the sender hears all three were delivered
+    wait_until(lambda: worker.stats["acked"] == 3, 5, "three acks")  # the sender hears all three were delivered
 
 
 def test_weights_are_chunked_checksummed_and_late_joiners_get_the_newest(learner, worker):
@@ -189,7 +200,7 @@ def test_weights_are_chunked_checksummed_and_late_joiners_get_the_newest(learner
         assert version == 3 and torch.equal(state["b"], states[3]["b"])  # the newest whole, nothing older
     finally:
         late.close()
-    assert wait_for(lambda: (worker.latest_weights() or (0,))[0] == 3, 10)  # the early worker catches up too
+    wait_until(lambda: (worker.latest_weights() or (0,))[0] == 3, 10, "version 3")  # the early worker catches up too
 
 
 def test_a_weights_receive_buffer_is_reused_only_once_nothing_views_it():
@@ -372,7 +383,7 @@ def test_ten_thousand_malformed_frames_are_all_rejected_while_valid_traffic_flow
                 honest.send(traj("honest", sent_valid), timeout_s=5)
                 sent_valid += 1
                 received += limits_learner.get(100, timeout_s=0)
-        assert wait_for(lambda: limits_learner.stats["rejected"] >= 10_000, 30)
+        wait_until(lambda: limits_learner.stats["rejected"] >= 10_000, 30, "10,000 refusals")
         received += limits_learner.get(100, timeout_s=5)
         while len(received) < sent_valid:
             batch = limits_learner.get(100, timeout_s=5)
@@ -384,7 +395,8 @@ def test_ten_thousand_malformed_frames_are_all_rejected_while_valid_traffic_flow
         assert stats["accepted"] == sent_valid == 10
         assert sorted(t.trajectory_id for t in received) == sorted(f"honest-{i}" for i in range(10))
         assert {"rejected/malformed", "rejected/not_finite", "rejected/length_mismatch", "rejected/too_large",
-                "rejected/schema_version", "rejected/forged_id", "rejected/unknown_kind", "rejected/type"} <= set(reasons)
+                "rejected/schema_version", "rejected/forged_id", "rejected/unknown_kind",
+                "rejected/type"} <= set(reasons)
         assert _rss_mb() - rss_before < 100  # nothing of the rejected traffic is retained
         # the honest worker is still served (the fuzzer sends no heartbeats, so it may be marked dead)
         assert next(w for w in limits_learner.workers() if w.worker_id == "honest").alive
@@ -442,9 +454,9 @@ def test_a_sigkilled_worker_is_noticed_and_a_restarted_one_rejoins_with_the_newe
         b.expect("weights 1", 20)
         os.kill(a.proc.pid, signal.SIGKILL)
         alive = lambda wid: next(w.alive for w in learner.workers() if w.worker_id == wid)
-        assert wait_for(lambda: not alive("w-a"), FAST.heartbeat_timeout_s + 9)  # noticed by its silence
+        wait_until(lambda: not alive("w-a"), FAST.heartbeat_timeout_s + 9, "w-a dead")  # noticed by its silence
         learner.get(10_000, timeout_s=0)
-        assert wait_for(lambda: any(t.sampler_id == "w-b" for t in learner.get(100, timeout_s=0.2)), 5)
+        wait_until(lambda: any(t.sampler_id == "w-b" for t in learner.get(100, timeout_s=0.2)), 5, "w-b's data")
         assert alive("w-b")
         learner.publish(2, {"w": torch.full((8,), 2.0)})
         learner.publish(3, {"w": torch.full((8,), 3.0)})
@@ -452,7 +464,7 @@ def test_a_sigkilled_worker_is_noticed_and_a_restarted_one_rejoins_with_the_newe
         try:
             again.expect("ready", 60)
             again.expect("weights 3", 20)  # the newest whole version, on rejoining
-            assert wait_for(lambda: alive("w-a"), 5)
+            wait_until(lambda: alive("w-a"), 5, "w-a back")
         finally:
             again.kill()
     finally:
@@ -461,14 +473,14 @@ def test_a_sigkilled_worker_is_noticed_and_a_restarted_one_rejoins_with_the_newe
 
 
 def test_trajectory_delays_follow_the_configured_link_on_a_scaled_clock(learner):
-    from heterorl.config import DelayConfig
+    from heterorl.config import LinkDelayConfig
     from heterorl.delay.clock import ScaledClock
     from heterorl.delay.links import DelayLink
 
     clock = ScaledClock(20.0)  # 50 simulated seconds pass in 2.5 real seconds
-    link = DelayLink(DelayConfig(kind="uniform", low_s=30.0, high_s=50.0, seed=3), name="w0/trajectories")
-    expected = DelayLink(DelayConfig(kind="uniform", low_s=30.0, high_s=50.0, seed=3), name="w0/trajectories")
-    client = WorkerClient(learner.control_endpoint, "w0", FAST, trajectory_delay=link.schedule, clock=clock.now)
+    link = DelayLink(LinkDelayConfig(kind="uniform", low_s=30.0, high_s=50.0, seed=3), name="w0/trajectories")
+    expected = DelayLink(LinkDelayConfig(kind="uniform", low_s=30.0, high_s=50.0, seed=3), name="w0/trajectories")
+    client = WorkerClient(learner.control_endpoint, "w0", FAST, trajectory_delay=link.schedule, clock=clock)
     try:
         client.wait_ready(10)
         sent = []
@@ -505,13 +517,13 @@ def test_admission_control_caps_the_groups_the_fleet_may_start(learner):
             c.wait_ready(10)
         assert clients[0].acquire_starts(5, timeout_s=0.1) == 5  # no admission control: anything goes
         learner.set_admission(cap=3, ahead=2)
-        assert wait_for(lambda: all(c.start_limit >= 0 for c in clients), 10)  # the limits ride on the next acks
+        wait_until(lambda: all(c.start_limit >= 0 for c in clients), 10, "every limit")  # they ride on the next acks
         got = _acquire(clients, 3)
         assert sum(got) == 3 and max(got) <= 2  # the cap, and no worker hoards more than `ahead`
         assert clients[0].acquire_starts(1, timeout_s=0.3) + clients[1].acquire_starts(1, timeout_s=0.3) == 0
         learner.set_admission(cap=5, ahead=2)  # the learner stepped: two more groups may start
         # permits free up only as groups arrive: deliver one group from each worker
-        for i, c in enumerate(clients):
+        for c in clients:
             c.send(traj(c.worker_id, 0), timeout_s=5)
         assert sum(_acquire(clients, 2)) == 2
         assert clients[0].acquire_starts(1, timeout_s=0.5) + clients[1].acquire_starts(1, timeout_s=0.5) == 0
@@ -534,9 +546,10 @@ def test_a_worker_claiming_permits_it_never_uses_holds_a_bounded_number(learner,
     """Groups on their way count as used by the worker's heartbeats, but a worker that says it used every permit
     and sends nothing is believed only up to 4 x ahead beyond the groups that arrived."""
     learner.set_admission(cap=1000, ahead=2)
-    assert wait_for(lambda: worker.start_limit == 2, 10)
+    wait_until(lambda: worker.start_limit == 2, 10, "a start limit of 2")
     bound = 2 + 4 * 2  # ahead unused + 4 x ahead believed on their way
-    assert wait_for(lambda: worker.acquire_starts(100, timeout_s=0.05) >= 0 and worker.start_limit >= bound, 10)
+    wait_until(lambda: worker.acquire_starts(100, timeout_s=0.05) >= 0 and worker.start_limit >= bound, 10,
+               "the start limit at the bound")
     for _ in range(10):  # take every permit granted and claim them used, again and again: nothing more comes
         worker.acquire_starts(100, timeout_s=0.1)
     assert worker.start_limit == bound
@@ -548,7 +561,7 @@ def test_a_permit_for_a_group_that_never_arrives_is_given_back(learner, worker):
     """A group whose completions were all empty (or that the delay link dropped) never reaches the learner, which
     counts a start when a group arrives: the worker gives the permit back and may start another."""
     learner.set_admission(cap=2, ahead=2)
-    assert wait_for(lambda: worker.start_limit == 2, 10)
+    wait_until(lambda: worker.start_limit == 2, 10, "a start limit of 2")
     assert worker.acquire_starts(2, timeout_s=5) == 2
     assert worker.acquire_starts(1, timeout_s=0.3) == 0
     worker.return_starts(1)  # one of the two groups came out empty
@@ -584,23 +597,23 @@ def test_the_programs_workers_rewards_ran_are_counted_across_their_processes():
     try:
         first.wait_ready(10)
         first.reward_outcomes = {"ok": 3, "timeout": 1}
-        assert wait_for(lambda: server.reward_outcomes() == {"ok": 3, "timeout": 1}, 10), server.reward_outcomes()
+        wait_until(lambda: server.reward_outcomes() == {"ok": 3, "timeout": 1}, 10, server.reward_outcomes)
         first.reward_outcomes = {"ok": 5, "timeout": 1, "forbidden:socket": 2}  # cumulative: the latest counts
-        assert wait_for(lambda: server.reward_outcomes().get("ok") == 5, 10), server.reward_outcomes()
+        wait_until(lambda: server.reward_outcomes().get("ok") == 5, 10, server.reward_outcomes)
         first.close()
         again = WorkerClient(server.control_endpoint, "w0", FAST)  # a new process under the same id: from 0
         clients.append(again)
         again.wait_ready(10)
         again.reward_outcomes = {"ok": 1}
         want = {"forbidden:socket": 2, "ok": 6, "timeout": 1}
-        assert wait_for(lambda: server.reward_outcomes() == want, 10), server.reward_outcomes()
+        wait_until(lambda: server.reward_outcomes() == want, 10, server.reward_outcomes)
         other = WorkerClient(server.control_endpoint, "w1", FAST)
         clients.append(other)
         other.wait_ready(10)
         other.reward_outcomes = {"memory": 1}
-        assert wait_for(lambda: server.reward_outcomes().get("memory") == 1, 10), server.reward_outcomes()
+        wait_until(lambda: server.reward_outcomes().get("memory") == 1, 10, server.reward_outcomes)
         other.close()  # it leaves the registry: its counts stay in the totals
-        assert wait_for(lambda: server.stats["workers_removed/expired"], 30)
+        wait_until(lambda: server.stats["workers_removed/expired"], 30, "an expiry")
         assert server.reward_outcomes() == {**want, "memory": 1}
     finally:
         for client in clients:

@@ -4,14 +4,15 @@ rank 0 first.
 
 - **Slices.** Each rank publishes its own slices of each version (`slices_of`: the rows of every parameter its
   FSDP shard holds) as an ordinary packed version whose header says where each slice lies in the whole tensor
-  (``shard``, ``full_shapes``, ``boxes``: `heterorl.transport.reshard` computes them). Chunking, checksums,
+  (``shard``, ``full_shapes``, ``boxes``: `heterorl.transport.weights.reshard` computes them). Chunking, checksums,
   credit flow (one request, one chunk), deltas between a rank's consecutive versions and CURVE are those of
-  rank 0's weights channel (`heterorl.transport.store.WeightsStore`).
+  rank 0's weights channel (`heterorl.transport.weights.store.WeightsStore`).
 - **Rank 0** (`LearnerServer`) keeps the control channel, the worker registry, the delays and the notices, and
   serves its own slices on its weights channel; it tells workers the other ranks' weights ports (``Ready``).
 - **The other ranks** run a `ShardServer`: a weights channel (on a free port of rank 0's host, bound at setup
-  and told to rank 0: `heterorl.runtime.launch.bind_shard_channels`) and nothing else. A worker asks it for the version rank 0 released to it, by number; a version not published there yet
-  is answered with the newest one it has, and the worker asks again shortly.
+  and told to rank 0: `heterorl.runtime.launch.bind_shard_channels`) and nothing else. A worker asks it for
+  the version rank 0 released to it, by number; a version not published there yet is answered with the newest
+  one it has, and the worker asks again shortly.
 - **The worker** (`heterorl.transport.client`) fetches the version from every rank and places the slices with
   an all-or-nothing `reshard.Assembler`: it loads version v only when every rank's slices of v arrived and were
   verified, never a mix of two versions; a rank that does not answer leaves it on the version it has.
@@ -31,18 +32,18 @@ from zmq.auth.thread import ThreadAuthenticator
 from heterorl.config import TransportConfig
 from heterorl.errors import ConfigError, HeteroRLError
 from heterorl.transport.protocol import DEFAULT_LIMITS, Limits, ProtocolError, WeightsHeader, WeightsRequest, decode
-from heterorl.transport.reshard import DestLayout, Placement, SourceLayout, plan, take
 from heterorl.transport.sockets import (
     CurveConfig,
+    Endpoint,
     TransportError,
-    _Endpoint,
-    _receive,
-    _require_security,
-    _send,
-    _socket,
-    _Wakeup,
+    Wakeup,
+    make_socket,
+    receive_waiting,
+    require_security,
+    send_frames,
 )
-from heterorl.transport.store import WeightsStore
+from heterorl.transport.weights.reshard import DestLayout, Placement, SourceLayout, plan, take
+from heterorl.transport.weights.store import WeightsStore
 
 log = logging.getLogger("heterorl.transport")
 
@@ -106,14 +107,14 @@ def describer(rank: int, world: int, full_shapes: dict, boxes: dict):
     return describe
 
 
-class ShardServer(_Endpoint):
+class ShardServer(Endpoint):
     """A sharded learner's rank > 0: its slices of each version, on a weights channel of its own. Thread-safe
     `publish`; an I/O thread answers the workers."""
 
     def __init__(self, address: str, rank: int, world: int, config: TransportConfig | None = None,
                  curve: CurveConfig | None = None, limits: Limits = DEFAULT_LIMITS) -> None:
         self.config = config or TransportConfig()
-        _require_security(address, curve, self.config, (
+        require_security(address, curve, self.config, (
             f"learner rank {rank}: refusing plaintext on {address}: give CURVE keys or allow_plaintext"))
         self.rank, self.world, self.limits, self._curve = rank, world, limits, curve
         self._address = address
@@ -124,7 +125,7 @@ class ShardServer(_Endpoint):
         self._stop, self._ready = threading.Event(), threading.Event()
         self._error: BaseException | None = None
         self.endpoint = ""
-        self._wakeup = _Wakeup()
+        self._wakeup = Wakeup()
         self._thread = threading.Thread(target=self._run, name=f"heterorl-shard-{rank}", daemon=True)
         self._thread.start()
         self._ready.wait(30)
@@ -163,7 +164,7 @@ class ShardServer(_Endpoint):
     # -- I/O thread -----------------------------------------------------------------------------
     def _bind(self, ctx: zmq.Context) -> tuple[ThreadAuthenticator | None, zmq.Socket]:
         auth = None
-        sock = _socket(ctx, zmq.ROUTER, self.config.weights_hwm, self.config, self.limits)
+        sock = make_socket(ctx, zmq.ROUTER, self.config.weights_hwm, self.config, self.limits)
         try:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             if self._curve is not None:
@@ -211,7 +212,7 @@ class ShardServer(_Endpoint):
                 if self._wakeup.read_fd in events:
                     self._wakeup.drain()
                 if sock in events:
-                    _receive(sock, self._on_request)
+                    receive_waiting(sock, self._on_request)
         finally:
             sock.close(self.config.linger_ms)
             if auth is not None:
@@ -238,7 +239,7 @@ class ShardServer(_Endpoint):
             if released is None:
                 return
             frames, carried = store.reply(request, released)
-        if _send(sock, [routing_id, *frames], self.stats, "weights_chunk" if carried else "weights_header"):
+        if send_frames(sock, [routing_id, *frames], self.stats, "weights_chunk" if carried else "weights_header"):
             self.stats["weights/bytes_sent"] += carried
 
 

@@ -37,6 +37,20 @@ def wire_dtype(name: str, parameters: int) -> torch.dtype:
     return WIRE_DTYPES[name]
 
 
+def wire_dtype_for(weights_dtype: str, weights: torch.nn.Module | dict[str, torch.Tensor]) -> torch.dtype:
+    """The one rule for the dtype ``weights`` travel in (`wire_dtype` of ``runtime.weights_dtype``), whoever asks:
+    the learner publishing, a worker loading its policy, the simulation, a benchmark. ``weights``: a model (its
+    parameters are counted) or the state dict that is sent (its tensors are counted: a LoRA adapter alone is
+    small, so under ``auto`` it travels in float32 while its base samples in bfloat16)."""
+    tensors = weights.parameters() if isinstance(weights, torch.nn.Module) else weights.values()
+    return wire_dtype(weights_dtype, sum(t.numel() for t in tensors))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of ``dtype`` ("bfloat16"), as weights headers and run summaries spell it."""
+    return _TORCH_DTYPES[dtype]
+
+
 @dataclass
 class PackedWeights:
     """One published version: its header and its buffer (sliced into chunks without copying)."""

@@ -1,7 +1,7 @@
 """Remote training sessions: the session primitives of `heterorl.training.session`, run by `heterorl serve` on
 another machine (or this one) and driven from here with the same methods, arguments, futures and errors.
 
-    from heterorl.session import connect
+    from heterorl.service.client import connect
 
     service = connect("http://learner-host:8765", api_key=open("key").read().strip())
     training = service.create_training_client("add3-sft-base", seed=0)
@@ -93,7 +93,7 @@ class LocalService:
 
 
 def connect(url: str, api_key: str | None = None, *, timeout_s: float = 120.0, use_msgpack: bool = True
-            ) -> "ServiceClient":
+            ) -> ServiceClient:
     """A client of the `heterorl serve` at ``url`` (checked at once: a wrong address or key fails here)."""
     client = ServiceClient(url, api_key, timeout_s=timeout_s, use_msgpack=use_msgpack)
     client.check()
@@ -126,7 +126,7 @@ class ServiceClient:
         return self._request("GET", "/api/v1/base_models")["base_models"]
 
     def create_training_client(self, base_model: str, *, seed: int | None = None,
-                               share_prompts: bool = True) -> "RemoteTrainingClient":
+                               share_prompts: bool = True) -> RemoteTrainingClient:
         """A fresh session on the service that trains the whole of ``base_model`` (a name `list_base_models`
         gives, or a folder on the service's machine) with a new optimizer."""
         found = self._request("POST", "/api/v1/sessions", {"base_model": base_model, "seed": seed,
@@ -136,7 +136,7 @@ class ServiceClient:
     def create_lora_training_client(self, base_model: str, rank: int = 32, *, alpha: float | None = None,
                                     dropout: float = 0.0, target_modules: Sequence[str] | None = None,
                                     seed: int | None = None, share_prompts: bool = True
-                                    ) -> "RemoteTrainingClient":
+                                    ) -> RemoteTrainingClient:
         """A fresh session on the service that trains a LoRA adapter of ``rank`` on the frozen ``base_model``
         (`lora_spec` for the other arguments); a rank or target module that does not fit the model is refused
         with the mismatch named."""
@@ -145,7 +145,7 @@ class ServiceClient:
             "lora": lora_spec(rank, alpha, dropout, target_modules).to_dict()})
         return RemoteTrainingClient(self, found)
 
-    def sampling_client(self, model: str = "latest") -> "RemoteSamplingClient":
+    def sampling_client(self, model: str = "latest") -> RemoteSamplingClient:
         """A sampling client the service already serves: "heterorl:SESSION/VERSION", "heterorl:SESSION/latest"
         or "latest"."""
         served = {m["id"] for m in self._request("GET", "/v1/models")["data"]}
@@ -161,7 +161,7 @@ class ServiceClient:
         self._waiters.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
-    def __enter__(self) -> "ServiceClient":
+    def __enter__(self) -> ServiceClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -296,7 +296,7 @@ class RemoteTrainingClient:
                                         tokenizer=self._tokenizer)
         return self._run("save_weights_and_get_sampling_client", {}, made)
 
-    def save_weights_and_get_sampling_client(self) -> "RemoteSamplingClient":
+    def save_weights_and_get_sampling_client(self) -> RemoteSamplingClient:
         """Bump the policy version and return a sampler over a frozen copy of the current weights (on the
         service)."""
         return self.snapshot().result()

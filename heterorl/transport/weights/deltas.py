@@ -58,7 +58,7 @@ class Layout:
     total_bytes: int
 
     @classmethod
-    def of(cls, header: WeightsHeader) -> "Layout":
+    def of(cls, header: WeightsHeader) -> Layout:
         itemsizes = [TENSOR_DTYPES[d][1] for d in header.dtypes]
         sizes = [s * math.prod(shape) for s, shape in zip(itemsizes, header.shapes)]
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist() if sizes else []

@@ -1,5 +1,5 @@
 """The versions a weights server holds, packed for the wire, and the steps between them (deltas): what the
-learner's `LearnerServer` and a sharded learner's other ranks (`heterorl.transport.shards.ShardServer`) publish
+learner's `LearnerServer` and a sharded learner's other ranks (`heterorl.transport.weights.shards.ShardServer`) publish
 and answer weights requests from.
 
 Not thread-safe by itself: its owner holds one lock around every call except `pack`, the heavy part (the copy into
@@ -16,10 +16,17 @@ import torch
 import zmq
 
 from heterorl.config import TransportConfig
-from heterorl.transport.deltas import DeltaChain, EncodedStep, Layout, encode_step, same_layout, tensor_checksums
 from heterorl.transport.protocol import WeightsChunk, WeightsHeader, WeightsRequest, encode
 from heterorl.transport.sockets import TransportError
-from heterorl.transport.weights import PackedWeights, pack_state_dict
+from heterorl.transport.weights.deltas import (
+    DeltaChain,
+    EncodedStep,
+    Layout,
+    encode_step,
+    same_layout,
+    tensor_checksums,
+)
+from heterorl.transport.weights.pack import PackedWeights, pack_state_dict
 
 
 class WeightsStore:

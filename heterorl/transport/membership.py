@@ -1,0 +1,116 @@
+"""A worker's membership across the rooms of the learner's end: joining (a hello answered with ``ready``, or
+refused), rejoining, timing out and leaving the registry. Each event touches every room — the registry's entry,
+the incomplete groups it held (`Intake`), its admission permits (`Admission`), its weights link and notices
+(`WeightsRelease`) — so it is decided here, once, above them. What is to be sent is returned; the server's I/O
+thread sends it. Not thread-safe: the server's lock guards every call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from heterorl.config import TransportConfig
+from heterorl.transport.admission import Admission
+from heterorl.transport.intake import Intake
+from heterorl.transport.protocol import BYE_BUSY, BYE_REFUSED, Bye, Hello, Message, Ready
+from heterorl.transport.registry import Rejections, WorkerInfo, WorkerRegistry
+from heterorl.transport.weights.release import WeightsRelease
+
+log = logging.getLogger("heterorl.transport")
+
+REVOKED = "this worker's key was removed from the learner's allowed keys"
+
+
+def refusal(why: str) -> Bye:
+    """Tells a peer it may not join (`BYE_REFUSED`): a rollout worker stops with ``why``."""
+    return Bye("learner", f"{BYE_REFUSED}{why}")
+
+
+class Membership:
+    """Joins and departures over the four rooms."""
+
+    def __init__(self, config: TransportConfig, registry: WorkerRegistry, intake: Intake, admission: Admission,
+                 release: WeightsRelease, reject: Rejections) -> None:
+        self.config, self.registry, self.intake = config, registry, intake
+        self.admission, self.release, self._reject = admission, release, reject
+
+    def hello(self, routing_id: bytes, hello: Hello, user_id: str | None, now: float, settings: dict[str, Any],
+              weights_port: int) -> Message:
+        """The answer to ``hello`` on connection ``routing_id`` (signed by CURVE key ``user_id``): ``ready`` with
+        ``settings`` (the run's) and the learner's weights ports, a refusal (its id is another key's, its layout
+        does not fit) or busy (the registry is full of live workers). One connection is one worker: an entry
+        under another id on it is replaced."""
+        registry = self.registry
+        worker = registry.workers.get(hello.worker_id)
+        if worker is not None and not registry.owns(worker, user_id):
+            self._reject("forged_id", f"worker id {hello.worker_id!r} belongs to another key")
+            return refusal("worker id taken by another key")
+        previous = registry.by_routing.get(routing_id)
+        if previous is not None and previous != hello.worker_id:
+            self.evict(registry.workers[previous], f"its connection said hello as {hello.worker_id!r}", "replaced")
+        why = self.release.layout_refusal(hello.layout)
+        if why is not None:
+            self._reject("bad_layout", f"hello from {hello.worker_id!r}: {why}")
+            return refusal(why)
+        if worker is None and registry.full() and not self._make_room(now):
+            self._reject("registry_full", f"hello from {hello.worker_id!r}: {len(registry.workers)} live workers")
+            return Bye("learner", f"{BYE_BUSY}the learner's registry is full ({len(registry.workers)} live workers, "
+                       "transport.max_workers); a place frees when a worker has been silent for "
+                       f"transport.heartbeat_timeout_s ({self.config.heartbeat_timeout_s:g} s)")
+        if worker is not None:  # a new session: what the old one held goes back
+            self.admission.reclaim(worker)  # permits it never used, to the fleet
+            self.intake.drop_groups(worker, "group_abandoned", "its worker said hello again")  # never completed
+        worker = registry.join(hello, routing_id, user_id, now)
+        self.admission.start_session(worker)
+        self.release.start_session(worker)
+        worker.last_credit_sent = self.intake.credit_limit(worker, now)
+        return Ready(worker_id=hello.worker_id, credits=worker.last_credit_sent,
+                     newest_version=worker.released_version, heartbeat_interval_s=self.config.heartbeat_interval_s,
+                     settings={**settings, "weights_port": weights_port, "start_limit": self.admission.first_limit(),
+                               **self.release.shard_settings()})
+
+    def _make_room(self, now: float) -> bool:
+        """Registry full: remove the worker silent longest among those taken for dead; False when all live."""
+        oldest = self.registry.longest_silent_dead()
+        if oldest is None:
+            return False
+        self.evict(oldest, f"the registry is full and it has been silent for {now - oldest.last_seen:.0f} s",
+                   "made_room")
+        return True
+
+    def left(self, worker: WorkerInfo, failed: bool, reason: str) -> None:
+        """``worker`` said bye: it is taken for dead (``failed``: it will not come back)."""
+        worker.alive, worker.failed = False, failed
+        self.admission.reclaim(worker)
+        log.info("worker %s left: %s", worker.worker_id, reason)
+
+    def evict(self, worker: WorkerInfo, why: str, reason: str) -> None:
+        """Remove ``worker`` from the registry: its incomplete groups are dropped, its unused permits go back
+        to the fleet, its counters into `fleet_totals`; its id is free again (and no longer bound to its key)."""
+        self.intake.drop_groups(worker, "worker_removed", why)
+        self.admission.reclaim(worker)
+        self.registry.remove(worker, why, reason)
+        self.release.forget(worker.worker_id)
+
+    def check_alive(self, worker: WorkerInfo, now: float) -> bool:
+        """Time out what ``worker`` holds: itself (dead after ``heartbeat_timeout_s`` of silence, removed from
+        the registry after ``worker_expiry_s``) and its incomplete groups (after ``group_timeout_s``). False
+        when it was removed."""
+        if self.registry.mark_dead_if_silent(worker, now):
+            self.admission.reclaim(worker)
+        if self.registry.expired(worker, now):
+            self.evict(worker, f"silent for {now - worker.last_seen:.0f} s (transport.worker_expiry_s)", "expired")
+            return False
+        self.intake.expire_groups(worker, now)
+        return True
+
+    def revoke(self) -> list[tuple[bytes, Message]]:
+        """Remove every worker whose key is no longer allowed; the refusals to send its live ones."""
+        refusals = []
+        for worker in self.registry.revoked():
+            self.registry.stats["revoked"] += 1
+            if worker.alive:
+                refusals.append((worker.routing_id, refusal(REVOKED)))
+            self.evict(worker, "its key was removed from the allowed keys", "revoked")
+        return refusals

@@ -1,0 +1,81 @@
+"""A run's accounting: the tally of what it trained, the staleness histograms and the weights block."""
+
+import math
+from collections import Counter
+
+import pytest
+
+from heterorl.errors import HeteroRLError
+from heterorl.runtime.accounting import run_staleness, seconds_histogram, seconds_label, weights_line, weights_summary
+
+
+def test_seconds_fall_in_doubling_bins_listed_in_order_with_zeros():
+    assert [seconds_label(s) for s in (0.0, 0.3, 1.0, 3.9, 600.0)] == ["<0.25", "0.25-0.5", "1-2", "2-4", "512+"]
+    hist = seconds_histogram({}, [0.1, 0.2, 5.0])
+    assert list(hist)[:3] == ["<0.25", "0.25-0.5", "0.5-1"] and list(hist)[-1] == "512+"
+    assert hist["<0.25"] == 2 and hist["4-8"] == 1 and sum(hist.values()) == 3
+    assert seconds_histogram(hist, [5.5])["4-8"] == 2  # counts accumulate across steps
+
+
+def test_run_staleness_lists_every_version_gap_up_to_the_largest():
+    found = run_staleness({"0": 3, "2": 1}, {"1-2": 4}, 6.0, 4)
+    assert found["staleness_hist"] == [3, 0, 1] and found["staleness_seconds_mean"] == 1.5
+    assert found["staleness_seconds_hist"]["1-2"] == 4
+
+
+def test_the_weights_block_and_line_say_what_the_deltas_saved():
+    stats = Counter({"weights/versions": 5, "weights/version_bytes": 2_000_000, "weights/steps_encoded": 4,
+                     "weights/step_bytes": 400_000, "weights/encode_s": 0.2, "weights/link_transfers": 6,
+                     "weights/link_bytes": 4_400_000, "weights/link_skipped": 1})
+    block = weights_summary(stats, "bfloat16", True)
+    assert block["step_bytes_mean"] == 100_000 and block["bytes_ratio"] == 20.0 and block["encode_s_mean"] == 0.05
+    line = weights_line(block)
+    assert "5 versions of 2 MB in bfloat16" in line and "(20.0x smaller)" in line and "1 versions skipped" in line
+    whole = weights_summary(Counter({"weights/versions": 2, "weights/version_bytes": 10}), "float32", False)
+    assert math.isnan(whole["bytes_ratio"]) and "each sent whole" in weights_line(whole)
+
+
+def test_the_weights_line_of_a_sharded_learner_says_the_bytes_are_rank_0s_share():
+    stats = Counter({"weights/versions": 3, "weights/version_bytes": 1_000_000})
+    assert "rank 0's slices: every one of 2 learner ranks" in weights_line(weights_summary(stats, "bfloat16", False, 2))
+    assert "rank 0's slices" not in weights_line(weights_summary(stats, "bfloat16", False))
+
+
+def test_a_tally_counts_each_batch_and_renders_the_summary_fields():
+    from heterorl.runtime.accounting import RunTally
+    from heterorl.runtime.buffer import Group
+    from tests.conftest import trajectory
+
+    def group(n: int, tokens: int) -> Group:
+        return Group("g", [trajectory(trajectory_id=f"t{i}", completion_len=tokens) for i in range(n)], 0.0)
+
+    tally = RunTally()
+    tally.add_batch([group(2, 3), group(2, 5)], staleness=[0, 2], staleness_s=[0.1, 3.0])
+    tally.add_batch([group(4, 1)], staleness=[2], staleness_s=[600.0])
+    tally.idle_s, tally.elapsed_s = 1.0, 4.0
+    fields = tally.summary_fields()
+    assert (tally.groups_trained, tally.trajectories_trained, tally.tokens_trained) == (3, 8, 20)
+    assert fields["staleness_mean"] == 4 / 3 and fields["staleness_max"] == 2 and fields["staleness_hist"] == [1, 0, 2]
+    assert (fields["staleness_p50"], fields["staleness_p95"]) == (2.0, 2.0)
+    assert fields["staleness_seconds_mean"] == 603.1 / 3
+    assert fields["staleness_seconds_hist"]["<0.25"] == fields["staleness_seconds_hist"]["2-4"] == 1
+    assert fields["staleness_seconds_hist"]["512+"] == 1
+    assert (fields["tokens_per_s"], fields["samples_per_s"], fields["learner_idle_frac"]) == (5.0, 2.0, 0.25)
+
+
+def test_a_learner_state_written_before_the_tally_had_its_own_key_is_read(tmp_path):
+    """Checkpoints of earlier versions kept the tally's fields at the top level: they resume as they were."""
+    import json
+
+    from heterorl.runtime.checkpoints import LEARNER_STATE, _read_learner_state
+
+    old = {"step": 4, "trained_ids": ["a"], "staleness_sum": 6.0, "staleness_max": 3, "groups_trained": 4,
+           "staleness_counts": {"1": 2, "2": 2}, "idle_s": 1.5, "elapsed_s": 9.0, "steps_without_update": 1}
+    (tmp_path / LEARNER_STATE).write_text(json.dumps(old))
+    state = _read_learner_state(tmp_path / LEARNER_STATE)
+    assert (state.step, state.steps_without_update, state.tally.groups_trained) == (4, 1, 4)
+    assert (state.tally.staleness_sum, state.tally.staleness_counts, state.tally.elapsed_s) == (6.0, {"1": 2, "2": 2},
+                                                                                               9.0)
+    (tmp_path / LEARNER_STATE).write_text(json.dumps({**old, "tally": {"bogus": 1}}))
+    with pytest.raises(HeteroRLError, match="a tally with no other keys than"):
+        _read_learner_state(tmp_path / LEARNER_STATE)

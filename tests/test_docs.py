@@ -1,0 +1,144 @@
+"""The README and docs/ stay true to the code: every command, benchmark, packaged config and module is named
+where a reader looks for it, every relative link leads to a file, and the README's loop is Python whose imports
+exist. Fast: it reads files and builds the argparse parser, nothing runs."""
+
+import argparse
+import ast
+import importlib
+import re
+from pathlib import Path
+
+from heterorl.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
+COMMAND_LIST = "## The command line"
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """{name: its parser} of the parser's subcommands."""
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def benchmarks() -> list[str]:
+    """The names `heterorl bench` accepts."""
+    (what,) = [a for a in subcommands(build_parser())["bench"]._actions if a.dest == "what"]
+    return list(what.choices)
+
+
+def command_list() -> list[str]:
+    """The lines of the fenced block in README.md's command list section."""
+    text = README.read_text()
+    assert COMMAND_LIST in text, f"README.md lost its {COMMAND_LIST!r} section"
+    section = text.split(COMMAND_LIST, 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```\n(.*?)```", section, re.S)
+    assert block, f"no ``` block in README.md's {COMMAND_LIST!r} section"
+    return block.group(1).splitlines()
+
+
+def listed(prefix: str) -> set[str]:
+    """The words that follow ``prefix`` at the start of a line of the command list."""
+    return {m.group(1) for line in command_list() if (m := re.match(re.escape(prefix) + r"(\S+)", line))}
+
+
+def named(name: str, text: str) -> bool:
+    """Whether ``name`` occurs in ``text`` as a whole path: not inside a longer name or path."""
+    return re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w/-])", text) is not None
+
+
+def module_paths() -> list[str]:
+    """Every module of gepo/ and heterorl/ by its path from the repository root, as docs/ARCHITECTURE.md names
+    them: a module by its file (heterorl/transport/server.py), a package by its folder (heterorl/transport/)."""
+    paths = []
+    for package in ("gepo", "heterorl"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            relative = path.relative_to(ROOT)
+            if "__pycache__" not in relative.parts:
+                paths.append(f"{relative.parent.as_posix()}/" if path.name == "__init__.py" else relative.as_posix())
+    return paths
+
+
+def without_code(text: str) -> str:
+    """Markdown without its fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def python_blocks(path: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", path.read_text(), re.S | re.M)
+
+
+def test_the_readme_lists_every_command():
+    commands = set(subcommands(build_parser()))
+    assert {"demo", "train", "serve", "bench"} <= commands  # the parser is read right
+    missing = sorted(commands - listed("heterorl "))
+    assert not missing, (f"README.md's command list ({COMMAND_LIST!r}) lacks a line starting "
+                         f"{', '.join('heterorl ' + m for m in missing)}: add one per command, with what it does")
+
+
+def test_the_readme_lists_every_benchmark():
+    names = benchmarks()
+    assert "engine" in names
+    missing = sorted(set(names) - listed("heterorl bench "))
+    assert not missing, (f"README.md's command list ({COMMAND_LIST!r}) lacks a line starting "
+                         f"{', '.join('heterorl bench ' + m for m in missing)}: add one per benchmark")
+
+
+def test_every_packaged_config_is_named_in_the_docs():
+    text = "\n".join(page.read_text() for page in PAGES)
+    configs = sorted(p.name for p in (ROOT / "heterorl" / "configs").glob("*.yaml"))
+    assert "demo.yaml" in configs
+    missing = [name for name in configs if not named(name, text)]
+    assert not missing, (f"packaged configs named in neither README.md nor docs/: {', '.join(missing)}; "
+                         "docs/COMMANDS.md lists them")
+
+
+def test_every_module_is_in_the_architecture_page():
+    text = (DOCS / "ARCHITECTURE.md").read_text()
+    paths = module_paths()
+    assert "heterorl/cli.py" in paths and "gepo/" in paths
+    missing = [path for path in paths if not named(path, text)]
+    assert not missing, ("docs/ARCHITECTURE.md (\"## Modules\") does not name " + ", ".join(missing)
+                         + ": add a line each, its path and what it holds")
+
+
+def test_named_checks_whole_paths():
+    assert named("heterorl/cli.py", "`heterorl/cli.py` argparse")
+    assert not named("heterorl/", "heterorl/cli.py")  # a package's folder is not named by its modules' paths
+    assert named("heterorl/", "heterorl/   the package")
+    assert not named("maze_rl.yaml", "maze4_rl.yaml and my_maze_rl.yaml")
+
+
+def test_relative_links_lead_to_files():
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", without_code(page.read_text())):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            if not (page.parent / target.split("#", 1)[0]).exists():
+                broken.append(f"{page.relative_to(ROOT)} → {target}")
+    assert not broken, "links to files that do not exist: " + "; ".join(broken)
+
+
+def test_the_readme_loop_is_python_against_the_real_api():
+    (block,) = [b for b in python_blocks(README) if "forward_backward" in b]
+    tree = ast.parse(block)
+    imported = [(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                for alias in node.names]
+    assert ("heterorl.training.session", "TrainingClient") in imported
+    for module, name in imported:
+        assert hasattr(importlib.import_module(module), name), f"README.md's loop imports {name} from {module}"
+    client = importlib.import_module("heterorl.training.session").TrainingClient
+    for primitive in ("forward_backward", "optim_step", "save_weights_and_get_sampling_client"):
+        assert primitive in block and hasattr(client, primitive), primitive
+
+
+def test_python_blocks_in_the_docs_parse():
+    for page in PAGES:
+        for block in python_blocks(page):
+            try:
+                ast.parse(block)
+            except SyntaxError as exc:
+                raise AssertionError(f"{page.relative_to(ROOT)}: a ```python block does not parse: {exc}") from None
