@@ -14,9 +14,6 @@ TOO_LONG_ALLOWED = {
     "heterorl/cli.py": "the command line's table of contents: one parser and one short handler per command",
     "heterorl/config.py": "every config section in one leaf module, so that one file is the reference of every key",
     "heterorl/training/session.py": "the session primitives and their data types, the public API in one place",
-    "heterorl/runtime/learner.py::Learner": "the one loop that sequences batch, optimise, publish, record and "
-                                            "checkpoint for every rank; its parts live in accounting, "
-                                            "checkpoints and engine_stats",
 }
 
 

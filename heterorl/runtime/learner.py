@@ -42,19 +42,16 @@ from heterorl.runtime.checkpoints import (
     Checkpoint,
     LearnerState,
     commit_checkpoint,
-    record_published,
 )
 from heterorl.runtime.cores import PROBE_STEPS, Split, decide_split, machine_cores
 from heterorl.runtime.engine_stats import EngineTally, FleetEngines, tallies_to_json
+from heterorl.runtime.publishing import Publisher
 from heterorl.tasks.base import Task
 from heterorl.training.evaluation import evaluate
 from heterorl.training.session import Datum, SamplingClient, TrainingClient
 from heterorl.training.step import SkippedUpdate, optimize_batch
 from heterorl.transport import LearnerServer
 from heterorl.transport.protocol import TrajectoryContract
-from heterorl.transport.weights import wire_dtype_for
-from heterorl.transport.weights.reshard import DestLayout
-from heterorl.transport.weights.shards import describer, slices_for, slices_of
 
 log = logging.getLogger("heterorl.runtime.learner")
 
@@ -125,12 +122,9 @@ class Learner:
         self.state = LearnerState()
         self._trained: set[str] = set()
         self._eval_sampler = training.live_sampling_client() if self.ranks.rank == 0 else None
-        # a sharded learner's every rank sends its own slices of each version (heterorl.transport.weights.shards)
-        self._reshard = training is not None and training.sharded and cfg.runtime.weights_fanout == "reshard"
-        self._shard_server = None  # ranks > 0 of a learner that reshards: their slices' weights channel (`follow`)
+        self.publisher = Publisher(cfg, training, self.ranks, self.run_dir, server)  # every version's way out
         self.recorder: StepRecorder | None = None  # made by `run`, over the (possibly resumed) state
         self.dropped_trained = 0  # trajectories that arrived after being trained (before a restart): never twice
-        self._since_checkpoint: dict[str, float] = {}  # version → wall time, for versions after the checkpoint
         self._resumed_step = 0  # the step this learner resumed at: its server counts the groups started since
         self._buffer_lock = threading.Condition()
         self._stop_ingest = threading.Event()
@@ -155,7 +149,7 @@ class Learner:
             self.ranks.share(("save", str(folder / state.weights)))
         self.training.save_state(folder / state.weights).result()
         commit_checkpoint(folder, state)
-        self._since_checkpoint.clear()  # every version published so far is in the checkpoint's publish_wall_s
+        self.publisher.since_checkpoint.clear()  # the checkpoint's publish_wall_s holds them all
 
     def resume(self, checkpoint: Checkpoint) -> None:
         """Continue from ``checkpoint`` (`read_checkpoint`): its weights, optimizer, RNG and learner state. The
@@ -165,7 +159,7 @@ class Learner:
         self.training.load_state(checkpoint.training_state).result()
         self.state = checkpoint.state
         self.state.publish_wall_s.update(checkpoint.published_wall_s)
-        self._since_checkpoint = dict(checkpoint.published_wall_s)
+        self.publisher.since_checkpoint = dict(checkpoint.published_wall_s)
         self._trained = set(self.state.trained_ids)
         self.engines.tallies = {name: EngineTally.from_json(raw) for name, raw in self.state.engines.items()}
         self._resumed_step = self.state.step
@@ -176,69 +170,13 @@ class Learner:
 
     # -- helpers ------------------------------------------------------------------------------------
     def _evaluate(self) -> float:
-        if self._reshard:  # rank 0's whole copy is refreshed only here: every rank gathers into it
+        if self.publisher.reshard:  # rank 0's whole copy is refreshed only here: every rank gathers into it
             self.ranks.share(("gather",))
             self.training.refresh_full_model().result()
         return held_out_success(self.cfg, self._eval_sampler, self.task)
 
-    def _wire_dtype(self):
-        return wire_dtype_for(self.cfg.runtime.weights_dtype, self.training.model)
-
     def _publish(self) -> int:
-        if self._reshard:
-            return self._publish_slices()
-        if self.training.sharded:
-            self.ranks.share(("export",))  # every rank takes part in the gather
-        adapter = self.training.adapter_meta if self.cfg.lora.publish == "adapter" else None
-        version, state = self.training.save_weights_for_sampler("adapter" if adapter else "whole").result()
-        wall_s = self.state.publish_wall_s[str(version)] = time.time()
-        self._record_published(version, wall_s)
-        if adapter:  # the adapter alone, stamped with its base (heterorl.training.lora), at its own wire dtype
-            dtype = wire_dtype_for(self.cfg.runtime.weights_dtype, state)
-            self.server.publish(version, state, dtype=dtype, describe=lambda header: setattr(header, "adapter",
-                                                                                                adapter))
-        else:
-            self.server.publish(version, state, dtype=self._wire_dtype())
-        return version
-
-    def _publish_slices(self) -> int:
-        """Every rank publishes its own slices of the new version: rank 0 on its weights channel, the others on
-        theirs, keeping the versions rank 0 may still release to a worker."""
-        layouts = self.server.layouts()  # the slices workers declared (tensor-parallel engines' ranks)
-        self.ranks.share(("slices", sorted(self.server.needed_versions()), layouts))
-        version, state = self.training.save_shards_for_sampler().result()
-        world = self.ranks.world
-        for key, layout in layouts.items():  # first: `publish` below notifies every worker
-            slices, shapes, boxes = slices_for(state, 0, world, DestLayout.from_dict(layout))
-            self.server.publish_layout(key, version, slices, dtype=self._wire_dtype(),
-                                       describe=describer(0, world, shapes, boxes))
-        slices, shapes, boxes = slices_of(state, 0, world)
-        wall_s = self.state.publish_wall_s[str(version)] = time.time()
-        self._record_published(version, wall_s)
-        self.server.publish(version, slices, dtype=self._wire_dtype(), describe=describer(0, world, shapes, boxes))
-        return version
-
-    def _publish_own_slices(self, needed: list[int], layouts: dict[str, dict]) -> None:
-        """Ranks > 0: this rank's slices of the new version, on its weights channel (bound at setup, its port
-        told to rank 0: `launch.bind_shard_channels`)."""
-        rank, world = self.ranks.rank, self.ranks.world
-        if self._shard_server is None:
-            raise HeteroRLError(f"learner rank {rank} was asked for its slices but has no weights channel: a learner "
-                                "that reshards binds one on every rank at setup (heterorl.runtime.launch)")
-        version, state = self.training.save_shards_for_sampler().result()
-        self._shard_server.keep_layouts(set(layouts))
-        for key, layout in layouts.items():
-            slices, shapes, boxes = slices_for(state, rank, world, DestLayout.from_dict(layout))
-            self._shard_server.publish(version, slices, shapes, boxes, dtype=self._wire_dtype(), needed=set(needed),
-                                       layout=key)
-        slices, shapes, boxes = slices_of(state, rank, world)
-        self._shard_server.publish(version, slices, shapes, boxes, dtype=self._wire_dtype(), needed=set(needed))
-
-    def _record_published(self, version: int, wall_s: float) -> None:
-        """Write down ``version`` as the newest published before any worker can see it: a learner resumed from an
-        older checkpoint publishes above it (`read_checkpoint`)."""
-        self._since_checkpoint[str(version)] = wall_s
-        record_published(self.run_dir / CHECKPOINTS, version, self._since_checkpoint)
+        return self.publisher.publish(self.state.publish_wall_s)
 
     def _admit(self, waited_s: float = 0.0, train_s: float = 0.0) -> None:
         """Hand the fleet its admission cap for the learner's current step, after letting the pacer see the
@@ -367,7 +305,7 @@ class Learner:
             engines={name: t.summary(state.tally.elapsed_s) for name, t in sorted(self.engines.tallies.items())},
             rollouts=self._waste(fleet),
             weights=weights_summary(self.server.stats, self.server.weights_dtype, cfg.transport.weights_deltas,
-                                    self.ranks.world if self._reshard else 1),
+                                    self.ranks.world if self.publisher.reshard else 1),
             reward_outcomes=self.server.reward_outcomes())
 
     def _split_cores(self, train_s: float) -> None:
@@ -508,13 +446,13 @@ class Learner:
         sharded, take part in gathering the weights for a publish (``export``) or for evaluation (``gather``),
         publish this rank's slices of a version (``slices``; on ``shard_server``, this rank's weights channel,
         closed at the end) and write a checkpoint's shards (``save``)."""
-        self._shard_server = shard_server
+        self.publisher.shard_server = shard_server
         total_updates = self.cfg.rl.steps * self.cfg.rl.updates_per_batch
         while True:
             message = self.ranks.share()
             if message == "stop":
-                if self._shard_server is not None:
-                    self._shard_server.close()
+                if self.publisher.shard_server is not None:
+                    self.publisher.shard_server.close()
                 return
             if message[0] == "train":
                 _, datums, self.training.version = message  # rank 0 publishes; the versions must agree (loss)
@@ -522,7 +460,7 @@ class Learner:
             elif message[0] == "export":
                 self.training.save_weights_for_sampler().result()
             elif message[0] == "slices":
-                self._publish_own_slices(*message[1:])
+                self.publisher.publish_own_slices(*message[1:])
             elif message[0] == "gather":
                 self.training.refresh_full_model().result()
             elif message[0] == "save":

@@ -3,6 +3,7 @@ anything loads or is written (not after the model loads and the server waits out
 
 import json
 import socket
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,11 +14,12 @@ from tests.conftest import run_cli
 
 
 @pytest.fixture()
-def busy_port():
-    """A port a listening socket holds, whose port - 1 this test holds too, bound but not listening, with
-    SO_REUSEADDR: no other process is given port - 1, yet the learner's check (and ZeroMQ, which binds with
-    SO_REUSEADDR) finds it free, so it can be the control port of a learner whose weights port is busy. No port is
-    released before the test is done with it."""
+def ports():
+    """Two adjacent ports, as `heterorl learner --bind` lays them out (the weights channel on the control port's
+    successor): ``busy``, held by a listening socket, and ``free_below`` it, held by a socket bound with
+    SO_REUSEADDR and not listening: no other process is given it, yet the learner's check (and ZeroMQ, which binds
+    with SO_REUSEADDR) finds it free, so it can be the control port of a learner whose weights port is busy. No port
+    is released before the test is done with it."""
     while True:
         below = socket.socket()
         below.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -30,7 +32,7 @@ def busy_port():
             continue
         with below, holder:
             holder.listen()
-            yield holder.getsockname()[1]
+            yield SimpleNamespace(free_below=below.getsockname()[1], busy=holder.getsockname()[1])
         return
 
 
@@ -46,19 +48,19 @@ def _refused_before_loading(tmp_path, *args: str) -> str:
     return line
 
 
-@pytest.mark.parametrize("channel, below", [("control", 0), ("weights", 1)])
-def test_learner_refuses_a_busy_port_at_once(tmp_path, busy_port, channel, below):
-    line = _refused_before_loading(tmp_path, "learner", "--config", "demo.yaml",
-                            "--bind", f"tcp://127.0.0.1:{busy_port - below}")
-    assert line == (f"heterorl: error: tcp://127.0.0.1:{busy_port} (the learner's {channel} channel) is in use by "
+@pytest.mark.parametrize("channel", ["control", "weights"])
+def test_learner_refuses_a_busy_port_at_once(tmp_path, ports, channel):
+    bind = ports.busy if channel == "control" else ports.free_below  # (whose successor is busy)
+    line = _refused_before_loading(tmp_path, "learner", "--config", "demo.yaml", "--bind", f"tcp://127.0.0.1:{bind}")
+    assert line == (f"heterorl: error: tcp://127.0.0.1:{ports.busy} (the learner's {channel} channel) is in use by "
                     "another process: choose another port (--bind, or runtime.address; the weights channel takes "
                     "port + 1, and port 0 picks free ones) or stop the process that holds it")
 
 
-def test_train_refuses_a_busy_runtime_address_at_once(tmp_path, busy_port):
+def test_train_refuses_a_busy_runtime_address_at_once(tmp_path, ports):
     line = _refused_before_loading(tmp_path, "train", "--config", "demo.yaml",
-                                   f"runtime.address=tcp://127.0.0.1:{busy_port}")
-    assert line.startswith(f"heterorl: error: tcp://127.0.0.1:{busy_port} (the learner's control channel) is in use")
+                                   f"runtime.address=tcp://127.0.0.1:{ports.busy}")
+    assert line.startswith(f"heterorl: error: tcp://127.0.0.1:{ports.busy} (the learner's control channel) is in use")
 
 
 def test_ports_picked_at_bind_time_are_left_to_the_bind(tmp_path):
@@ -67,10 +69,10 @@ def test_ports_picked_at_bind_time_are_left_to_the_bind(tmp_path):
     refuse_busy_ports(cfg, f"ipc://{tmp_path}/learner", resume=False)  # no port
 
 
-def test_a_resumed_learner_checks_the_addresses_its_workers_dial(tmp_path, busy_port):
+def test_a_resumed_learner_checks_the_addresses_its_workers_dial(tmp_path, ports):
     cfg = load_config(None, [f"logging.run_dir={tmp_path}"])
-    (tmp_path / ENDPOINTS).write_text(json.dumps({"control": f"tcp://127.0.0.1:{busy_port - 1}",
-                                                  "weights": f"tcp://127.0.0.1:{busy_port}"}))
+    (tmp_path / ENDPOINTS).write_text(json.dumps({"control": f"tcp://127.0.0.1:{ports.free_below}",
+                                                  "weights": f"tcp://127.0.0.1:{ports.busy}"}))
     refuse_busy_ports(cfg, "tcp://127.0.0.1:0", resume=False)
-    with pytest.raises(HeteroRLError, match=f"tcp://127.0.0.1:{busy_port} \\(the learner's weights channel\\)"):
+    with pytest.raises(HeteroRLError, match=f"tcp://127.0.0.1:{ports.busy} \\(the learner's weights channel\\)"):
         refuse_busy_ports(cfg, "tcp://127.0.0.1:0", resume=True)
