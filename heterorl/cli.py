@@ -14,7 +14,7 @@
     heterorl bench service              the session primitives remote (heterorl serve) vs local; OpenAI endpoint load
     heterorl bench reshard              a sharded learner's weights: every rank sends its slices vs gather
     heterorl bench lora                 LoRA vs full fine-tuning: learning, bytes and time per version, sampling
-    heterorl bench sandbox              the code task's sandbox: tests/s with looping programs, a worker's samples/s
+    heterorl bench sandbox              the code task's sandbox: start-up, tests/s (jail vs weak), a worker's samples/s
     heterorl keys [make] --name NAME [--out D]   a CurveZMQ key pair for a learner or a remote worker
     heterorl keys revoke --name NAME --allow-keys D   refuse a worker's key (no restart)
     heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async)

@@ -1,8 +1,11 @@
 """``heterorl bench sandbox``: how fast the code task's sandbox scores programs, and what scoring costs a worker.
 
+0. **Start-up cost** of each isolation (``--isolation``, default both: the jail, nsjail, and the weak sandbox):
+   the median time to run a program that returns at once, ``--startup-runs`` times each, alternating.
 1. **Tests per second** (``--programs`` programs of the `code` task, ``--tests`` hidden tests each, up to
-   ``--parallel`` at once, wall-clock limit ``--wall-s``), with 0 %, 50 % and 100 % of the programs looping
-   forever (each runs until the limit and scores 0). The rest are the reference solutions.
+   ``--parallel`` at once, wall-clock limit ``--wall-s``), per isolation, with 0 %, 50 % and 100 % of the
+   programs hanging (they close their output and sleep: each runs until the wall clock and scores 0). The rest
+   are the reference solutions. The jail's figures are also given as a ratio of the weak sandbox's.
 2. **A worker's samples/s** (a fresh tiny policy, context 512, sampling ``--rounds`` batches of ``--programs``
    completions of the code task's prompts, 64 tokens each, with the torch engine): sampling alone, then sampling
    and scoring each batch with the same mixes of programs, scored after the batch is sampled, and scored while
@@ -12,60 +15,88 @@
 from __future__ import annotations
 
 import argparse
+import math
 import random
+import statistics
 import time
 
 from heterorl.errors import HeteroRLError
 
-LOOP = "def {entry}(*args):\n    while True:\n        pass\n"
-LOOP_STDIO = "while True:\n    pass\n"
+HANG = "import os, time\ndef {entry}(*args):\n    os.close(1)\n    os.close(2)\n    time.sleep(3600)\n"
+HANG_STDIO = "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(3600)\n"
 SHARES = (0.0, 0.5, 1.0)
 
 
 def _programs(task, n: int, share: float, seed: int = 0) -> tuple[list, list[str]]:
-    """``n`` training problems and, for each, its reference solution or (a ``share`` of them) a loop."""
+    """``n`` training problems and, for each, its reference solution or (a ``share`` of them) a hang."""
     rng = random.Random(seed)
     problems = [task.sample_train(rng) for _ in range(n)]
-    looping = set(rng.sample(range(n), round(share * n)))
-    programs = [(LOOP.format(entry=p.data["entry"]) if p.data["entry"] else LOOP_STDIO) if i in looping
+    hanging = set(rng.sample(range(n), round(share * n)))
+    programs = [(HANG.format(entry=p.data["entry"]) if p.data["entry"] else HANG_STDIO) if i in hanging
                 else task.demonstration(p) for i, p in enumerate(problems)]
     return problems, programs
 
 
-def tests_per_second(args) -> list[dict]:
+def _code_task(args, isolation: str):
     from heterorl.tasks import make_task
+    from heterorl.tasks.sandbox import Sandbox, SandboxLimits
 
+    task = make_task("code", {"tests": args.tests, "max_parallel": args.parallel, "wall_s": args.wall_s,
+                              "cpu_s": args.wall_s, "allow_weak_sandbox": isolation == "weak"})
+    task.use_sandbox(Sandbox(SandboxLimits(wall_s=args.wall_s, cpu_s=args.wall_s), args.parallel,
+                             isolation=isolation))
+    return task
+
+
+def startup_seconds(args) -> dict[str, float]:
+    """The median seconds to run a program that returns at once, per isolation, measured alternately."""
+    from heterorl.tasks.sandbox import Sandbox, SandboxLimits, TestCase
+
+    boxes = {kind: Sandbox(SandboxLimits(wall_s=10.0), 1, isolation=kind) for kind in args.isolation}
+    times: dict[str, list[float]] = {kind: [] for kind in boxes}
+    for _ in range(args.startup_runs):
+        for kind, box in boxes.items():
+            start = time.perf_counter()
+            if box.run("def f():\n    return 1\n", [TestCase(expected=1)], entry="f").reason != "ok":
+                raise HeteroRLError(f"the {kind} sandbox failed a trivial program")
+            times[kind].append(time.perf_counter() - start)
+    for box in boxes.values():
+        box.close()
+    return {kind: statistics.median(values) for kind, values in times.items()}
+
+
+def tests_per_second(args) -> list[dict]:
     rows = []
     for share in SHARES:
-        task = make_task("code", {"tests": args.tests, "max_parallel": args.parallel, "wall_s": args.wall_s,
-                                  "cpu_s": args.wall_s})
-        problems, programs = _programs(task, args.programs, share)
-        start = time.perf_counter()
-        rewards = task.reward_batch(problems, programs)
-        seconds = time.perf_counter() - start
-        expected = [0.0 if "while True" in p else 1.0 for p in programs]
-        if rewards != expected:
-            raise HeteroRLError(f"the sandbox scored {rewards} where {expected} was due")
-        rows.append({"share": share, "seconds": seconds, "programs_per_s": len(programs) / seconds,
-                     "tests_per_s": len(programs) * args.tests / seconds, "stats": dict(task.stats)})
-        task.sandbox.close()
+        for isolation in args.isolation:
+            task = _code_task(args, isolation)
+            problems, programs = _programs(task, args.programs, share)
+            start = time.perf_counter()
+            rewards = task.reward_batch(problems, programs)
+            seconds = time.perf_counter() - start
+            expected = [0.0 if "time.sleep(3600)" in p else 1.0 for p in programs]
+            if rewards != expected:
+                raise HeteroRLError(f"the {isolation} sandbox scored {rewards} where {expected} was due")
+            rows.append({"share": share, "isolation": isolation, "seconds": seconds,
+                         "programs_per_s": len(programs) / seconds, "tests_per_s": len(programs) * args.tests / seconds,
+                         "bound_s": args.wall_s * math.ceil(round(share * args.programs) / args.parallel),
+                         "stats": dict(task.stats)})
+            task.sandbox.close()
     return rows
 
 
 def worker_samples_per_second(args) -> dict:
-    """Samples/s of sampling alone, and of sampling and scoring ``--rounds`` batches, per share of looping
+    """Samples/s of sampling alone, and of sampling and scoring ``--rounds`` batches, per share of hanging
     programs: scored after each batch is sampled, and scored while the next one is (`worker.Pipeline`, what a
     rollout worker does)."""
     from heterorl.config import TinyModelConfig
     from heterorl.engines.base import SamplingParams
     from heterorl.policies import load_policy
     from heterorl.runtime.worker import Pipeline
-    from heterorl.tasks import make_task
     from heterorl.tasks.rewards import score_all
     from heterorl.training.session import SamplingClient
 
-    task = make_task("code", {"tests": args.tests, "max_parallel": args.parallel, "wall_s": args.wall_s,
-                              "cpu_s": args.wall_s})
+    task = _code_task(args, args.isolation[0])
     model, tokenizer = load_policy("tiny", alphabet=task.alphabet(), tiny=TinyModelConfig(max_positions=512))
     sampler = SamplingClient.for_model(model, tokenizer)
     params = SamplingParams(max_tokens=64, ignore_eos=True, seed=0)
@@ -94,7 +125,7 @@ def worker_samples_per_second(args) -> dict:
             rates.append(args.rounds * args.programs / (time.perf_counter() - start))
             if share is None:
                 break
-        rows["sampling only" if share is None else f"{share:.0%} looping"] = rates
+        rows["sampling only" if share is None else f"{share:.0%} hanging"] = rates
     task.sandbox.close()
     return rows
 
@@ -107,15 +138,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=2, help="programs at once (default 2: the cores)")
     parser.add_argument("--wall-s", type=float, default=1.0, help="each program's time limit (default 1 s)")
     parser.add_argument("--rounds", type=int, default=3, help="batches per worker figure (default 3)")
+    parser.add_argument("--isolation", default="nsjail,weak",
+                        help="the sandboxes to measure, comma-separated (default nsjail,weak; the worker figures "
+                             "use the first)")
+    parser.add_argument("--startup-runs", type=int, default=20, help="runs per start-up figure (default 20)")
     parser.add_argument("--skip-worker", action="store_true", help="leave out part 2")
     args = parser.parse_args(argv)
+    from heterorl.tasks.sandbox import ISOLATIONS
+
+    args.isolation = [kind.strip() for kind in args.isolation.split(",") if kind.strip()]
+    if not args.isolation or set(args.isolation) - set(ISOLATIONS):
+        parser.error(f"--isolation: give some of {', '.join(ISOLATIONS)}, comma-separated")
     if min(args.programs, args.tests, args.parallel, args.rounds) < 1 or args.wall_s <= 0:
         parser.error("--programs, --tests, --parallel and --rounds must be >= 1, --wall-s > 0")
-    print(f"1. the sandbox: {args.programs} programs x {args.tests} hidden tests, {args.parallel} at once, "
+    startup = startup_seconds(args)
+    print(f"0. start-up: the median of {args.startup_runs} runs of a program that returns at once")
+    for kind, seconds in startup.items():
+        print(f"  {kind:>6} | {seconds * 1000:6.1f} ms per program"
+              + (f" ({seconds / startup['weak']:4.2f}x the weak sandbox's)" if "weak" in startup and kind != "weak"
+                 else ""))
+    print(f"\n1. the sandbox: {args.programs} programs x {args.tests} hidden tests, {args.parallel} at once, "
           f"{args.wall_s:g} s limit each")
-    for row in tests_per_second(args):
-        print(f"  {row['share']:4.0%} looping | {row['seconds']:6.2f} s | {row['programs_per_s']:6.1f} programs/s | "
-              f"{row['tests_per_s']:7.1f} tests/s | {row['stats']}")
+    rows = tests_per_second(args)
+    weak = {row["share"]: row for row in rows if row["isolation"] == "weak"}
+    for row in rows:
+        ratio = (f" ({row['tests_per_s'] / weak[row['share']]['tests_per_s']:4.2f}x weak)"
+                 if row["isolation"] != "weak" and row["share"] in weak else "")
+        print(f"  {row['isolation']:>6} | {row['share']:4.0%} hanging | {row['seconds']:6.2f} s (bound "
+              f"{row['bound_s']:g} s + scoring) | {row['programs_per_s']:6.1f} programs/s | "
+              f"{row['tests_per_s']:7.1f} tests/s{ratio} | {row['stats']}")
     if not args.skip_worker:
         rows = worker_samples_per_second(args)
         print(f"\n2. a worker: a tiny policy samples {args.rounds} batches of {args.programs} completions of 64 tokens "

@@ -13,8 +13,10 @@ prompt's digest): the eval set is drawn from them, and training never is.
 
 from __future__ import annotations
 
+import logging
 import random
 import re
+import sys
 import zlib
 from collections import Counter
 from dataclasses import dataclass
@@ -22,8 +24,9 @@ from typing import Callable
 
 from heterorl.errors import TaskError
 from heterorl.tasks.base import MAX_EVAL_REDRAWS, GeneratedTask, Problem
-from heterorl.tasks.sandbox import Outcome, Sandbox, SandboxLimits, TestCase
+from heterorl.tasks.sandbox import Outcome, Sandbox, SandboxLimits, SandboxUnavailable, TestCase, describe_unavailable
 
+log = logging.getLogger(__name__)
 REWARDS = ("fraction", "all")
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.S)
 
@@ -32,7 +35,9 @@ _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.S)
 class CodeConfig:
     """Problem and sandbox settings: ``tests`` hidden tests per problem; ``reward`` ``fraction`` or ``all``;
     ``families`` the families to draw from (empty: all of `FAMILIES`); ``max_parallel`` programs run at once;
-    the limits of each program (`SandboxLimits`)."""
+    the limits of each program (`SandboxLimits`); ``allow_weak_sandbox``: where the jail cannot run (not root,
+    no nsjail, no cgroups), run programs in the weak sandbox instead of refusing to start (unsafe: only Python's
+    audit hook stands between a program and much of the machine)."""
 
     tests: int = 8
     reward: str = "fraction"
@@ -44,6 +49,7 @@ class CodeConfig:
     cpu_s: float = 4.0
     memory_mb: int = 512
     output_bytes: int = 65536
+    allow_weak_sandbox: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tests, int) or isinstance(self.tests, bool) or self.tests < 1:
@@ -57,6 +63,8 @@ class CodeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise TaskError(f"code option {name}={value!r} must be an integer >= 1")
+        if not isinstance(self.allow_weak_sandbox, bool):
+            raise TaskError(f"code option allow_weak_sandbox={self.allow_weak_sandbox!r} must be true or false")
         SandboxLimits(wall_s=self.wall_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb, output_bytes=self.output_bytes)
 
 
@@ -200,14 +208,27 @@ class CodeTask(GeneratedTask):
         super().__init__(config)
         self.families = sorted(config.families or FAMILIES)
         self._sandbox: Sandbox | None = None
+        self.isolation = "nsjail"
+        problem = describe_unavailable(config.allow_weak_sandbox)  # (checked at start, before any program)
+        if problem and not config.allow_weak_sandbox:
+            raise SandboxUnavailable(problem)
+        if problem:
+            self.isolation = "weak"
+            log.warning("!!! %s", problem)
+            print(f"heterorl: WARNING: {problem}", file=sys.stderr, flush=True)
 
     @property
     def sandbox(self) -> Sandbox:
         if self._sandbox is None:  # (started on first use: a task made only to read its config starts nothing)
             c = self.config
             self._sandbox = Sandbox(SandboxLimits(wall_s=c.wall_s, cpu_s=c.cpu_s, memory_mb=c.memory_mb,
-                                                  output_bytes=c.output_bytes), c.max_parallel)
+                                                  output_bytes=c.output_bytes), c.max_parallel,
+                                    isolation=self.isolation)
         return self._sandbox
+
+    def use_sandbox(self, sandbox: Sandbox) -> None:
+        """Score with ``sandbox`` from now on (e.g. a benchmark comparing isolations)."""
+        self._sandbox = sandbox
 
     @property
     def stats(self) -> Counter:

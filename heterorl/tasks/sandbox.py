@@ -1,37 +1,31 @@
 """Running untrusted generated programs against unit tests, where the samples are (a rollout worker).
 
-Each candidate program runs in its own fresh Python process (``python -I``), one process for all its tests.
-What contains it:
+Each candidate program runs in a fresh Python process (``python -I -S``), one process for all its tests, in a
+jail the kernel makes (`heterorl.tasks.jail`, through nsjail): its own PID, mount, network, IPC and UTS
+namespaces, a uid of its own, a read-only view of the interpreter and its libraries, a private size-capped
+tmpfs, and a cgroup bounding the whole program's memory, processes and CPU. The parent kills the jail whole at
+the wall-clock limit, whatever happened to any pipe.
 
-- **Time.** A wall-clock limit: the parent kills the program's whole process group (it starts a new session),
-  so children die too. A CPU-time limit (``RLIMIT_CPU``).
-- **Memory.** An address-space limit (``RLIMIT_AS``); an allocation beyond it fails inside the program.
-- **Output.** Its stdout and stderr are read up to ``output_bytes``, and the program is killed past that. Files
-  it writes are capped by ``RLIMIT_FSIZE``, in a private temporary directory, its working directory, which is
-  removed afterwards.
-- **Processes.** ``RLIMIT_NPROC`` stops a fork bomb; fork, exec and subprocess are refused at once.
-- **Network.** A new network namespace with no interface up, when the machine allows it (root, or
-  unprivileged user namespaces).
-- **The worker's files and keys.**
-  - The program gets an empty environment: no key paths, no tokens.
-  - When the worker runs as root, the program runs as ``nobody``, so files only their owner reads (0600 keys)
-    stay closed to it.
-  - Opening files outside its directory and Python's own is refused.
+Inside, the harness (`sandbox_harness`) is a supervisor and the program its forked child: the program's
+answers reach the parent only through the supervisor, which checks each one, over a pipe the program does not
+hold; what the program prints is captured apart, bounded, and never parsed. The parent compares the answers
+with the expected ones, which never reach the program, by value and type. An audit hook in the program is a
+tripwire that names what it tried (sockets, processes, ctypes, files outside), so that the reward can count
+it; the boundary is the jail.
 
-The in-process refusals are a tripwire, not the boundary: an audit hook (PEP 578) names what a program tried
-(``socket``, ``open``, ``fork``, ``ctypes``), so the reward can count it. Native code can step around a hook;
-the boundary is the OS's: rlimits, the process group, the namespace and the uid.
-
-A program never sees a test's expected answer. The harness sends back only what the program returned or
-printed for each input, and the parent compares. So a program that writes fake results can only fail.
-
-`Sandbox.isolation` says what this machine gives; docs/TASKS.md has the whole list.
+Where the jail cannot be had (`jail.jail_support` says what is missing), the weak sandbox
+(``isolation="weak"``) runs the same harness with rlimits, its own session, a network namespace and the
+``nobody`` user where it may: the audit hook is then the only wall between a program and much of the machine.
+The code task refuses it unless ``allow_weak_sandbox`` is set. docs/TASKS.md says what is isolated by what.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import queue
+import selectors
 import signal
 import subprocess
 import sys
@@ -42,63 +36,66 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from heterorl.errors import TaskError
+from heterorl.tasks.jail import Jail, SandboxUnavailable, jail_support
+from heterorl.tasks.sandbox_judge import (
+    CRASHED,
+    FORBIDDEN,
+    MEMORY,
+    OK,
+    OUTPUT,
+    SYNTAX,
+    TIMEOUT,
+    WRONG,
+    Outcome,
+    TestCase,
+    judge,
+)
 
-# why a program scored what it did (counted per reason by `Sandbox.stats`)
-OK, WRONG, TIMEOUT, MEMORY, OUTPUT, CRASHED, SYNTAX = "ok", "wrong_answer", "timeout", "memory", "output_limit", \
-    "crashed", "syntax_error"
-FORBIDDEN = "forbidden"  # + ":" what it tried: socket, open, process, ctypes
-FORBIDDEN_KINDS = ("socket", "open", "process", "ctypes")
-_RESULT_PREFIX = "\x00heterorl-result "  # the harness's lines on its results pipe
+log = logging.getLogger(__name__)
+ISOLATIONS = ("nsjail", "weak")
+KILL_GRACE_S = 5.0  # how long a jail's nsjail may take to exit after its program was killed
+REPORT_ROOM = 64 * 1024  # results' bytes beyond the answers' limit (their framing, the status lines)
+
+
+class SandboxError(TaskError):
+    """The sandbox itself failed (not the program): e.g. nsjail could not build a jail. Never a score."""
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """What one candidate program may use (all its tests together)."""
+    """What one candidate program may use, all its processes and tests together: ``wall_s`` wall-clock and
+    ``cpu_s`` CPU seconds (per process, on one core's worth of CPU per second for the whole program),
+    ``memory_mb`` (the whole program's; also each process's address space), ``output_bytes`` of stdout+stderr
+    (and of answers), ``file_bytes`` per file, ``tmp_mb`` for all its files, ``processes`` (threads count)."""
 
     wall_s: float = 5.0
     cpu_s: float = 4.0
     memory_mb: int = 512
     output_bytes: int = 64 * 1024
     file_bytes: int = 1 << 20
-    processes: int = 64  # RLIMIT_NPROC for the sandbox's user (a backstop: fork is refused before it)
+    tmp_mb: int = 16
+    processes: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("wall_s", "cpu_s", "memory_mb", "output_bytes", "file_bytes", "processes"):
+        for name in ("wall_s", "cpu_s", "memory_mb", "output_bytes", "file_bytes", "tmp_mb", "processes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise TaskError(f"sandbox limit {name}={value!r}: give a number > 0")
 
 
-@dataclass(frozen=True)
-class TestCase:
-    """One hidden test: call the program's function with ``args`` (``call`` mode), or feed ``stdin`` and read
-    what it prints (``stdio`` mode); ``expected``: the reference solution's answer, never shown to the program."""
-
-    __test__ = False  # not a pytest class, despite its name
-
-    args: list = field(default_factory=list)
-    stdin: str = ""
-    expected: Any = None
-
-
 @dataclass
-class Outcome:
-    """What one program scored: tests ``passed`` of ``total``, and why (``reason``: one of the constants above,
-    ``forbidden:WHAT`` for a refused action)."""
+class Collected:
+    """What came back from one program's process: the results pipe, its own output (bounded), why the parent
+    killed it ("" when it ended by itself), and the exit code of what the parent started."""
 
-    passed: int
-    total: int
-    reason: str
-    seconds: float = 0.0
-    detail: str = ""
-    answers: dict = field(default_factory=dict, repr=False)  # test index -> what the program gave
-
-    @property
-    def fraction(self) -> float:
-        return self.passed / self.total if self.total else 0.0
+    results: bytes = b""
+    output: bytes = b""
+    killed: str = ""
+    returncode: int | None = None
+    leftovers: list = field(default_factory=list)
 
 
 def _harness() -> str:
@@ -107,38 +104,52 @@ def _harness() -> str:
 
 
 class Sandbox:
-    """Runs candidate programs against hidden tests under `SandboxLimits`, up to ``max_parallel`` processes at
-    once; counts each outcome's reason in ``stats``. Thread-safe."""
+    """Runs candidate programs against hidden tests under `SandboxLimits`, up to ``max_parallel`` at once, each
+    in a jail (``isolation="nsjail"``, the default; `SandboxUnavailable` names what this machine lacks) or the
+    weak sandbox (``"weak"``); counts each outcome's reason in ``stats``. Thread-safe."""
 
     def __init__(self, limits: SandboxLimits | None = None, max_parallel: int = 2,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, isolation: str = "nsjail") -> None:
         if not isinstance(max_parallel, int) or max_parallel < 1:
             raise TaskError(f"sandbox max_parallel={max_parallel!r}: give an integer >= 1")
+        if isolation not in ISOLATIONS:
+            raise TaskError(f"sandbox isolation={isolation!r}: give one of {', '.join(ISOLATIONS)}")
         self.limits = limits or SandboxLimits()
         self.max_parallel = max_parallel
         self.python = python
+        self.isolation_kind = isolation
+        self.jail = None
+        if isolation == "nsjail":
+            lim = self.limits
+            self.jail = Jail(jail_support(), python, max_parallel, memory_mb=lim.memory_mb, processes=lim.processes,
+                             cpu_s=lim.cpu_s, file_bytes=lim.file_bytes, tmp_mb=lim.tmp_mb, wall_s=lim.wall_s)
         self.stats: Counter = Counter()  # programs run, by outcome reason (`counts` copies it)
         self.running = self.peak_running = 0  # programs running now, and the most at once
         self._lock = threading.Lock()
+        self._slots: queue.Queue = queue.Queue()
+        for slot in range(max_parallel):
+            self._slots.put(slot)
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="heterorl-sandbox")
         self._source = _harness()
 
     # -- public ----------------------------------------------------------------------------------------
     def run(self, program: str, tests: Sequence[TestCase], *, entry: str | None = None) -> Outcome:
         """Run ``program`` on every test: ``entry`` names the function to call (``call`` mode), None reads stdin
-        and prints (``stdio`` mode)."""
+        and prints (``stdio`` mode). Waits for a free slot (at most ``max_parallel`` programs run at once)."""
+        slot = self._slots.get()
         with self._lock:
             self.running += 1
             self.peak_running = max(self.peak_running, self.running)
         outcome = None
         try:
-            outcome = self._run(program, list(tests), entry)
+            outcome = self._run(slot, program, list(tests), entry)
             return outcome
         finally:
             with self._lock:
                 self.running -= 1
                 if outcome is not None:
                     self.stats[outcome.reason] += 1
+            self._slots.put(slot)
 
     def counts(self) -> Counter:
         """A copy of ``stats``, taken while no program's outcome is being counted."""
@@ -146,124 +157,179 @@ class Sandbox:
             return Counter(self.stats)
 
     def run_many(self, jobs: Sequence[tuple[str, Sequence[TestCase], str | None]]) -> list[Outcome]:
-        """`run` for each (program, tests, entry), ``max_parallel`` at a time; in the order given."""
-        return list(self._pool.map(lambda job: self.run(job[0], job[1], entry=job[2]), jobs))
+        """`run` for each (program, tests, entry), ``max_parallel`` at a time; in the order given. Afterwards,
+        checks that nothing of any program is left (`leftovers`); what is, is killed, logged and counted as
+        ``leftover`` in ``stats``."""
+        outcomes = list(self._pool.map(lambda job: self.run(job[0], job[1], entry=job[2]), jobs))
+        left = self.leftovers()
+        if left:
+            log.warning("the sandbox found %d things left after a batch, now removed: %s", len(left), left[:5])
+            with self._lock:
+                self.stats["leftover"] += len(left)
+            for slot in range(self.max_parallel):
+                self.jail.clean(slot)
+        return outcomes
 
-    def isolation(self) -> dict[str, bool]:
-        """What this machine gives a program: ``network_namespace``, ``separate_user`` (runs as nobody)."""
-        probe = self._run("def f():\n    import os\n    return [os.getuid(), os.readlink('/proc/self/ns/net')]",
-                          [TestCase()], "f")
-        uid, namespace = probe.answers.get(0) or [None, None]
-        return {"network_namespace": namespace is not None and namespace != os.readlink("/proc/self/ns/net"),
+    def leftovers(self) -> list[str]:
+        """What any program left behind and is still there: processes running as the jail's uids, cgroups of
+        slots where no program runs now (files are in each jail's tmpfs, gone with it). The weak sandbox cannot
+        tell: always []."""
+        if self.jail is None:
+            return []
+        with self._slots.mutex:
+            idle = list(self._slots.queue)
+        return self.jail.strays() + [group for slot in idle for group in self.jail.cgroups_of(slot)]
+
+    def isolation(self) -> dict[str, bool | str]:
+        """What this machine gives a program, seen from inside one: ``kind`` (nsjail or weak), and whether it
+        has its own ``network_namespace``, ``pid_namespace`` (it sees no process but its own and the
+        harness's), ``filesystem`` (no host folder but Python's and its libraries), and runs as a
+        ``separate_user``."""
+        probe = self.run("def f():\n    import os\n    return [os.getuid(), os.readlink('/proc/self/ns/net'), "
+                         "os.readlink('/proc/self/ns/pid'), [p for p in os.listdir('/proc') if p.isdigit()], "
+                         "sorted(os.listdir('/'))]", [TestCase()],
+                         entry="f")
+        uid, net, pid, visible, top = probe.answers.get(0) or [None] * 5
+        return {"kind": self.isolation_kind,
+                "network_namespace": net is not None and net != os.readlink("/proc/self/ns/net"),
+                "pid_namespace": pid is not None and pid != os.readlink("/proc/self/ns/pid") and len(visible) <= 3,
+                "filesystem": top is not None and "etc" not in top and "home" not in top,
                 "separate_user": uid is not None and uid != os.getuid()}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self.jail is not None:
+            self.jail.close()
 
     # -- one program -----------------------------------------------------------------------------------
-    def _run(self, program: str, tests: list[TestCase], entry: str | None) -> Outcome:
-        limits = self.limits
+    def _run(self, slot: int, program: str, tests: list[TestCase], entry: str | None) -> Outcome:
         start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="heterorl-sandbox-") as home:
-            os.chmod(home, 0o777)  # (the program may run as nobody)
-            job = json.dumps({
-                "program": program, "entry": entry, "inputs": [[t.args, t.stdin] for t in tests], "home": home,
-                "output_bytes": limits.output_bytes,
-                "limits": {"cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "file_bytes": limits.file_bytes,
-                           "processes": limits.processes}})
-            try:
-                proc = subprocess.Popen([self.python, "-I", "-S", "-c", self._source], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=home, env={},
-                                        start_new_session=True)
-            except OSError as exc:
-                return Outcome(0, len(tests), CRASHED, detail=f"cannot start {self.python}: {exc}")
-            output, killed = self._communicate(proc, job.encode())
+            collected = self._start_and_collect(slot, home, program, tests, entry)
         seconds = time.monotonic() - start
-        return _judge(output, killed, proc.returncode, tests, seconds)
+        if self.jail is not None and not collected.killed and b'"started"' not in collected.results:
+            raise SandboxError(f"the jail did not start (nsjail exit code {collected.returncode}): "
+                               f"{collected.output[-600:].decode('utf-8', 'replace')}")
+        return judge(collected.results, collected.output, collected.killed, collected.returncode, tests, seconds)
 
-    def _communicate(self, proc: subprocess.Popen, job: bytes) -> tuple[bytes, str]:
-        """Feed the job, read up to ``output_bytes`` (plus the results), kill the group at the wall-clock limit
-        or past the output limit; (output, why it was killed or "")."""
-        limits, chunks, size, killed = self.limits, [], 0, ""
-        cap = limits.output_bytes + 64 * 1024  # (room for the results lines themselves)
-        deadline = time.monotonic() + limits.wall_s
-
-        def feed() -> None:
-            try:
-                proc.stdin.write(job)
-                proc.stdin.close()
-            except OSError:  # it exited before reading: its outcome says why
-                pass
-
-        threading.Thread(target=feed, daemon=True).start()
-        timer = threading.Timer(limits.wall_s, _kill_group, (proc,))
-        timer.start()
+    def _start_and_collect(self, slot: int, home: str, program: str, tests: list[TestCase],
+                           entry: str | None) -> Collected:
+        limits = self.limits
+        results_read, results_write = os.pipe()
+        job = {"program": program, "entry": entry, "inputs": [[t.args, t.stdin] for t in tests],
+               "output_bytes": limits.output_bytes, "report_bytes": limits.output_bytes + REPORT_ROOM // 2,
+               "results_fd": results_write, "jailed": self.jail is not None,
+               "home": "/tmp" if self.jail is not None else home,
+               "limits": {"cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "file_bytes": limits.file_bytes,
+                          "processes": limits.processes}}
+        if self.jail is not None:
+            command, cwd = self.jail.command(slot, results_write, self._source), "/"
+        else:
+            os.chmod(home, 0o777)  # (the program may run as nobody)
+            command, cwd = [self.python, "-I", "-S", "-c", self._source], home
         try:
-            while True:
-                chunk = proc.stdout.read1(65536)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > cap:
-                    killed = OUTPUT
-                    _kill_group(proc)
-                    break
+            proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    cwd=cwd, env={}, start_new_session=True, pass_fds=(results_write,))
+        except OSError as exc:
+            os.close(results_read)
+            raise SandboxError(f"cannot start {command[0]}: {exc}") from exc
         finally:
-            timer.cancel()
+            os.close(results_write)
+        try:
+            return self._collect(slot, proc, json.dumps(job).encode(), results_read)
+        finally:
+            os.close(results_read)
+            if self.jail is not None:
+                self.jail.clean(slot)
+
+    def _collect(self, slot: int, proc: subprocess.Popen, job: bytes, results_read: int) -> Collected:
+        """Feed the job; read the results pipe and the program's output (each bounded) until the process ends
+        or the wall clock runs out, whichever is first (a pipe held open by a descendant never makes this wait
+        longer); kill the whole program then."""
+        limits, got = self.limits, Collected()
+        caps = {"results": limits.output_bytes + REPORT_ROOM, "output": limits.output_bytes}
+        deadline = time.monotonic() + limits.wall_s
+        threading.Thread(target=_feed, args=(proc, job), daemon=True).start()
+        chunks = {"results": [], "output": []}
+        sizes = {"results": 0, "output": 0}
+        selector = selectors.DefaultSelector()
+        os.set_blocking(proc.stdout.fileno(), False)
+        os.set_blocking(results_read, False)
+        selector.register(proc.stdout.fileno(), selectors.EVENT_READ, "output")
+        selector.register(results_read, selectors.EVENT_READ, "results")
+        open_streams = 2
+        try:
+            while open_streams and not got.killed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    got.killed = TIMEOUT
+                    break
+                if proc.poll() is not None and not selector.select(0):
+                    break  # (it ended, and nothing more is waiting: a descendant may hold a pipe, unread)
+                for key, _ in selector.select(min(remaining, 0.1)):
+                    try:
+                        chunk = os.read(key.fd, 65536)
+                    except BlockingIOError:
+                        continue
+                    if not chunk:
+                        selector.unregister(key.fd)
+                        open_streams -= 1
+                        continue
+                    sizes[key.data] += len(chunk)
+                    if sizes[key.data] > caps[key.data]:
+                        got.killed = OUTPUT if key.data == "output" else CRASHED
+                        break
+                    chunks[key.data].append(chunk)
+        finally:
+            selector.close()
+            self._kill(slot, proc)
             proc.stdout.close()
-            proc.wait()
-            _kill_group(proc)  # whatever it left behind in its group
-        if not killed and time.monotonic() >= deadline:
-            killed = TIMEOUT
-        return b"".join(chunks), killed
+        got.returncode = proc.returncode
+        got.results, got.output = b"".join(chunks["results"]), b"".join(chunks["output"])
+        return got
+
+    def _kill(self, slot: int, proc: subprocess.Popen) -> None:
+        """The whole program: in a jail, every process of its cgroup (`Jail.kill`), after which its nsjail exits
+        by itself (or, past ``KILL_GRACE_S``, is killed); the weak sandbox's session. Then the process the parent
+        started is reaped."""
+        if self.jail is not None and proc.poll() is None:
+            self.jail.kill(slot)
+            try:
+                proc.wait(timeout=KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.poll() is None:
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _feed(proc: subprocess.Popen, job: bytes) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+        proc.stdin.write(job)
+        proc.stdin.close()
+    except (OSError, ValueError):  # it exited before reading: its outcome says why
         pass
 
 
-def _judge(output: bytes, killed: str, returncode: int, tests: list[TestCase], seconds: float) -> Outcome:
-    """The outcome from the harness's result lines: each test's answer compared with the expected one here."""
-    total = len(tests)
-    answers, status, detail = {}, None, ""
-    for line in output.decode("utf-8", "replace").split("\n"):
-        if not line.startswith(_RESULT_PREFIX):
-            continue
-        try:
-            record = json.loads(line[len(_RESULT_PREFIX):])
-        except ValueError:
-            continue
-        if "status" in record and not (status or "").startswith(FORBIDDEN):  # (a refusal names the outcome)
-            status, detail = str(record["status"]), str(record.get("detail", ""))[:500]
-        elif isinstance(record.get("i"), int) and 0 <= record["i"] < total:
-            answers.setdefault(record["i"], record.get("out"))
-    passed = sum(1 for i, test in enumerate(tests) if i in answers and answers[i] == _canonical(test.expected))
-    if status is not None and status.startswith(FORBIDDEN):
-        # (a program that forges the line names no other reason: the reasons counted stay a short, known list)
-        what = status[len(FORBIDDEN) + 1:]
-        return Outcome(0, total, f"{FORBIDDEN}:{what if what in FORBIDDEN_KINDS else 'other'}", seconds, detail,
-                       answers)
-    if killed:
-        return Outcome(0, total, killed, seconds, answers=answers)
-    if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
-        return Outcome(0, total, TIMEOUT, seconds, answers=answers)
-    if status is None:
-        return Outcome(0, total, CRASHED, seconds, f"exit code {returncode}", answers)
-    if status in (MEMORY, SYNTAX, OUTPUT, CRASHED):
-        return Outcome(0, total, status, seconds, detail, answers)
-    if status not in (OK, WRONG):  # what the harness says once the tests ran; anything else the program forged
-        return Outcome(0, total, CRASHED, seconds, f"unknown status {status[:60]!r}", answers)
-    return Outcome(passed, total, OK if passed == total else WRONG, seconds, detail, answers)
+def describe_unavailable(allow_weak: bool) -> str | None:
+    """None when the jail can run here; else what is missing, and (``allow_weak``) that the weak sandbox will
+    run instead, or (not) how to allow it."""
+    support = jail_support()
+    if support.available:
+        return None
+    if allow_weak:
+        return (f"{support.explain()}. code.allow_weak_sandbox=true: generated programs run in the WEAK sandbox, "
+                "where only Python's audit hook stands between a program and much of this machine")
+    return f"{support.explain()}. To run the code task without it, set code.allow_weak_sandbox=true (unsafe)"
 
 
-def _canonical(value: Any) -> Any:
-    """A value as it comes back through JSON (tuples become lists), for comparing answers."""
-    return json.loads(json.dumps(value, default=repr))
-
-
-__all__ = ["CRASHED", "FORBIDDEN", "MEMORY", "OK", "OUTPUT", "Outcome", "SYNTAX", "Sandbox", "SandboxLimits",
-           "TIMEOUT", "TestCase", "WRONG"]
+__all__ = ["CRASHED", "FORBIDDEN", "ISOLATIONS", "MEMORY", "OK", "OUTPUT", "SYNTAX", "Collected", "Outcome",
+           "Sandbox", "SandboxError", "SandboxLimits", "SandboxUnavailable", "TIMEOUT", "TestCase", "WRONG",
+           "describe_unavailable"]

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from heterorl.tasks.jail import jail_support
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.bench
@@ -156,9 +157,13 @@ def test_bench_lora_compares_learning_bytes_per_version_and_sampling_side_by_sid
     assert "merged / unmerged" in out.stdout
 
 
-def test_bench_sandbox_scores_programs_with_looping_shares_and_times_a_worker():
-    out = run_cli("bench", "sandbox", "--programs", "4", "--tests", "2", "--wall-s", "0.5", "--rounds", "1")
+def test_bench_sandbox_scores_programs_with_hanging_shares_in_each_sandbox_and_times_a_worker():
+    isolation = "nsjail,weak" if jail_support().available else "weak"
+    out = run_cli("bench", "sandbox", "--programs", "4", "--tests", "2", "--wall-s", "0.5", "--rounds", "1",
+                  "--startup-runs", "2", "--isolation", isolation)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line for line in out.stdout.splitlines() if "tests/s" in line]
-    assert len(rows) == 3 and "'timeout': 4" in rows[-1] and "'ok': 4" in rows[0]
+    kinds = isolation.split(",")
+    assert len(rows) == 3 * len(kinds) and "'timeout': 4" in rows[-1] and "'ok': 4" in rows[0]
+    assert "ms per program" in out.stdout and ("x weak)" in rows[0]) == (len(kinds) == 2)
     assert "sampling only" in out.stdout and "scored while the next batch samples" in out.stdout

