@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from heterorl.config import TinyModelConfig
@@ -19,12 +20,23 @@ def shipped_policy(name: str) -> Path:
     return Path(str(resources.files("heterorl"))) / "assets" / name
 
 
+# transformers patches torch.nn.init.* process-wide while it builds a model: two loads at once in one process
+# leave each other's tensors on the meta device, and the patches in place (measured: 8 of 8 loads from 8 threads
+# failed, and every later one). One load at a time, in every thread.
+LOAD_LOCK = threading.RLock()
+
+
 def load_policy(model: str, *, alphabet: str | None = None, tiny: TinyModelConfig | None = None,
                 device: str = "cpu"):
     """``(model, tokenizer)`` for ``model`` = "tiny" (fresh, needs ``alphabet``), "smollm2", a shipped policy
     (``maze-sft-base``: 5x5 mazes; ``maze4-sft-base``: 4x4; ``add3-sft-base``: 3-digit addition, digits;
     ``arith-hash-sft-base``: 3-digit addition, ``####`` answers), or a local
-    Hugging Face folder."""
+    Hugging Face folder. Thread-safe: loads in one process run one at a time (`LOAD_LOCK`)."""
+    with LOAD_LOCK:
+        return _load_policy(model, alphabet, tiny, device)
+
+
+def _load_policy(model: str, alphabet: str | None, tiny: TinyModelConfig | None, device: str):
     if model == "tiny":
         if alphabet is None:
             raise ValueError("the tiny policy needs the task's alphabet to build its tokenizer")
