@@ -389,6 +389,9 @@ def cmd_serve(args) -> int:
         if not api_key:
             raise HeteroRLError(f"--api-key-file {path}: no such file, or it is empty; write a long random key "
                                 "into it (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+        if path.stat().st_mode & 0o077:
+            print(f"heterorl serve: WARNING: --api-key-file {path} can be read by other users of this machine "
+                  f"(mode {path.stat().st_mode & 0o777:o}): chmod 600 {path}", file=sys.stderr, flush=True)
     if api_key is None and not is_loopback(host.strip("[]")):
         raise HeteroRLError(f"refusing to serve training sessions on {host} without an API key: give "
                             "--api-key-file (a file holding the key), or bind 127.0.0.1")
@@ -406,7 +409,7 @@ def cmd_serve(args) -> int:
 
     try:
         serve(service, host.strip("[]"), int(port), api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
-              log_level=args.log_level, on_listening=listening)
+              log_level=args.log_level, on_listening=listening, docs=args.docs)
     finally:
         service.close()
     return 0
@@ -545,6 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--result-ttl-s", type=_positive(float), default=600.0,
                    help="seconds a finished call's result is kept for retrieval (default 600)")
     p.add_argument("--max-body-mb", type=_positive(float), default=64.0, help="largest request body (default 64)")
+    p.add_argument("--docs", action="store_true", help="serve /docs, /redoc and /openapi.json (behind the key)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level (info: a line per request; default info)")
     p.set_defaults(fn=cmd_serve)

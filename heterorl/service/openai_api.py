@@ -43,6 +43,11 @@ MAX_CHOICES = 1024  # prompts x n in one request
 MAX_TOKENS = 4096  # tokens per completion (also the chat default, within the model's context)
 MAX_LOGPROBS = 20  # completions' logprobs / chat's top_logprobs
 MAX_STOP = 4  # stop strings
+MAX_PROMPT_CHARS = 256 * 1024  # characters of prompt text (or chat messages) in one request, before tokenizing
+MAX_PROMPT_IDS = 1 << 18  # token ids given as prompts in one request
+MAX_MESSAGES = 1024  # chat messages in one request
+MAX_REQUEST_TOKENS = 1 << 18  # prompts x n x max_tokens: what one request may generate
+MAX_BODY_BYTES = 16 * 2**20  # a body the endpoint reads at most (`openai_app`; `heterorl serve` has --max-body-mb)
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a log-prob below this is reported as this
 DETOKENIZE_CONTEXT = 5  # prompt tokens decoded before a completion's first token (a leading space depends on them)
@@ -100,10 +105,17 @@ class CompletionRequest(_SamplingBody):
         def ids(v) -> bool:
             return isinstance(v, list) and all(type(t) is int for t in v)
 
-        if isinstance(value, str) or (isinstance(value, list) and value and (
-                ids(value) or all(isinstance(v, str) for v in value) or all(ids(v) for v in value))):
-            return value
-        raise ValueError("give a string, a list of strings, a list of token ids or a list of lists of token ids")
+        if not (isinstance(value, str) or (isinstance(value, list) and value and (
+                ids(value) or all(isinstance(v, str) for v in value) or all(ids(v) for v in value)))):
+            raise ValueError("give a string, a list of strings, a list of token ids or a list of lists of token ids")
+        texts = [value] if isinstance(value, str) else value if isinstance(value[0], str) else []
+        if sum(len(t) for t in texts) > MAX_PROMPT_CHARS:  # (checked before anything is tokenized)
+            raise ValueError(f"{sum(len(t) for t in texts):,} characters of prompt text; this server takes at "
+                             f"most {MAX_PROMPT_CHARS:,} per request")
+        lists = [] if texts else [value] if isinstance(value[0], int) else value
+        if len(texts or lists) > MAX_CHOICES or sum(len(ids) for ids in lists) > MAX_PROMPT_IDS:
+            raise ValueError(f"at most {MAX_CHOICES} prompts and {MAX_PROMPT_IDS:,} prompt token ids per request")
+        return value
 
 
 class ChatMessage(_Body):
@@ -125,11 +137,20 @@ class ChatMessage(_Body):
 
 
 class ChatRequest(_SamplingBody):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("messages")
+    @classmethod
+    def _bounded(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        chars = sum(len(m.content) for m in value)
+        if chars > MAX_PROMPT_CHARS:  # (checked before the chat template renders or anything is tokenized)
+            raise ValueError(f"{chars:,} characters of message text; this server takes at most "
+                             f"{MAX_PROMPT_CHARS:,} per request")
+        return value
 
 
 # -- errors --------------------------------------------------------------------------------------------------------
@@ -150,7 +171,8 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 
 
 def _validation_error(errors: list[dict]) -> JSONResponse:
-    """A 422 naming each field that did not validate (the first three) and what it got."""
+    """A 400 (as OpenAI's API answers, and so the `openai` client's ``BadRequestError``) naming each field that did
+    not validate (the first three) and what it got."""
     parts, fields = [], []
     for error in errors[:3]:
         field = ".".join(str(part) for part in error["loc"] if part != "body") or "body"
@@ -165,7 +187,7 @@ def _validation_error(errors: list[dict]) -> JSONResponse:
         parts.append(f"{field}: {message}")
         fields.append(field)
     more = f"; and {len(errors) - 3} more" if len(errors) > 3 else ""
-    return _error(422, "; ".join(parts) + more, fields[0] if fields else None, "invalid_value")
+    return _error(400, "; ".join(parts) + more, fields[0] if fields else None, "invalid_value")
 
 
 class _OpenAIRoute(APIRoute):
@@ -284,14 +306,23 @@ def _sampling_params(body: _SamplingBody, tokenizer, max_tokens: int) -> Samplin
         stop_token_ids=tuple(stop_ids), seed=body.seed)
 
 
+def _check_size(prompts: int, n: int, max_tokens: int | None) -> None:
+    """A 400 for a request that asks more completions, or more tokens, than one request may generate."""
+    if prompts * n > MAX_CHOICES:
+        raise RequestRefused(400, f"{prompts} prompts x n={n} = {prompts * n} completions: this server returns at "
+                             f"most {MAX_CHOICES} per request; send fewer prompts or a lower n", "n")
+    if max_tokens is not None and prompts * n * max_tokens > MAX_REQUEST_TOKENS:
+        raise RequestRefused(400, f"{prompts} prompts x n={n} x max_tokens={max_tokens} = {prompts * n * max_tokens:,}"
+                             f" tokens: one request generates at most {MAX_REQUEST_TOKENS:,} here; lower max_tokens "
+                             "or n, or split the request", "max_tokens")
+
+
 async def _sample(client: SamplingClient, model_id: str, prompts: list[list[int]], n: int,
                   params: SamplingParams) -> tuple[list[list[SampleOutput]], int | None]:
     """Each prompt's ``n`` samples, awaited without holding the event loop (the client's own thread samples), and
     the policy version that drew them: the version the client held both when the request was queued and when it
     finished (versions only grow), None when a new one was loaded meanwhile."""
-    if len(prompts) * n > MAX_CHOICES:
-        raise RequestRefused(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} completions: this server "
-                             f"returns at most {MAX_CHOICES} per request; send fewer prompts or a lower n", "n")
+    _check_size(len(prompts), n, params.max_tokens)
     version = client.version
     try:
         future = client.sample(prompts, n, params)
@@ -457,7 +488,9 @@ def openai_router(models: Models, *, owned_by: str = "heterorl") -> APIRouter:
     async def completions(body: CompletionRequest):
         client = _client(models, body.model)
         _refuse_unsupported(body)
-        prompts = _completion_prompts(client.tokenizer, body.prompt)
+        count = 1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)
+        _check_size(count, body.n or 1, body.max_tokens or COMPLETION_MAX_TOKENS)  # (before tokenizing)
+        prompts = await asyncio.to_thread(_completion_prompts, client.tokenizer, body.prompt)
         head, choices, usage = await _generate(client, body, prompts, body.max_tokens or COMPLETION_MAX_TOKENS,
                                                "prompt", "cmpl")
         head, k = head | {"object": "text_completion"}, body.logprobs
@@ -474,7 +507,8 @@ def openai_router(models: Models, *, owned_by: str = "heterorl") -> APIRouter:
     async def chat_completions(body: ChatRequest):
         client = _client(models, body.model)
         _refuse_unsupported(body)
-        prompts = [_chat_prompt(client.tokenizer, body.messages, body.model)]
+        _check_size(1, body.n or 1, body.max_completion_tokens or body.max_tokens)  # (before rendering)
+        prompts = [await asyncio.to_thread(_chat_prompt, client.tokenizer, body.messages, body.model)]
         head, choices, usage = await _generate(client, body, prompts, body.max_completion_tokens or body.max_tokens,
                                                "messages", "chatcmpl")
         k = body.top_logprobs or 0
@@ -494,9 +528,14 @@ def openai_router(models: Models, *, owned_by: str = "heterorl") -> APIRouter:
     return router
 
 
-def openai_app(models: Models, *, owned_by: str = "heterorl") -> FastAPI:
-    """An app that serves `openai_router` alone (a rollout worker's endpoint)."""
-    app = FastAPI(title="heterorl OpenAI-compatible endpoint")
+def openai_app(models: Models, *, owned_by: str = "heterorl", api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """An app that serves `openai_router` alone (a rollout worker's endpoint): bodies over ``max_body_bytes`` are
+    refused before they are read, and with ``api_key`` every request needs it (`guard.Guard`)."""
+    from heterorl.service.guard import guard
+
+    app = FastAPI(title="heterorl OpenAI-compatible endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+    guard(app, api_key, max_body_bytes)
     app.include_router(openai_router(models, owned_by=owned_by))
     return app
 

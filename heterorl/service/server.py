@@ -24,7 +24,6 @@ connection that submitted them; a retried request (same ``request_id``) runs onc
 from __future__ import annotations
 
 import logging
-import secrets
 import socket
 import threading
 import time
@@ -38,7 +37,15 @@ from pydantic import BaseModel, Field, ValidationError
 
 from heterorl.errors import HeteroRLError
 from heterorl.service import wire
-from heterorl.service.sessions import BadRequest, NotFound, Service, tokenizer_zip
+from heterorl.service.guard import (
+    HEADER_TIMEOUT_S,
+    KEY_MISSING,
+    BodyTooLarge,
+    guard,
+    header_timeout_protocol,
+    key_matches,
+)
+from heterorl.service.sessions import BadRequest, NotFound, Service, TooBusy, tokenizer_zip
 from heterorl.transport.sockets import is_loopback_host as is_loopback
 
 log = logging.getLogger("heterorl.service")
@@ -62,32 +69,19 @@ class SamplerCall(TrainingCall):
     model: str = Field(min_length=1, max_length=300)
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = 64 * 2**20,
-               openai: bool = True) -> FastAPI:
-    """The service's FastAPI app. ``api_key``: the bearer token every route but /health requires (None: none)."""
-    app = FastAPI(title="heterorl training sessions", version="1")
+               openai: bool = True, docs: bool = False) -> FastAPI:
+    """The service's FastAPI app. ``api_key``: the bearer token every route but /health requires (None: none).
+    ``docs``: serve /docs, /redoc and /openapi.json (behind the key, like every route)."""
+    app = FastAPI(title="heterorl training sessions", version="1", docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
 
     def authorize(authorization: str | None = Header(default=None)) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), api_key.encode()):
-            raise HTTPException(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with the key in "
-                                "the service's --api-key-file", headers={"WWW-Authenticate": "Bearer"})
+        if api_key is not None and not key_matches(authorization, api_key):  # (`Guard` checked it first)
+            raise HTTPException(401, KEY_MISSING, headers={"WWW-Authenticate": "Bearer"})
 
     _error_handlers(app)
-
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return JSONResponse({"detail": f"the body of {int(length):,} bytes exceeds this service's limit of "
-                                           f"{max_body_bytes:,} (--max-body-mb)"}, status_code=413)
-        return await call_next(request)
+    guard(app, api_key, max_body_bytes)
 
     @app.get("/health")
     def health() -> dict:
@@ -107,9 +101,9 @@ def _error_handlers(app: FastAPI) -> None:
     async def not_found(request: Request, exc: NotFound):
         return JSONResponse({"detail": str(exc)}, status_code=404)
 
-    @app.exception_handler(BodyTooLarge)
-    async def too_large(request: Request, exc: BodyTooLarge):
-        return JSONResponse({"detail": str(exc)}, status_code=413)
+    @app.exception_handler(TooBusy)
+    async def too_busy(request: Request, exc: TooBusy):
+        return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": "1"})
 
     @app.exception_handler(HeteroRLError)
     async def refused(request: Request, exc: HeteroRLError):  # BadRequest and what a primitive refuses at once
@@ -219,12 +213,14 @@ class ServerThread:
     """An app served by uvicorn from a daemon thread of this process (tests, a rollout worker's endpoint): the
     socket is bound before it starts, so ``url`` is known at once (``port`` 0: a free one)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
         import uvicorn
 
         self._socket, self.url = listen(host, port)
         self.host, self.port = host, self._socket.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
+                                                    http=header_timeout_protocol(header_timeout_s)))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]},
                                        name="heterorl-http", daemon=True)
         self.thread.start()
@@ -247,7 +243,7 @@ class ServerThread:
 
 
 def serve(service: Service, host: str, port: int, *, api_key: str | None, max_body_bytes: int,
-          log_level: str = "info", on_listening: Callable[[str], None] | None = None) -> None:
+          log_level: str = "info", on_listening: Callable[[str], None] | None = None, docs: bool = False) -> None:
     """Run the service until interrupted. A non-loopback ``host`` needs an API key. The socket is bound first and
     ``on_listening`` called with its URL (with the port the system chose when ``port`` is 0)."""
     import uvicorn
@@ -258,9 +254,10 @@ def serve(service: Service, host: str, port: int, *, api_key: str | None, max_bo
     sock, url = listen(host, port)
     if on_listening is not None:
         on_listening(url)
-    app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes)
+    app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, docs=docs)
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off")).run(sockets=[sock])
+        uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
+                                      http=header_timeout_protocol())).run(sockets=[sock])
     finally:
         sock.close()
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from heterorl.engines.base import SamplingParams
 from heterorl.errors import HeteroRLError
 from heterorl.service import wire
 from heterorl.training.session import SamplingClient, TrainingClient
@@ -32,6 +33,14 @@ class NotFound(HeteroRLError):
 
 class BadRequest(HeteroRLError):
     """A call the service cannot run as asked: an unknown method, a bad argument (HTTP 400)."""
+
+
+class TooBusy(HeteroRLError):
+    """More calls are waiting than the service takes, for this session or in all (HTTP 429, Retry-After)."""
+
+
+MAX_REQUEST_TOKENS = 1 << 18  # prompts x samples x max_tokens of one sampling call: what it may generate
+MAX_PROMPT_TOKENS = 1 << 20  # every prompt token of one sampling or log-prob call, together
 
 
 @dataclass
@@ -83,18 +92,24 @@ class Service:
 
     def __init__(self, state_dir: str | Path, *, result_ttl_s: float = 600.0, max_sessions: int = 8,
                  max_samplers: int = 8, device: str = "cpu",
-                 loader: Callable[[str], tuple] | None = None, models: dict[str, str] | None = None) -> None:
+                 loader: Callable[[str], tuple] | None = None, models: dict[str, str] | None = None,
+                 max_pending_per_session: int = 64, max_pending: int = 512,
+                 max_request_tokens: int = MAX_REQUEST_TOKENS) -> None:
         """``models``: local Hugging Face folders sessions may start from by name ({name: path};
-        `list_base_models` names them with the built-in policies)."""
+        `list_base_models` names them with the built-in policies). Calls waiting or running: at most
+        ``max_pending_per_session`` per session and ``max_pending`` in all (`TooBusy` beyond). One sampling call
+        generates at most ``max_request_tokens`` (prompts x samples x max_tokens)."""
         self.state_dir = Path(state_dir)
         self.models = dict(models or {})
         self.result_ttl_s, self.max_sessions, self.max_samplers = result_ttl_s, max_sessions, max_samplers
+        self.max_pending_per_session, self.max_pending = max_pending_per_session, max_pending
+        self.max_request_tokens = max_request_tokens
         self.device = device
         self._loader = loader
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._calls: dict[str, Call] = {}
-        self._requests: OrderedDict[str, str] = OrderedDict()  # request id → call id
+        self._requests: OrderedDict[tuple, str] = OrderedDict()  # (session, method, request id) → call id
 
     # -- sessions -------------------------------------------------------------------------------------------
     def list_base_models(self) -> list[dict]:
@@ -129,11 +144,14 @@ class Service:
             return self._loader(base_model)
         from heterorl.policies import load_policy
 
+        names = [m["name"] for m in self.list_base_models()]
+        if base_model not in names:  # (never a path: what exists on this machine is not a client's to learn)
+            raise BadRequest(f"base_model {base_model[:100]!r} is not a base model here; the base models here: "
+                             f"{', '.join(names)} (a server adds its own with --model NAME=PATH)")
         try:
             return load_policy(self.models.get(base_model, base_model), device=self.device)
         except (OSError, ValueError, HeteroRLError) as exc:
-            raise BadRequest(f"base_model {base_model!r} cannot be loaded here: {exc}; the base models here: "
-                             f"{', '.join(m['name'] for m in self.list_base_models())}") from None
+            raise BadRequest(f"base_model {base_model!r} cannot be loaded here: {exc}") from None
 
     def session_ids(self) -> list[str]:
         with self._lock:
@@ -177,20 +195,27 @@ class Service:
         session = self.session(session_id)
         if method not in TRAINING_METHODS:
             raise BadRequest(f"unknown training method {method!r}; one of {', '.join(TRAINING_METHODS)}")
-        return self._submit(session_id, request_id, lambda: self._start(session, method, args or {}))
+        return self._submit(session_id, method, request_id, lambda: self._start(session, method, args or {}))
 
     def sampler_call(self, model_id: str, method: str, args: dict, request_id: str | None = None) -> str:
         """Submit ``method`` of the sampling client ``model_id`` ("heterorl:SESSION/VERSION" or "latest")."""
         session_id, sampler = self.sampler(model_id)
         if method not in SAMPLER_METHODS:
             raise BadRequest(f"unknown sampling method {method!r}; one of {', '.join(SAMPLER_METHODS)}")
-        return self._submit(session_id, request_id, lambda: _start_sampling(sampler, method, args or {}))
+        args = args or {}
+        _check_sampling_size(method, args, self.max_request_tokens)  # (before anything is started)
+        return self._submit(session_id, f"sampler:{model_id}:{method}", request_id,
+                            lambda: _start_sampling(sampler, method, args))
 
-    def _submit(self, owner: str, request_id: str | None, start: Callable[[], Future]) -> str:
+    def _submit(self, owner: str, method: str, request_id: str | None, start: Callable[[], Future]) -> str:
+        """Start a call of session ``owner``; a ``request_id`` already seen for the same session and method
+        returns that call's id instead (a retry runs once; the same id elsewhere is another request)."""
         self._expire()
+        key = (owner, method, request_id)
         with self._lock:
-            if request_id is not None and request_id in self._requests:
-                return self._requests[request_id]
+            if request_id is not None and key in self._requests:
+                return self._requests[key]
+            self._check_room(owner)
         try:
             future = start()
         except (TypeError, KeyError) as exc:  # arguments the method does not take, or lacks
@@ -200,9 +225,20 @@ class Service:
         with self._lock:
             self._calls[call_id] = call
             if request_id is not None:
-                self._requests[request_id] = call_id
+                self._requests[key] = call_id
         future.add_done_callback(lambda f: self._finish(call, f))
         return call_id
+
+    def _check_room(self, owner: str) -> None:
+        """`TooBusy` when the session, or the service, already has as many calls waiting or running as it takes
+        (called holding the lock)."""
+        pending = [c.owner for c in self._calls.values() if c.done_at is None]
+        mine = sum(1 for o in pending if o == owner)
+        if mine >= self.max_pending_per_session:
+            raise TooBusy(f"session {owner} has {mine} calls waiting or running, its limit "
+                          f"({self.max_pending_per_session}): wait for their results before sending more")
+        if len(pending) >= self.max_pending:
+            raise TooBusy(f"this service has {len(pending)} calls waiting or running, its limit: retry later")
 
     def _start(self, session: Session, method: str, args: dict) -> Future:
         training = session.training
@@ -220,12 +256,16 @@ class Service:
             raise BadRequest(f"{method} takes a file name (letters, digits, '.', '_', '-'; no folders), got {name!r}: "
                              "states live in the service's state folder, one per session")
         path = self.state_dir / session.session_id / name
+        if path.is_symlink() or path.parent.is_symlink():  # (planted: a state is a file this service wrote)
+            raise BadRequest(f"the state {name!r} of session {session.session_id} is a link, which the service "
+                             "does not follow")
         if method == "save_state":
             path.parent.mkdir(parents=True, exist_ok=True)
             return _then(training.save_state(path), lambda _: name)
         if not path.is_file():
             raise NotFound(f"session {session.session_id} saved no state named {name!r}")
-        return training.load_state(path)
+        return _then_or_refuse(training.load_state(path), f"the state {name!r} of session "
+                               f"{session.session_id} cannot be loaded")
 
     def _keep_weights(self, session: Session, version: int, state: dict) -> int:  # (whole or adapter)
         with self._lock:
@@ -295,8 +335,12 @@ class Service:
 
     # -- samplers and weights -----------------------------------------------------------------------------
     def sampler(self, model_id: str) -> tuple[str, SamplingClient]:
-        """(session id, sampling client) of "heterorl:SESSION/VERSION", "heterorl:SESSION/latest" or "latest"."""
+        """(session id, sampling client) of "heterorl:SESSION/VERSION", "heterorl:SESSION/latest" or "latest"
+        (only while one session serves samplers: with several it would be another user's model)."""
         served = self.samplers()
+        if model_id == "latest" and model_id not in served and any(m.endswith("/latest") for m in served):
+            raise BadRequest("model 'latest' is ambiguous here: several sessions serve sampling clients; name "
+                             "one, e.g. heterorl:SESSION/latest")
         if model_id not in served:
             raise NotFound(f"no sampling client {model_id!r}; serving: {', '.join(sorted(served)) or 'none yet'} "
                            "(save_weights_and_get_sampling_client makes one)")
@@ -304,7 +348,7 @@ class Service:
 
     def samplers(self) -> dict[str, tuple[str, SamplingClient]]:
         """Every model id served → (session id, sampling client)."""
-        served, newest = {}, None
+        served, newest, serving = {}, None, 0
         with self._lock:
             for session_id, session in self._sessions.items():
                 for version, sampler in session.samplers.items():
@@ -312,8 +356,9 @@ class Service:
                 if session.samplers:
                     latest = next(reversed(session.samplers.values()))
                     served[f"heterorl:{session_id}/latest"] = (session_id, latest)
-                    newest = (session_id, latest)
-        if newest is not None:
+                    newest = None if newest is not None else (session_id, latest)
+                    serving = serving + 1
+        if newest is not None and serving == 1:  # "latest": only when one session serves (else: whose?)
             served["latest"] = newest
         return served
 
@@ -354,6 +399,49 @@ def _start_sampling(sampler: SamplingClient, method: str, args: dict) -> Future:
         return sampler.sample(args["prompt_tokens"], int(args.get("num_samples", 1)),
                               wire.params_from_wire(args.get("sampling_params")))
     return sampler.compute_logprobs(args["tokens"])
+
+
+def _check_sampling_size(method: str, args: dict, max_tokens_out: int) -> None:
+    """`BadRequest` for a sampling call bigger than the service takes, from its arguments' sizes alone (before any
+    tokenization, allocation or generation)."""
+    key = "prompt_tokens" if method == "sample" else "tokens"
+    prompts = args.get(key)
+    if not isinstance(prompts, list) or not prompts:
+        raise BadRequest(f"{method}: {key} must be a list of token ids, or a list of such lists")
+    groups = prompts if isinstance(prompts[0], list) else [prompts]
+    given = sum(len(p) if isinstance(p, list) else 1 for p in groups)
+    if given > MAX_PROMPT_TOKENS:
+        raise BadRequest(f"{method}: {given:,} prompt tokens in one call; this service takes at most "
+                         f"{MAX_PROMPT_TOKENS:,}: send fewer or shorter prompts")
+    if method != "sample":
+        return
+    samples, params = args.get("num_samples", 1), args.get("sampling_params") or {}
+    length = params.get("max_tokens", SamplingParams().max_tokens) if isinstance(params, dict) else None
+    if type(samples) is not int or samples < 1 or type(length) is not int or length < 1:
+        raise BadRequest(f"sample: num_samples ({samples!r}) and sampling_params.max_tokens ({length!r}) must be "
+                         "integers >= 1")
+    seed = params.get("seed") if isinstance(params, dict) else None
+    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
+        raise BadRequest(f"sample: sampling_params.seed={seed!r}: give an integer in [0, 2**63)")
+    asked = len(groups) * samples * length
+    if asked > max_tokens_out:
+        raise BadRequest(f"sample: {len(groups)} prompts x {samples} samples x {length} max_tokens = {asked:,} "
+                         f"tokens; one call generates at most {max_tokens_out:,} here: split it into smaller calls")
+
+
+def _then_or_refuse(future: Future, message: str) -> Future:
+    """``future``, whose error (if any) becomes a `BadRequest` saying ``message`` and the error's kind, never its
+    text (which may name the server's paths)."""
+    out: Future = Future()
+
+    def chain(f: Future) -> None:
+        exc = f.exception()
+        if exc is None:
+            out.set_result(f.result())
+        else:
+            out.set_exception(BadRequest(f"{message} ({type(exc).__name__})"))
+    future.add_done_callback(chain)
+    return out
 
 
 def _then(future: Future, fn: Callable) -> Future:

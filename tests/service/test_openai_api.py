@@ -206,11 +206,11 @@ def test_streams_carry_the_text_of_the_answer(api):
 def test_refusals_name_what_is_wrong(api):
     with pytest.raises(openai.NotFoundError, match=r"model 'gpt-4' is not served here; served: add3, gated, tiny"):
         api.completions.create(model="gpt-4", prompt=PROMPT)
-    with pytest.raises(openai.UnprocessableEntityError, match="n: Input should be greater than or equal to 1"):
+    with pytest.raises(openai.BadRequestError, match="n: Input should be greater than or equal to 1"):
         api.completions.create(model="add3", prompt=PROMPT, n=0)
-    with pytest.raises(openai.UnprocessableEntityError, match="temperature: Input should be less than or equal to 2"):
+    with pytest.raises(openai.BadRequestError, match="temperature: Input should be less than or equal to 2"):
         api.chat.completions.create(model="add3", messages=[{"role": "user", "content": "1"}], temperature=5)
-    with pytest.raises(openai.UnprocessableEntityError, match="tools: not a parameter this server takes"):
+    with pytest.raises(openai.BadRequestError, match="tools: not a parameter this server takes"):
         api.chat.completions.create(model="add3", messages=[{"role": "user", "content": "1"}],
                                     tools=[{"type": "function", "function": {"name": "f"}}])
     with pytest.raises(openai.BadRequestError, match="echo=true is not supported"):

@@ -1,0 +1,156 @@
+"""What every HTTP app of the service puts in front of its routes (`guard`): the key checked on the headers before
+anything is read, and bodies bounded while they are read, declared or chunked."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+KEY_MISSING = ("missing or wrong API key: send 'Authorization: Bearer KEY' with the key in the service's "
+               "--api-key-file")
+OPEN_PATHS = ("/health",)  # the only route answered without the key
+HEADER_TIMEOUT_S = 10.0  # a connection's request headers must be complete this long after it opens or a request
+# begins (a client that sends them slowly, or never, is closed: it would hold a connection, and a descriptor)
+
+
+def key_matches(authorization: str | None, api_key: str) -> bool:
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), api_key.encode())
+
+
+class Guard:
+    """ASGI middleware that bounds a request before any route reads it: the key is checked on the headers
+    (401 before one byte of the body is read), a declared body over ``max_body_bytes`` is refused (413), and a
+    body sent without a length (chunked) is read here and refused (413) as soon as it passes ``max_body_bytes``.
+    Only /health is answered without the key."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS and \
+                not key_matches(headers.get("authorization"), self.api_key):
+            return await _refuse(send, 401, KEY_MISSING, {"www-authenticate": "Bearer"})
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return await _refuse(send, 413, f"the body of {int(length):,} bytes exceeds this service's limit of "
+                                            f"{self.max_body_bytes:,} (--max-body-mb)")
+        if not length.isdigit() and headers.get("transfer-encoding", "").lower() == "chunked":
+            body = await self._read_bounded(receive)  # (no length declared: read it here, up to the limit)
+            if body is None:
+                return await _refuse(send, 413, f"the body exceeds this service's limit of {self.max_body_bytes:,} "
+                                                "bytes (--max-body-mb)")
+            receive = _replay(body, receive)
+        read = 0
+
+        async def bounded_receive():
+            nonlocal read
+            message = await receive()
+            if message["type"] == "http.request":
+                read += len(message.get("body", b""))
+                if read > self.max_body_bytes:
+                    raise BodyTooLarge(f"the body exceeds this service's limit of {self.max_body_bytes:,} bytes "
+                                       "(--max-body-mb)")
+            return message
+
+        return await self.app(scope, bounded_receive, send)
+
+    async def _read_bounded(self, receive) -> bytes | None:
+        """The whole body, or None as soon as it passes ``max_body_bytes`` (the rest is never read)."""
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return bytes(body)
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                return None
+            if not message.get("more_body", False):
+                return bytes(body)
+
+
+def _replay(body: bytes, receive):
+    """A receive that gives ``body`` once, then what ``receive`` gives (a disconnect)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
+
+
+async def _refuse(send, status: int, message: str, headers: dict | None = None) -> None:
+    body = json.dumps({"detail": message}).encode()
+    extra = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def header_timeout_protocol(timeout_s: float = HEADER_TIMEOUT_S):
+    """uvicorn's HTTP protocol (httptools) that closes a connection whose request headers are not complete within
+    ``timeout_s`` of the connection opening or the request beginning. Pass it as ``uvicorn.Config(http=...)``."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HeaderTimeoutProtocol(HttpToolsProtocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(timeout_s, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
+
+
+def guard(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
+    """Put `Guard` in front of ``app``'s routes, and answer a body that grew past the limit while a route read
+    it with a 413."""
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request: Request, exc: BodyTooLarge):
+        return JSONResponse({"detail": str(exc)}, status_code=413)
+
+
+__all__ = ["BodyTooLarge", "Guard", "HEADER_TIMEOUT_S", "KEY_MISSING", "OPEN_PATHS", "guard", "header_timeout_protocol",
+           "key_matches"]

@@ -1,0 +1,223 @@
+"""`heterorl serve` under concurrent and hostile clients (real HTTP on loopback, and the app's ASGI entry where a
+test must count what the server read): users arriving at once, requests bounded before work is done, the key
+before the body, request ids that cannot fetch another call's result, and no model, path or page given away."""
+
+import asyncio
+import os
+import threading
+from concurrent.futures import Future
+
+import httpx
+import pytest
+
+import heterorl.service.openai_api as openai_api
+from heterorl.service.server import ServerThread, create_app
+from heterorl.service.sessions import Call, Service, TooBusy
+
+BASE = "add3-sft-base"
+KEY = "abuse-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    service = Service(tmp_path_factory.mktemp("state"), result_ttl_s=60, max_sessions=16)
+    with ServerThread(create_app(service, api_key=KEY, max_body_bytes=32 * 2**20)) as server:
+        yield server, service
+    service.close()
+
+
+def _session(http: httpx.Client) -> str:
+    created = http.post("/api/v1/sessions", json={"base_model": BASE, "seed": 0})
+    assert created.status_code == 200, created.text
+    return created.json()["session_id"]
+
+
+def _call(http: httpx.Client, session: str, method: str, **extra) -> dict:
+    future = http.post(f"/api/v1/sessions/{session}/calls", json={"method": method, **extra}).json()["future_id"]
+    return http.get(f"/api/v1/futures/{future}", params={"wait_s": 30}).json() | {"future_id": future}
+
+
+def test_sessions_created_by_8_clients_at_once_all_load_and_the_next_one_too(served):
+    """problem 1: concurrent loads raced in transformers' process-wide init patching"""
+    server, service = served
+    answers, barrier = [], threading.Barrier(8)
+
+    def create() -> None:
+        with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
+            barrier.wait()
+            answers.append(http.post("/api/v1/sessions", json={"base_model": BASE}))
+
+    threads = [threading.Thread(target=create) for _ in range(8)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert [a.status_code for a in answers] == [200] * 8, [a.text[:200] for a in answers]
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
+        later = _session(http)
+        for session in [a.json()["session_id"] for a in answers] + [later]:
+            assert http.delete(f"/api/v1/sessions/{session}").status_code == 200
+
+
+def _asgi(app, method: str, path: str, headers: dict, chunks: list[bytes]) -> tuple[int, int]:
+    """Send a request to the app's ASGI entry, its body chunked (no length); (its status, how many body bytes
+    were read)."""
+    headers = {**headers, "transfer-encoding": "chunked"}
+    read, status = 0, []
+    pending = list(chunks)
+
+    async def receive():
+        nonlocal read
+        if not pending:
+            return {"type": "http.disconnect"}
+        chunk = pending.pop(0)
+        read += len(chunk)
+        return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            status.append(message["status"])
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
+             "raw_path": path.encode(), "query_string": b"", "root_path": "", "scheme": "http",
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1),
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+    asyncio.run(app(scope, receive, send))
+    return status[0], read
+
+
+def test_without_the_key_no_body_is_read_and_a_chunked_body_stops_at_the_limit(tmp_path):
+    """problem 3: the key is checked on the headers; a body without a length is cut at the limit"""
+    app = create_app(Service(tmp_path), api_key=KEY, max_body_bytes=1 << 20)
+    megabyte = b"x" * (1 << 20)
+    for path in ("/v1/completions", "/api/v1/sessions", "/docs"):
+        status, read = _asgi(app, "POST", path, {"content-type": "application/json"}, [megabyte] * 64)
+        assert (status, read) == (401, 0), path
+    status, read = _asgi(app, "POST", "/api/v1/sessions", {**{k.lower(): v for k, v in AUTH.items()},
+                                                            "content-type": "application/json"}, [megabyte] * 64)
+    assert status == 413 and read <= 2 * len(megabyte)  # (the chunk that crossed the limit, at most)
+    status, read = _asgi(app, "POST", "/v1/completions", {**{k.lower(): v for k, v in AUTH.items()},
+                                                          "content-type": "application/json"}, [megabyte] * 64)
+    assert status == 413 and read <= 2 * len(megabyte)
+
+
+@pytest.fixture(scope="module")
+def sampler_model(served):
+    server, _ = served
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
+        session = _session(http)
+        model = _call(http, session, "save_weights_and_get_sampling_client")["result"]["value"]["model"]
+        yield session, model
+        http.delete(f"/api/v1/sessions/{session}")
+
+
+def test_prompts_and_generation_are_bounded_before_any_work(served, sampler_model, monkeypatch):
+    """problems 2 and 4: size checks come before tokenizing, and one request cannot ask for unbounded tokens"""
+    server, _ = served
+    session, model = sampler_model
+    encoded = []
+    real = openai_api.encode_prompt
+    monkeypatch.setattr(openai_api, "encode_prompt", lambda *a, **k: encoded.append(1) or real(*a, **k))
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        for prompt, named in (("1" * 4_000_000, "characters of prompt text"), ([[1]] * 300_000, "1024 prompts")):
+            refused = http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1})
+            assert refused.status_code == 400 and named in refused.json()["error"]["message"], refused.text[:300]
+        chat = http.post("/v1/chat/completions", json={"model": model, "messages": [
+            {"role": "user", "content": "2" * 300_000}]})
+        assert chat.status_code == 400 and "characters of message text" in chat.text
+        greedy = http.post("/v1/completions", json={"model": model, "prompt": "1+1=", "n": 128, "max_tokens": 4096})
+        assert greedy.status_code == 400 and "at most 262,144" in greedy.json()["error"]["message"]
+        assert encoded == []  # nothing above was tokenized
+        big = http.post("/api/v1/samplers/calls", json={"model": model, "method": "sample", "args": {
+            "prompt_tokens": [1, 2, 3], "num_samples": 50_000, "sampling_params": {"max_tokens": 240}}})
+        assert big.status_code == 400 and "split it into smaller calls" in big.json()["detail"]
+        seed = http.post("/api/v1/samplers/calls", json={"model": model, "method": "sample", "args": {
+            "prompt_tokens": [1, 2, 3], "sampling_params": {"seed": 2**70}}})
+        assert seed.status_code == 400 and "seed" in seed.json()["detail"]
+        ok = http.post("/v1/completions", json={"model": model, "prompt": "1+1=", "max_tokens": 2})
+        assert ok.status_code == 200 and encoded == [1]  # and a request in bounds is served
+
+
+def test_a_request_id_is_the_callers_own_session_and_method(served):
+    """problem 8: the same request id in another session or for another method is another request"""
+    server, _ = served
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
+        first, second = _session(http), _session(http)
+        a = _call(http, first, "save_weights_for_sampler", request_id="same")
+        b = _call(http, second, "save_weights_for_sampler", request_id="same")
+        assert a["future_id"] != b["future_id"]
+        assert a["result"]["value"] == b["result"]["value"] == 1  # each session's own save ran
+        state = _call(http, first, "save_state", args={"name": "ckpt"}, request_id="same")
+        assert state["future_id"] != a["future_id"] and state["result"]["value"] == "ckpt"  # it ran
+        retried = http.post(f"/api/v1/sessions/{first}/calls", json={"method": "save_state", "args": {
+            "name": "ckpt"}, "request_id": "same"}).json()["future_id"]
+        assert retried == state["future_id"]  # a retry of the same call still runs once
+        for session in (first, second):
+            http.delete(f"/api/v1/sessions/{session}")
+
+
+def test_latest_docs_paths_and_links_give_nothing_away(served, sampler_model, tmp_path):
+    """problem 9: "latest" is never another user's model; no docs without the key, no path oracle, no links"""
+    server, service = served
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
+        other = _session(http)
+        _call(http, other, "save_weights_and_get_sampling_client")
+        ambiguous = http.post("/api/v1/samplers/calls", json={"model": "latest", "method": "sample", "args": {
+            "prompt_tokens": [1, 2]}})
+        assert ambiguous.status_code == 400 and "ambiguous" in ambiguous.json()["detail"]
+        assert "latest" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+        for page in ("/docs", "/redoc", "/openapi.json"):
+            assert http.get(page).status_code == 404
+            assert httpx.get(server.url + page).status_code == 401
+        answers = [http.post("/api/v1/sessions", json={"base_model": path}) for path in
+                   ("/etc", "/no/such/folder", str(tmp_path))]
+        assert {a.status_code for a in answers} == {400}
+        assert len({a.json()["detail"].split("is not a base model here")[1] for a in answers}) == 1  # the same
+        planted = service.state_dir / other / "planted"
+        planted.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink("/etc/hostname", planted)
+        followed = http.post(f"/api/v1/sessions/{other}/calls", json={"method": "load_state", "args": {
+            "name": "planted"}})
+        assert followed.status_code == 400 and "is a link" in followed.json()["detail"]
+        assert "/etc" not in followed.text and str(service.state_dir) not in followed.text
+        (service.state_dir / other / "garbage").write_bytes(b"not a state")
+        broken = _call(http, other, "load_state", args={"name": "garbage"})
+        assert "cannot be loaded" in str(broken["error"]) and str(service.state_dir) not in str(broken)
+        http.delete(f"/api/v1/sessions/{other}")
+
+
+def test_calls_beyond_the_queue_limit_are_429_with_retry_after(tmp_path):
+    """problem 4: the call queue is capped per session and in all"""
+    from heterorl.policies import load_policy
+
+    service = Service(tmp_path, max_pending_per_session=2, max_pending=3,
+                      loader=lambda name: load_policy(BASE))
+    with ServerThread(create_app(service, api_key=KEY)) as server, \
+            httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        first, second = _session(http), _session(http)
+        for owner in (first, first, second):  # calls still waiting (their futures never finish here)
+            service._calls[f"f-stuck-{len(service._calls)}"] = Call(Future(), owner, 0.0)
+        refused = http.post(f"/api/v1/sessions/{first}/calls", json={"method": "optim_step"})
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert "session" in refused.json()["detail"]
+        with pytest.raises(TooBusy, match="this service has 3 calls"):
+            service.call(second, "optim_step", {})
+    service.close()
+
+
+def test_connections_that_never_finish_their_headers_are_closed_and_health_still_answers(tmp_path):
+    """problem 6: half-sent headers were held forever (slowloris)"""
+    import socket
+
+    with ServerThread(create_app(Service(tmp_path), api_key=KEY), header_timeout_s=0.5) as server:
+        slow = []
+        for _ in range(40):
+            sock = socket.create_connection((server.host, server.port), timeout=30)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # and never the rest
+            slow.append(sock)
+        assert httpx.get(server.url + "/health", timeout=30).json() == {"ok": True}
+        for sock in slow:
+            assert sock.recv(1024) == b""  # closed by the server (the 30 s socket timeout would raise instead)
+            sock.close()
+        idle = socket.create_connection((server.host, server.port), timeout=30)
+        assert idle.recv(1024) == b""  # one that sends nothing at all too
+        idle.close()
