@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from importlib import resources
@@ -407,11 +408,18 @@ def cmd_serve(args) -> int:
         print(f"serving training sessions on {url} (API: /api/v1, OpenAI-compatible: /v1; "
               f"{'a bearer token' if api_key else 'no key: loopback only'})", flush=True)
 
+    stopped_by = None
     try:
-        serve(service, host.strip("[]"), int(port), api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
-              log_level=args.log_level, on_listening=listening, docs=args.docs)
+        stopped_by = serve(service, host.strip("[]"), int(port), api_key=api_key,
+                           max_body_bytes=int(args.max_body_mb * 2**20), log_level=args.log_level,
+                           on_listening=listening, docs=args.docs)
     finally:
-        service.close()
+        cancelled, running = service.shutdown(timeout_s=5.0)
+        print(f"heterorl serve stopped{f' on {stopped_by}' if stopped_by else ''}: {cancelled} queued calls "
+              f"cancelled, {running} running calls aborted; the sessions are gone, their saved states stay in "
+              f"{args.state_dir}", flush=True)
+        if running:
+            os._exit(0)  # (a call still running cannot be interrupted: end now, as the stop promised)
     return 0
 
 

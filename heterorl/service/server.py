@@ -23,6 +23,7 @@ connection that submitted them; a retried request (same ``request_id``) runs onc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -50,6 +51,7 @@ from heterorl.transport.sockets import is_loopback_host as is_loopback
 
 log = logging.getLogger("heterorl.service")
 MAX_WAIT_S = 60.0  # the longest a long-poll holds a request open
+SHUTDOWN_GRACE_S = 10.0  # on SIGTERM/SIGINT, requests in flight get this long to finish before they are cut
 
 
 class CreateSession(BaseModel):
@@ -203,6 +205,7 @@ def listen(host: str, port: int) -> tuple[socket.socket, str]:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # (at once: a client told the URL may connect before the server's loop accepts)
     except OSError as exc:
         sock.close()
         raise HeteroRLError(f"cannot listen on {host}:{port} ({exc}): choose another port") from None
@@ -243,23 +246,72 @@ class ServerThread:
 
 
 def serve(service: Service, host: str, port: int, *, api_key: str | None, max_body_bytes: int,
-          log_level: str = "info", on_listening: Callable[[str], None] | None = None, docs: bool = False) -> None:
-    """Run the service until interrupted. A non-loopback ``host`` needs an API key. The socket is bound first and
-    ``on_listening`` called with its URL (with the port the system chose when ``port`` is 0)."""
+          log_level: str = "info", on_listening: Callable[[str], None] | None = None,
+          docs: bool = False) -> str | None:
+    """Run the service until SIGTERM or SIGINT; the signal's name (None: the server stopped by itself). A
+    non-loopback ``host`` needs an API key. The socket is bound first and ``on_listening`` called with its URL
+    (with the port the system chose when ``port`` is 0). Requests in flight at the signal get
+    ``SHUTDOWN_GRACE_S`` to finish; the caller then stops the sessions (`Service.shutdown`)."""
     import uvicorn
 
     if api_key is None and not is_loopback(host):
         raise HeteroRLError(f"refusing to serve training sessions on {host} without an API key: give "
                             "--api-key-file (a file holding the key), or bind 127.0.0.1")
     sock, url = listen(host, port)
-    if on_listening is not None:
-        on_listening(url)
-    app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, docs=docs)
+    early: list[int] = []  # a signal before uvicorn listens for them (e.g. right after the URL is printed)
+    previous = _catch_signals(lambda sig, frame: early.append(sig))
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
-                                      http=header_timeout_protocol())).run(sockets=[sock])
+        if on_listening is not None:
+            on_listening(url)
+        app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, docs=docs)
+        server = _signalled_server_class()(uvicorn.Config(
+            app, log_level=log_level, lifespan="off", http=header_timeout_protocol(),
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+        if early:
+            server.handle_exit(early[0], None)
+        server.run(sockets=[sock])
     finally:
         sock.close()
+        _catch_signals(previous)
+    return server.stopped_by
+
+
+def _catch_signals(handler) -> dict:
+    """Give SIGINT and SIGTERM to ``handler`` (a function, or {signal: handler} to restore); the handlers before.
+    Only the main thread may: elsewhere nothing changes."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    handlers = handler if isinstance(handler, dict) else {signal.SIGINT: handler, signal.SIGTERM: handler}
+    return {sig: signal.signal(sig, h) for sig, h in handlers.items()}
+
+
+def _signalled_server_class():
+    """(made on first use: uvicorn is imported only to serve)"""
+    import uvicorn
+
+    class SignalledServer(uvicorn.Server):
+        """uvicorn's server that remembers the signal it stopped on instead of raising it again when it is done
+        (which would end the process before the sessions are stopped and the stop is reported)."""
+
+        stopped_by: str | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            import signal
+
+            self.stopped_by = signal.Signals(sig).name
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            original = _catch_signals(self.handle_exit)
+            try:
+                yield
+            finally:
+                _catch_signals(original)
+
+    return SignalledServer
 
 
 __all__ = ["ServerThread", "create_app", "is_loopback", "listen", "serve"]

@@ -188,6 +188,25 @@ class Service:
         for session_id in list(self._sessions):
             self.close_session(session_id)
 
+    def shutdown(self, timeout_s: float) -> tuple[int, int]:
+        """Stop taking calls and end the sessions: calls still queued are cancelled, calls running get
+        ``timeout_s`` to finish. (cancelled, still running): a caller that must stop now ends the process when
+        the second is not 0 (a running call cannot be interrupted)."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+            pending = [c.future for c in self._calls.values() if c.done_at is None]
+        cancelled = sum(1 for future in pending if future.cancel())
+        for session in sessions:
+            for client in [session.training, *session.samplers.values()]:
+                client._executor.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + timeout_s
+        running = [f for f in pending if not f.done()]
+        while running and time.monotonic() < deadline:
+            time.sleep(0.05)
+            running = [f for f in running if not f.done()]
+        return cancelled, len(running)
+
     # -- calls ------------------------------------------------------------------------------------------------
     def call(self, session_id: str, method: str, args: dict, request_id: str | None = None) -> str:
         """Submit ``method`` of the session's training client; the call's id. A ``request_id`` seen before

@@ -221,3 +221,29 @@ def test_connections_that_never_finish_their_headers_are_closed_and_health_still
         idle = socket.create_connection((server.host, server.port), timeout=30)
         assert idle.recv(1024) == b""  # one that sends nothing at all too
         idle.close()
+
+
+def test_sigterm_stops_the_service_within_its_grace_and_says_what_it_aborted(tmp_path):
+    """problem 4: a request in flight (here a body that never arrives) held the stop for as long as it lasted"""
+    import re
+    import signal
+    import socket
+    import time
+
+    from heterorl.bench.service import start_service
+    from heterorl.service.server import SHUTDOWN_GRACE_S
+
+    process, url = start_service(state_dir=str(tmp_path))
+    host, port = re.match(r"http://([\d.]+):(\d+)", url).groups()
+    with socket.create_connection((host, int(port)), timeout=60) as stuck:
+        stuck.sendall(b"POST /api/v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{")
+        time.sleep(0.5)  # (it is in flight before the signal or after: the stop is bounded either way)
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(SHUTDOWN_GRACE_S + 30)
+        finally:
+            process.kill()
+    log = (tmp_path / "serve.log").read_text()
+    assert process.returncode == 0, log[-2000:]
+    assert "heterorl serve stopped on SIGTERM: 0 queued calls cancelled, 0 running calls aborted" in log
