@@ -403,7 +403,8 @@ def cmd_serve(args) -> int:
     from heterorl.policies import register_models
 
     service = Service(args.state_dir, result_ttl_s=args.result_ttl_s, max_sessions=args.max_sessions,
-                      max_samplers=args.max_samplers, device=args.device, models=register_models(args.model))
+                      max_samplers=args.max_samplers, device=args.device, models=register_models(args.model),
+                      session_ttl_s=args.session_ttl_s or None)
     def listening(url: str) -> None:
         print(f"serving training sessions on {url} (API: /api/v1, OpenAI-compatible: /v1; "
               f"{'a bearer token' if api_key else 'no key: loopback only'})", flush=True)
@@ -556,6 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--result-ttl-s", type=_positive(float), default=600.0,
                    help="seconds a finished call's result is kept for retrieval (default 600)")
     p.add_argument("--max-body-mb", type=_positive(float), default=64.0, help="largest request body (default 64)")
+    p.add_argument("--session-ttl-s", type=float, default=3600.0,
+                   help="close a session no request named for this long (default 3600; 0: never)")
     p.add_argument("--docs", action="store_true", help="serve /docs, /redoc and /openapi.json (behind the key)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level (info: a line per request; default info)")

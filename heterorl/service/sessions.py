@@ -62,6 +62,7 @@ class Session:
     training: TrainingClient
     samplers: OrderedDict = field(default_factory=OrderedDict)  # version → SamplingClient, oldest first
     weights: OrderedDict = field(default_factory=OrderedDict)  # version → state dict exported for download
+    used: float = field(default_factory=time.monotonic)  # when a request last named it (`Service.session_ttl_s`)
 
 
 def _lora_spec(lora: dict | None):
@@ -94,16 +95,18 @@ class Service:
                  max_samplers: int = 8, device: str = "cpu",
                  loader: Callable[[str], tuple] | None = None, models: dict[str, str] | None = None,
                  max_pending_per_session: int = 64, max_pending: int = 512,
-                 max_request_tokens: int = MAX_REQUEST_TOKENS) -> None:
+                 max_request_tokens: int = MAX_REQUEST_TOKENS, session_ttl_s: float | None = 3600.0) -> None:
         """``models``: local Hugging Face folders sessions may start from by name ({name: path};
         `list_base_models` names them with the built-in policies). Calls waiting or running: at most
         ``max_pending_per_session`` per session and ``max_pending`` in all (`TooBusy` beyond). One sampling call
-        generates at most ``max_request_tokens`` (prompts x samples x max_tokens)."""
+        generates at most ``max_request_tokens`` (prompts x samples x max_tokens). A session no request named for
+        ``session_ttl_s`` (None: never) is closed when the next request arrives, unless a call of it is still
+        waiting or running."""
         self.state_dir = Path(state_dir)
         self.models = dict(models or {})
         self.result_ttl_s, self.max_sessions, self.max_samplers = result_ttl_s, max_sessions, max_samplers
         self.max_pending_per_session, self.max_pending = max_pending_per_session, max_pending
-        self.max_request_tokens = max_request_tokens
+        self.max_request_tokens, self.session_ttl_s = max_request_tokens, session_ttl_s
         self.device = device
         self._loader = loader
         self._lock = threading.Lock()
@@ -124,6 +127,7 @@ class Service:
         fresh optimizer; its description. ``lora`` ({rank, alpha, dropout, target_modules}): train a low-rank
         adapter on it (a mismatch with the model is a `BadRequest` naming it)."""
         spec = _lora_spec(lora)
+        self.expire_sessions()
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
                 raise BadRequest(f"this service holds its maximum of {self.max_sessions} sessions: close one "
@@ -170,14 +174,35 @@ class Service:
                 "samplers": [f"heterorl:{session_id}/{v}" for v in session.samplers]}
 
     def session(self, session_id: str) -> Session:
+        self.expire_sessions()
         with self._lock:
             found = self._sessions.get(session_id)
+            if found is not None:
+                found.used = time.monotonic()
         if found is None:
-            raise NotFound(f"no session {session_id!r} here (create one with POST /api/v1/sessions)")
+            raise NotFound(f"no session {session_id!r} here (create one with POST /api/v1/sessions, or it was idle "
+                           f"past --session-ttl-s, or the service restarted)")
         return found
 
-    def close_session(self, session_id: str) -> None:
-        session = self.session(session_id)
+    def expire_sessions(self) -> list[str]:
+        """Close the sessions idle past ``session_ttl_s`` with no call waiting or running; their ids."""
+        if self.session_ttl_s is None:
+            return []
+        cutoff = time.monotonic() - self.session_ttl_s
+        with self._lock:
+            busy = {c.owner for c in self._calls.values() if c.done_at is None}
+            idle = [sid for sid, s in self._sessions.items() if s.used < cutoff and sid not in busy]
+        for session_id in idle:
+            try:
+                self.close_session(session_id, expired=True)
+            except NotFound:  # (closed meanwhile)
+                pass
+        return idle
+
+    def close_session(self, session_id: str, expired: bool = False) -> None:
+        session = self._sessions.get(session_id) if expired else self.session(session_id)
+        if session is None:
+            raise NotFound(f"no session {session_id!r} here")
         with self._lock:
             self._sessions.pop(session_id, None)
         for sampler in session.samplers.values():
@@ -232,6 +257,8 @@ class Service:
         self._expire()
         key = (owner, method, request_id)
         with self._lock:
+            if owner in self._sessions:
+                self._sessions[owner].used = time.monotonic()
             if request_id is not None and key in self._requests:
                 return self._requests[key]
             self._check_room(owner)
@@ -329,6 +356,9 @@ class Service:
         import asyncio
 
         call = self.get_call(call_id)
+        with self._lock:
+            if call.owner in self._sessions:  # (a poll is a sign of life: its session does not expire meanwhile)
+                self._sessions[call.owner].used = time.monotonic()
         if call.done_at is None and wait_s > 0:
             # `_finish` was the future's first done callback: once this wakes, the result is in wire form
             done = asyncio.wrap_future(call.future)

@@ -247,3 +247,20 @@ def test_sigterm_stops_the_service_within_its_grace_and_says_what_it_aborted(tmp
     log = (tmp_path / "serve.log").read_text()
     assert process.returncode == 0, log[-2000:]
     assert "heterorl serve stopped on SIGTERM: 0 queued calls cancelled, 0 running calls aborted" in log
+
+
+def test_an_idle_session_expires_and_frees_its_place(tmp_path):
+    """problem 5: sessions never expired; a loop run as many times as --max-sessions filled the service"""
+    import time
+
+    from heterorl.policies import load_policy
+    from heterorl.service.sessions import NotFound
+
+    service = Service(tmp_path, max_sessions=1, session_ttl_s=0.2, loader=lambda name: load_policy(BASE))
+    first = service.create_session(BASE)["session_id"]
+    time.sleep(0.3)  # (longer than the time to live: it is idle past it)
+    second = service.create_session(BASE)["session_id"]  # the place the idle one held
+    with pytest.raises(NotFound, match="idle past --session-ttl-s"):
+        service.session(first)
+    assert service.session_ids() == [second]
+    service.close()
