@@ -21,6 +21,7 @@ The code task refuses it unless ``allow_weak_sandbox`` is set. docs/TASKS.md say
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -204,8 +205,10 @@ class Sandbox:
     # -- one program -----------------------------------------------------------------------------------
     def _run(self, slot: int, program: str, tests: list[TestCase], entry: str | None) -> Outcome:
         start = time.monotonic()
-        with tempfile.TemporaryDirectory(prefix="heterorl-sandbox-") as home:
-            collected = self._start_and_collect(slot, home, program, tests, entry)
+        home = (contextlib.nullcontext("/tmp") if self.jail is not None  # (the jail's own tmpfs)
+                else tempfile.TemporaryDirectory(prefix="heterorl-sandbox-"))
+        with home as directory:
+            collected = self._start_and_collect(slot, directory, program, tests, entry)
         seconds = time.monotonic() - start
         if self.jail is not None and not collected.killed and b'"started"' not in collected.results:
             raise SandboxError(f"the jail did not start (nsjail exit code {collected.returncode}): "
@@ -219,7 +222,7 @@ class Sandbox:
         job = {"program": program, "entry": entry, "inputs": [[t.args, t.stdin] for t in tests],
                "output_bytes": limits.output_bytes, "report_bytes": limits.output_bytes + REPORT_ROOM // 2,
                "results_fd": results_write, "jailed": self.jail is not None,
-               "home": "/tmp" if self.jail is not None else home,
+               "home": home,
                "limits": {"cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "file_bytes": limits.file_bytes,
                           "processes": limits.processes}}
         if self.jail is not None:
