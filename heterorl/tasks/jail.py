@@ -190,19 +190,17 @@ class Jail:
                     left.append(f"cgroup {group} still holds processes")
         return left
 
-    def strays(self) -> list[str]:
-        """Every process on this machine running as one of this jail's uids (none, between programs)."""
-        uids, found = set(self.uids), []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    status = (entry / "status").read_text()
-                except OSError:
-                    continue
-                line = next((x for x in status.splitlines() if x.startswith("Uid:")), "")
-                if line and int(line.split()[1]) in uids:
-                    found.append(f"pid {entry.name} (uid {line.split()[1]})")
-        return found
+    def strays(self, slots: list[int]) -> list[str]:
+        """Every process on this machine running as the uid of one of ``slots`` (none, between programs)."""
+        return [f"pid {pid} (uid {uid})" for pid, uid in _processes_of({self.uids[slot] for slot in slots})]
+
+    def kill_uid(self, slot: int) -> None:
+        """SIGKILL every process running as slot ``slot``'s uid (one that left its cgroup, which it cannot)."""
+        for pid, _ in _processes_of({self.uids[slot]}):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def close(self) -> None:
         """Remove this jail's cgroup folders (after every program ended)."""
@@ -246,6 +244,21 @@ class Jail:
             options += ["--cgroup_mem_memsw_max", str(memory)]  # (no swapping past the limit)
         return options + ["--cgroup_mem_parent", parent, "--cgroup_pids_parent", parent, "--cgroup_cpu_parent",
                           parent]
+
+
+def _processes_of(uids: set[int]) -> list[tuple[int, int]]:
+    """(pid, uid) of every process whose real uid is one of ``uids``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            line = next((x for x in status.splitlines() if x.startswith("Uid:")), "")
+            if line and int(line.split()[1]) in uids:
+                found.append((int(entry.name), int(line.split()[1])))
+    return found
 
 
 def _enable_controllers(directory: Path) -> None:

@@ -35,7 +35,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -96,7 +96,6 @@ class Collected:
     output: bytes = b""
     killed: str = ""
     returncode: int | None = None
-    leftovers: list = field(default_factory=list)
 
 
 def _harness() -> str:
@@ -162,24 +161,40 @@ class Sandbox:
         checks that nothing of any program is left (`leftovers`); what is, is killed, logged and counted as
         ``leftover`` in ``stats``."""
         outcomes = list(self._pool.map(lambda job: self.run(job[0], job[1], entry=job[2]), jobs))
-        left = self.leftovers()
+        left = self._check_idle_slots(clean=True)
         if left:
             log.warning("the sandbox found %d things left after a batch, now removed: %s", len(left), left[:5])
             with self._lock:
                 self.stats["leftover"] += len(left)
-            for slot in range(self.max_parallel):
-                self.jail.clean(slot)
         return outcomes
 
     def leftovers(self) -> list[str]:
-        """What any program left behind and is still there: processes running as the jail's uids, cgroups of
-        slots where no program runs now (files are in each jail's tmpfs, gone with it). The weak sandbox cannot
-        tell: always []."""
+        """What any program left behind and is still there: processes running as the uid of a slot where no
+        program runs now, and cgroups of such slots (files are in each jail's tmpfs, gone with it). The weak
+        sandbox cannot tell: always []."""
+        return self._check_idle_slots(clean=False)
+
+    def _check_idle_slots(self, clean: bool) -> list[str]:
+        """`leftovers`, with the idle slots held meanwhile (no program starts in one being checked); ``clean``:
+        kill and remove what is found."""
         if self.jail is None:
             return []
-        with self._slots.mutex:
-            idle = list(self._slots.queue)
-        return self.jail.strays() + [group for slot in idle for group in self.jail.cgroups_of(slot)]
+        idle = []
+        while True:
+            try:
+                idle.append(self._slots.get_nowait())
+            except queue.Empty:
+                break
+        try:
+            left = self.jail.strays(idle) + [group for slot in idle for group in self.jail.cgroups_of(slot)]
+            if left and clean:
+                for slot in idle:
+                    self.jail.kill_uid(slot)
+                    self.jail.clean(slot)
+            return left
+        finally:
+            for slot in idle:
+                self._slots.put(slot)
 
     def isolation(self) -> dict[str, bool | str]:
         """What this machine gives a program, seen from inside one: ``kind`` (nsjail or weak), and whether it

@@ -236,3 +236,20 @@ def test_a_batch_with_one_hostile_program_returns_on_time_with_every_correct_one
     assert [o.fraction for i, o in enumerate(outcomes) if i != 3] == [1.0] * 7
     assert outcomes[3].passed == 0
     _no_trace_of(sandbox)
+
+
+def test_what_a_program_left_is_found_after_a_batch_killed_and_counted(sandbox):
+    """the check after every batch can fail: a process running as a slot's uid (started here, as no program
+    can leave one) is found, killed and counted as leftover, and the batch's outcomes are untouched"""
+    import subprocess
+
+    stray = subprocess.Popen(["sleep", "60"], user=sandbox.jail.uids[0], group=sandbox.jail.uids[0])
+    try:
+        assert sandbox.leftovers() == [f"pid {stray.pid} (uid {sandbox.jail.uids[0]})"]
+        before = sandbox.counts()["leftover"]
+        assert [o.reason for o in sandbox.run_many([(RIGHT, ADD, "f")] * 2)] == ["ok", "ok"]
+        assert stray.wait(timeout=30) == -9 and sandbox.counts()["leftover"] == before + 1
+        _no_trace_of(sandbox)
+    finally:
+        stray.kill()
+        stray.wait()
