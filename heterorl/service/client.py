@@ -125,10 +125,23 @@ class ServiceClient:
         """[{name, description}] of the policies the service can start a session from."""
         return self._request("GET", "/api/v1/base_models")["base_models"]
 
+    def training_client(self, session_id: str) -> RemoteTrainingClient:
+        """The client of a session the service holds now, by its id (to re-attach from another process, or after
+        this client's connection was lost); a 404 error when it does not hold it."""
+        return RemoteTrainingClient(self, self._request("GET", f"/api/v1/sessions/{session_id}"))
+
+    def create_training_client_from_state(self, base_model: str, session_id: str, name: str, *,
+                                          seed: int | None = None) -> RemoteTrainingClient:
+        """A fresh session of ``base_model`` that loads the state ``name`` session ``session_id`` saved, e.g.
+        before the service restarted (states outlive it; sessions do not)."""
+        training = self.create_training_client(base_model, seed=seed)
+        training.load_state(name, session=session_id).result()
+        return training
+
     def create_training_client(self, base_model: str, *, seed: int | None = None,
                                share_prompts: bool = True) -> RemoteTrainingClient:
         """A fresh session on the service that trains the whole of ``base_model`` (a name `list_base_models`
-        gives, or a folder on the service's machine) with a new optimizer."""
+        gives) with a new optimizer."""
         found = self._request("POST", "/api/v1/sessions", {"base_model": base_model, "seed": seed,
                                                            "share_prompts": share_prompts})
         return RemoteTrainingClient(self, found)
@@ -306,12 +319,14 @@ class RemoteTrainingClient:
         that file name (its state folder, one per session)."""
         return self._run("save_state", {"name": str(name)})
 
-    def load_state(self, name: str) -> Future:
-        """Future of the restored version, from a state this session saved under ``name``."""
+    def load_state(self, name: str, session: str | None = None) -> Future:
+        """Future of the restored version, from a state this session (or the session ``session``, e.g. one of
+        before the service restarted: its states stay on disk) saved under ``name``."""
         def loaded(raw) -> int:
             self.version = wire.result_from_wire(raw)
             return self.version
-        return self._run("load_state", {"name": str(name)}, loaded)
+        args = {"name": str(name)} | ({"session": session} if session is not None else {})
+        return self._run("load_state", args, loaded)
 
     def close(self) -> None:
         """End the session on the service (its samplers go with it)."""

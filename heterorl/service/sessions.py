@@ -22,6 +22,7 @@ from heterorl.service import wire
 from heterorl.training.session import SamplingClient, TrainingClient
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+_SESSION_ID = re.compile(r"s-[0-9a-f]{12}")
 TRAINING_METHODS = ("forward", "forward_backward", "optim_step", "save_weights_for_sampler",
                     "save_weights_and_get_sampling_client", "save_state", "load_state")
 SAMPLER_METHODS = ("sample", "compute_logprobs")
@@ -301,17 +302,19 @@ class Service:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise BadRequest(f"{method} takes a file name (letters, digits, '.', '_', '-'; no folders), got {name!r}: "
                              "states live in the service's state folder, one per session")
-        path = self.state_dir / session.session_id / name
+        owner = session.session_id if method == "save_state" else args.get("session") or session.session_id
+        if not isinstance(owner, str) or not _SESSION_ID.fullmatch(owner):  # (a session id, never a path)
+            raise BadRequest(f"load_state: session={owner!r} is not a session id (s- and 12 hex digits)")
+        path = self.state_dir / owner / name
         if path.is_symlink() or path.parent.is_symlink():  # (planted: a state is a file this service wrote)
-            raise BadRequest(f"the state {name!r} of session {session.session_id} is a link, which the service "
-                             "does not follow")
+            raise BadRequest(f"the state {name!r} of session {owner} is a link, which the service does not follow")
         if method == "save_state":
             path.parent.mkdir(parents=True, exist_ok=True)
             return _then(training.save_state(path), lambda _: name)
         if not path.is_file():
-            raise NotFound(f"session {session.session_id} saved no state named {name!r}")
-        return _then_or_refuse(training.load_state(path), f"the state {name!r} of session "
-                               f"{session.session_id} cannot be loaded")
+            raise NotFound(f"session {owner} saved no state named {name!r} (states outlive a restart; sessions do "
+                           "not)")
+        return _then_or_refuse(training.load_state(path), f"the state {name!r} of session {owner} cannot be loaded")
 
     def _keep_weights(self, session: Session, version: int, state: dict) -> int:  # (whole or adapter)
         with self._lock:

@@ -264,3 +264,35 @@ def test_an_idle_session_expires_and_frees_its_place(tmp_path):
         service.session(first)
     assert service.session_ids() == [second]
     service.close()
+
+
+def test_a_client_reattaches_by_id_and_a_saved_state_is_reopened_after_a_restart(tmp_path):
+    """problem 7: after a restart saved states were unreachable by new sessions; no client could re-attach"""
+    from heterorl.errors import HeteroRLError
+    from heterorl.service.client import connect
+
+    state_dir = tmp_path / "state"
+    first = Service(state_dir)
+    with ServerThread(create_app(first, api_key=KEY)) as server, connect(server.url, api_key=KEY) as client:
+        training = client.create_training_client(BASE, seed=0)
+        training.save_weights_for_sampler().result()  # version 1
+        training.save_state("before-restart").result()
+        with connect(server.url, api_key=KEY) as other:  # another connection, e.g. another process
+            again = other.training_client(training.session_id)
+            assert (again.session_id, again.version) == (training.session_id, 1)
+        with pytest.raises(HeteroRLError, match="404"):
+            client.training_client("s-000000000000")
+        old_session, old_weights = training.session_id, training.save_weights_for_sampler().result()[1]
+    first.close()
+    second = Service(state_dir)  # the service restarted: its sessions are gone, its states are not
+    with ServerThread(create_app(second, api_key=KEY)) as server, connect(server.url, api_key=KEY) as client:
+        with pytest.raises(HeteroRLError, match="404"):
+            client.training_client(old_session)
+        reopened = client.create_training_client_from_state(BASE, old_session, "before-restart")
+        assert reopened.version == 1 and reopened.session_id != old_session
+        version, weights = reopened.save_weights_for_sampler().result()
+        assert version == 2 and all((weights[k] == old_weights[k]).all() for k in old_weights)
+        bad = client.create_training_client(BASE)
+        with pytest.raises(HeteroRLError, match="not a session id"):
+            bad.load_state("before-restart", session="../etc").result()
+    second.close()
