@@ -141,6 +141,7 @@ class Jail:
                        "tmp_mb": tmp_mb, "wall_s": wall_s}
         self.uids = _slot_uids(slots)
         self.name = f"heterorl/{os.getpid()}-{next(_instances)}"
+        self._memsw = (CGROUP_ROOT / "memory" / "memory.memsw.limit_in_bytes").exists()  # (v1 with swap accounting)
         self._remove_stale()
         atexit.register(self.close)  # (a process that never closes its sandbox leaves no cgroup behind)
         for slot in range(slots):
@@ -172,23 +173,17 @@ class Jail:
     def kill(self, slot: int) -> None:
         """SIGKILL every process of the program running in slot ``slot`` (its jail's init among them, whose
         death ends its PID namespace); its nsjail then reaps it, removes its cgroups and exits."""
-        for directory in self._slot_dirs(slot)[:1]:
-            for group in [d for d in directory.iterdir() if d.is_dir()] if directory.exists() else []:
-                _kill_members(group)
+        for group in self._groups(slot, self._slot_dirs(slot)[:1]):
+            _kill_members(group)
 
     def cgroups_of(self, slot: int) -> list[str]:
         """The cgroups in slot ``slot`` (a running program's; none once it ended)."""
-        return [str(d) for root in self._slot_dirs(slot) if root.exists() for d in root.iterdir() if d.is_dir()]
+        return [str(group) for group in self._groups(slot)]
 
     def clean(self, slot: int) -> list[str]:
         """Kill what is left in slot ``slot``'s cgroups and remove them (nsjail removes them itself unless it
         was killed); what could not be cleaned, as lines (empty: nothing was left)."""
-        left = []
-        for directory in self._slot_dirs(slot):
-            for group in [d for d in directory.iterdir() if d.is_dir()] if directory.exists() else []:
-                if not _remove_cgroup(group):
-                    left.append(f"cgroup {group} still holds processes")
-        return left
+        return [f"cgroup {group} still holds processes" for group in self._groups(slot) if not _remove_cgroup(group)]
 
     def strays(self, slots: list[int]) -> list[str]:
         """Every process on this machine running as the uid of one of ``slots`` (none, between programs)."""
@@ -207,11 +202,7 @@ class Jail:
         for slot in range(len(self.uids)):
             self.clean(slot)
         for controller_root in self._roots():
-            for directory in sorted((controller_root / self.name).glob("**/"), key=lambda p: -len(p.parts)):
-                try:
-                    directory.rmdir()
-                except OSError:
-                    pass
+            _remove_tree(controller_root / self.name)
             try:
                 (controller_root / self.name).parent.rmdir()  # (heterorl/, when no other jail uses it)
             except OSError:
@@ -224,9 +215,7 @@ class Jail:
             for instance in (root / "heterorl").glob("*-*") if (root / "heterorl").is_dir() else []:
                 pid = instance.name.split("-")[0]
                 if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                    for directory in sorted(instance.glob("**/"), key=lambda p: -len(p.parts)):
-                        if directory.is_dir():
-                            _remove_cgroup(directory, timeout_s=0.5)
+                    _remove_tree(instance)
 
     def _roots(self) -> list[Path]:
         return [CGROUP_ROOT / c for c in CONTROLLERS] if self.cgroups == "v1" else [CGROUP_ROOT]
@@ -234,13 +223,18 @@ class Jail:
     def _slot_dirs(self, slot: int) -> list[Path]:
         return [root / self.name / f"slot{slot}" for root in self._roots()]
 
+    def _groups(self, slot: int, directories: list[Path] | None = None) -> list[Path]:
+        """The cgroups nsjail made in slot ``slot``'s folders (``directories``: only these of them)."""
+        return [group for directory in (directories or self._slot_dirs(slot)) if directory.exists()
+                for group in directory.iterdir() if group.is_dir()]
+
     def _cgroup_options(self, slot: int, memory: int, processes: int) -> list[str]:
         parent = f"{self.name}/slot{slot}"
         options = ["--cgroup_mem_max", str(memory), "--cgroup_pids_max", str(processes),
                    "--cgroup_cpu_ms_per_sec", "1000"]
         if self.cgroups == "v2":
             return options + ["--use_cgroupv2", "--cgroupv2_mount", str(CGROUP_ROOT / parent)]
-        if (CGROUP_ROOT / "memory" / "memory.memsw.limit_in_bytes").exists():
+        if self._memsw:
             options += ["--cgroup_mem_memsw_max", str(memory)]  # (no swapping past the limit)
         return options + ["--cgroup_mem_parent", parent, "--cgroup_pids_parent", parent, "--cgroup_cpu_parent",
                           parent]
@@ -283,6 +277,12 @@ def _kill_members(group: Path) -> None:
             os.kill(int(pid), signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _remove_tree(top: Path) -> None:
+    """Remove the cgroup ``top`` and every cgroup under it, deepest first (killing what is still in them)."""
+    for directory in sorted(top.glob("**/"), key=lambda p: -len(p.parts)) if top.is_dir() else []:
+        _remove_cgroup(directory, timeout_s=0.5)
 
 
 def _remove_cgroup(group: Path, timeout_s: float = 2.0) -> bool:
