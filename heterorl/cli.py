@@ -15,6 +15,7 @@
     heterorl bench reshard              a sharded learner's weights: every rank sends its slices vs gather
     heterorl bench lora                 LoRA vs full fine-tuning: learning, bytes and time per version, sampling
     heterorl bench sandbox              the code task's sandbox: start-up, tests/s (jail vs weak), a worker's samples/s
+    heterorl bench serve-load           heterorl serve: OpenAI req/s batched vs not; honest p99 with an abuser
     heterorl keys [make] --name NAME [--out D]   a CurveZMQ key pair for a learner or a remote worker
     heterorl keys revoke --name NAME --allow-keys D   refuse a worker's key (no restart)
     heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async)
@@ -233,7 +234,8 @@ def cmd_demo(args) -> int:
 # heterorl bench NAME: the module of heterorl.bench whose main(argv) runs it
 BENCHMARKS = {"engine": "engine", "losses": "losses", "transport": "transport", "weights": "weights",
               "deltas": "deltas", "async": "async_modes", "simulate": "simulation", "service": "service",
-              "reshard": "reshard", "lora": "lora", "sandbox": "sandbox"}
+              "reshard": "reshard", "lora": "lora", "sandbox": "sandbox",
+              "serve-load": "service_load"}
 
 
 def cmd_bench(args) -> int:
@@ -404,16 +406,19 @@ def cmd_serve(args) -> int:
 
     service = Service(args.state_dir, result_ttl_s=args.result_ttl_s, max_sessions=args.max_sessions,
                       max_samplers=args.max_samplers, device=args.device, models=register_models(args.model),
-                      session_ttl_s=args.session_ttl_s or None)
+                      session_ttl_s=args.session_ttl_s or None,
+                      memory_budget_mb="auto" if args.memory_budget_mb is None else args.memory_budget_mb or None)
+    budget = "none" if service.budget.budget_bytes is None else f"{service.budget.budget_bytes / 2**20:,.0f} MB"
+
     def listening(url: str) -> None:
         print(f"serving training sessions on {url} (API: /api/v1, OpenAI-compatible: /v1; "
-              f"{'a bearer token' if api_key else 'no key: loopback only'})", flush=True)
+              f"{'a bearer token' if api_key else 'no key: loopback only'}; memory budget: {budget})", flush=True)
 
     stopped_by = None
     try:
         stopped_by = serve(service, host.strip("[]"), int(port), api_key=api_key,
                            max_body_bytes=int(args.max_body_mb * 2**20), log_level=args.log_level,
-                           on_listening=listening, docs=args.docs)
+                           on_listening=listening, docs=args.docs, batching=not args.no_openai_batching)
     finally:
         cancelled, running = service.shutdown(timeout_s=5.0)
         print(f"heterorl serve stopped{f' on {stopped_by}' if stopped_by else ''}: {cancelled} queued calls "
@@ -559,7 +564,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=_positive(float), default=64.0, help="largest request body (default 64)")
     p.add_argument("--session-ttl-s", type=float, default=3600.0,
                    help="close a session no request named for this long (default 3600; 0: never)")
+    p.add_argument("--memory-budget-mb", type=float, metavar="MB",
+                   help="memory the sessions (model, gradients, AdamW state, exported weights) and their sampling "
+                   "clients may hold together (default: half of this machine's memory, or of the GPU's with "
+                   "--device cuda; 0: no budget). At the budget the sampling clients used least recently are "
+                   "evicted (never a session's newest, nor one with a call running; their ids then answer 404); "
+                   "a session or sampler that still does not fit is refused (HTTP 507). GET /api/v1/memory shows "
+                   "what each holds")
     p.add_argument("--docs", action="store_true", help="serve /docs, /redoc and /openapi.json (behind the key)")
+    p.add_argument("--no-openai-batching", action="store_true",
+                   help="give each OpenAI request an engine call of its own (default: concurrent requests to one "
+                   "model with the same n and sampling parameters and no seed share one)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level (info: a line per request; default info)")
     p.set_defaults(fn=cmd_serve)

@@ -74,13 +74,16 @@ def start_service(*options: str, state_dir: str | None = None,
                        f"{open(log_path).read()[-2000:]}")
 
 
-def _completions_rate(url: str, model: str, clients: int, seconds: float, max_tokens: int) -> float:
+def _completions_rate(url: str, model: str, clients: int, seconds: float, max_tokens: int,
+                      api_key: str | None = None) -> float:
+    """/v1/completions answered per second to ``clients`` clients, each sending one request after another."""
     import httpx
 
     done, stop = [0] * clients, threading.Event()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def client(i: int) -> None:
-        with httpx.Client(base_url=url, timeout=60) as http:
+        with httpx.Client(base_url=url, timeout=60, headers=headers) as http:
             while not stop.is_set():
                 r = http.post("/v1/completions", json={"model": model, "prompt": f"{100 + i}+{200 + i}=",
                                                         "max_tokens": max_tokens, "temperature": 1.0})

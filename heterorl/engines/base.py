@@ -9,6 +9,7 @@ Those log-probs are the *behaviour* log-probs the losses need.
 from __future__ import annotations
 
 import math
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -80,6 +81,41 @@ class WeightUpdates:
         return got
 
 
+class GenerationCancelled(SamplingError):
+    """A generation stopped between two decode steps because its caller cancelled it (`GenerationWatch.cancel`)."""
+
+
+class GenerationWatch:
+    """A caller's view of a generation in progress, and its brake. An engine that supports it
+    (``SamplingEngine.supports_watch``) calls `tokens` after every decode step with the token each unfinished row
+    drew (rows prompt-major: prompt ``i``'s sample ``j`` is row ``i * num_samples + j``), and stops with
+    `GenerationCancelled` between two decode steps once `cancel` was called (from any thread). An engine that
+    does not (vLLM) is checked before it starts and reports each row's tokens when it is done
+    (`SamplingClient.sample` does both)."""
+
+    def __init__(self, on_tokens: Callable[[list[int], list[int], list[float]], None] | None = None) -> None:
+        """``on_tokens(rows, tokens, logprobs)``: called on the generating thread, so it must be quick."""
+        self._on_tokens = on_tokens
+        self._cancelled = threading.Event()
+        self.version: int | None = None  # the policy version that generates (set when the generation starts)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def check(self) -> None:
+        """Raise `GenerationCancelled` once `cancel` was called."""
+        if self._cancelled.is_set():
+            raise GenerationCancelled("the generation was cancelled by its caller (its client went away)")
+
+    def tokens(self, rows: list[int], tokens: list[int], logprobs: list[float]) -> None:
+        if self._on_tokens is not None and rows:
+            self._on_tokens(rows, tokens, logprobs)
+
+
 def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
     """Check prompts are non-empty lists of in-vocabulary token ids; return them as lists."""
     if len(prompts) == 0:
@@ -148,6 +184,7 @@ class SamplingEngine(ABC):
     """Generates completions from a fixed set of weights."""
 
     supports_inflight_updates = False  # generate takes ``updates`` (`WeightUpdates`) between decode steps
+    supports_watch = False  # generate takes ``watch`` (`GenerationWatch`): tokens as they come, cancel between steps
 
     @abstractmethod
     def generate(

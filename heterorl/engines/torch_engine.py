@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from heterorl.engines.base import (
+    GenerationWatch,
     SampleOutput,
     SamplingEngine,
     SamplingParams,
@@ -52,6 +53,7 @@ class TorchEngine(SamplingEngine):
     """
 
     supports_inflight_updates = True
+    supports_watch = True
 
     def __init__(self, model, tokenizer, *, device: str | torch.device = "cpu", max_batch_sequences: int = 1024):
         self.model = model.to(device).eval()
@@ -92,8 +94,10 @@ class TorchEngine(SamplingEngine):
     @torch.inference_mode()
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, num_samples: int = 1,
-        updates: WeightUpdates | None = None,
+        updates: WeightUpdates | None = None, watch: GenerationWatch | None = None,
     ) -> list[list[SampleOutput]]:
+        """``updates``: newer weights taken between decode steps; ``watch``: each step's tokens reported, and a
+        cancel honoured between steps (`GenerationWatch`)."""
         prompts = validate_request(prompts, params, num_samples, self.vocab_size, self.max_positions)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed if params.seed is not None else torch.seed())
@@ -101,13 +105,15 @@ class TorchEngine(SamplingEngine):
         outputs: list[SampleOutput] = []
         for start in range(0, len(prompts), per_batch):
             outputs.extend(self._generate_batch(prompts[start : start + per_batch], num_samples, params, generator,
-                                                updates))
+                                                updates, watch, start * num_samples))
         return [outputs[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
 
     def _generate_batch(self, prompts: list[list[int]], num_samples: int, params: SamplingParams,
-                        generator, updates: WeightUpdates | None = None) -> list[SampleOutput]:
-        """Rows ``num_samples`` per prompt, prompt-major. Each prompt is prefilled once and its KV cache
-        repeated for its samples (when the model's cache can be repeated), else prefilled once per row."""
+                        generator, updates: WeightUpdates | None = None, watch: GenerationWatch | None = None,
+                        first_row: int = 0) -> list[SampleOutput]:
+        """Rows ``num_samples`` per prompt, prompt-major (``first_row``: the first one's number for ``watch``).
+        Each prompt is prefilled once and its KV cache repeated for its samples (when the model's cache can be
+        repeated), else prefilled once per row."""
         batch = len(prompts) * num_samples
         prompt_len = max(len(r) for r in prompts)
         input_ids = torch.full((len(prompts), prompt_len), self.pad_token_id, dtype=torch.long)
@@ -144,9 +150,14 @@ class TorchEngine(SamplingEngine):
             cache, next_logits = self._cache_of(out), out.logits[:, -1]
         next_position = position_ids[:, -1:] + 1
         for step in range(params.max_tokens):
+            if watch is not None:
+                watch.check()
             token, token_logprob = self._sample(next_logits, params, generator)
             token = torch.where(done, torch.full_like(token, self.pad_token_id), token)
             tokens[:, step], logprobs[:, step] = token, token_logprob
+            if watch is not None:
+                live = (~done).nonzero().squeeze(-1).tolist()
+                watch.tokens([first_row + r for r in live], token[live].tolist(), token_logprob[live].tolist())
             if versions is not None:
                 versions[:, step] = updates.version
             stopped_now = ~done & torch.isin(token, stop_ids)

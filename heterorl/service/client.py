@@ -201,13 +201,13 @@ class ServiceClient:
     def _call(self, path: str, body: dict, decode: Callable[[Any], Any] = wire.result_from_wire) -> Future:
         """Submit a call now; a future of its decoded result, completed by long-polling."""
         future_id = self._request("POST", path, {**body, "request_id": uuid.uuid4().hex})["future_id"]
-        future: Future = Future()
+        future = RemoteFuture(self, future_id)
         self._waiters.submit(self._wait, future_id, future, decode)
         return future
 
     def _wait(self, future_id: str, future: Future, decode: Callable[[Any], Any]) -> None:
         try:
-            while not self._closed.is_set():
+            while not self._closed.is_set() and not future.cancelled():
                 state = self._request("GET", f"/api/v1/futures/{future_id}", wait_s=POLL_S)
                 if state["status"] == "done":
                     if "error" in state:
@@ -215,10 +215,26 @@ class ServiceClient:
                     else:
                         future.set_result(decode(state["result"]))
                     return
-            future.set_exception(HeteroRLError("the service client was closed before the call finished"))
+            if not future.cancelled():
+                future.set_exception(HeteroRLError("the service client was closed before the call finished"))
         except BaseException as exc:  # handed to whoever waits on the future
             if not future.done():
                 future.set_exception(exc)
+
+
+class RemoteFuture(Future):
+    """The future of a call on the service: `cancel` cancels the call there too (one still waiting never runs, a
+    sampling call that runs stops between two decode steps; `DELETE /api/v1/futures/ID`)."""
+
+    def __init__(self, service: ServiceClient, future_id: str) -> None:
+        super().__init__()
+        self.service, self.future_id = service, future_id
+
+    def cancel(self) -> bool:
+        if self.done():
+            return False
+        self.service._request("DELETE", f"/api/v1/futures/{self.future_id}")
+        return super().cancel()
 
 
 def _refusal(response: httpx.Response, method: str, path: str) -> Exception:

@@ -19,6 +19,7 @@ KEY_MISSING = ("missing or wrong API key: send 'Authorization: Bearer KEY' with 
 OPEN_PATHS = ("/health",)  # the only route answered without the key
 HEADER_TIMEOUT_S = 10.0  # a connection's request headers must be complete this long after it opens or a request
 # begins (a client that sends them slowly, or never, is closed: it would hold a connection, and a descriptor)
+BODY_IDLE_TIMEOUT_S = 10.0  # once the headers are in, a body that sends nothing for this long is closed as well
 
 
 def key_matches(authorization: str | None, api_key: str) -> bool:
@@ -101,42 +102,54 @@ async def _refuse(send, status: int, message: str, headers: dict | None = None) 
     await send({"type": "http.response.body", "body": body})
 
 
-def header_timeout_protocol(timeout_s: float = HEADER_TIMEOUT_S):
+def header_timeout_protocol(timeout_s: float = HEADER_TIMEOUT_S, body_idle_s: float = BODY_IDLE_TIMEOUT_S):
     """uvicorn's HTTP protocol (httptools) that closes a connection whose request headers are not complete within
-    ``timeout_s`` of the connection opening or the request beginning. Pass it as ``uvicorn.Config(http=...)``."""
+    ``timeout_s`` of the connection opening or the request beginning, or whose body then sends nothing for
+    ``body_idle_s`` (while the server waits for it: not while the server itself has paused reading). Pass it as
+    ``uvicorn.Config(http=...)``."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HeaderTimeoutProtocol(HttpToolsProtocol):
-        _header_timer = None
+        _timer = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._arm()
+            self._arm(timeout_s)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._arm()
+            self._arm(timeout_s)
 
         def on_headers_complete(self) -> None:
-            self._disarm()
             super().on_headers_complete()
+            self._arm(body_idle_s)
+
+        def on_body(self, body: bytes) -> None:
+            super().on_body(body)
+            self._arm(body_idle_s)
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            super().on_message_complete()
 
         def connection_lost(self, exc) -> None:
             self._disarm()
             super().connection_lost(exc)
 
-        def _arm(self) -> None:
+        def _arm(self, seconds: float) -> None:
             self._disarm()
-            self._header_timer = self.loop.call_later(timeout_s, self._too_slow)
+            self._timer = self.loop.call_later(seconds, self._too_slow, seconds)
 
         def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
-        def _too_slow(self) -> None:
-            self._header_timer = None
-            if not self.transport.is_closing():
+        def _too_slow(self, seconds: float) -> None:
+            self._timer = None
+            if self.flow is not None and self.flow.read_paused:  # (the server is the one not reading: wait on)
+                self._arm(seconds)
+            elif not self.transport.is_closing():
                 self.transport.close()
 
     return HeaderTimeoutProtocol
@@ -152,5 +165,5 @@ def guard(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
         return JSONResponse({"detail": str(exc)}, status_code=413)
 
 
-__all__ = ["BodyTooLarge", "Guard", "HEADER_TIMEOUT_S", "KEY_MISSING", "OPEN_PATHS", "guard", "header_timeout_protocol",
-           "key_matches"]
+__all__ = ["BODY_IDLE_TIMEOUT_S", "BodyTooLarge", "Guard", "HEADER_TIMEOUT_S", "KEY_MISSING", "OPEN_PATHS", "guard",
+           "header_timeout_protocol", "key_matches"]

@@ -7,9 +7,10 @@ written for the OpenAI API (the ``openai`` package, any client of vLLM's server)
 own policy: the same engine, sampling and behaviour log-probs that rollouts use. docs/SERVICE.md lists the
 parameters, limits and what each field holds.
 
-Streaming: the engines generate a whole batch at once, so ``stream: true`` answers with the server-sent events of
-a stream (one chunk per token, then ``data: [DONE]``) after the whole completion has been generated; the text the
-chunks carry is the text the same request would get without ``stream``.
+Streaming: ``stream: true`` answers with server-sent events as the engine draws the tokens (a chunk per token
+once no stop string can still change its text, then ``data: [DONE]``); the text the chunks carry is the text the
+same request gets without ``stream``. Concurrent requests to one model share an engine call where they can, and a
+client that goes away cancels its generation between decode steps (`heterorl.service.openai_generation`).
 
 Errors are OpenAI error bodies, ``{"error": {"message", "type", "param", "code"}}``: an unknown model is a 404
 listing the served ids, a body that does not validate a 422 naming the field, a request the model cannot serve
@@ -19,22 +20,22 @@ listing the served ids, a body that does not validate a 422 naming the field, a 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import time
 import uuid
+import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from heterorl.engines.base import STOP_LENGTH, SampleOutput, SamplingParams
+from heterorl.engines.base import SampleOutput, SamplingParams, validate_request
 from heterorl.errors import SamplingError
+from heterorl.service.openai_generation import Choice, Generation, RequestBatcher, finish_all
 from heterorl.training.session import SamplingClient
 from heterorl.training.textcodec import encode_prompt
 
@@ -49,8 +50,6 @@ MAX_MESSAGES = 1024  # chat messages in one request
 MAX_REQUEST_TOKENS = 1 << 18  # prompts x n x max_tokens: what one request may generate
 MAX_BODY_BYTES = 16 * 2**20  # a body the endpoint reads at most (`openai_app`; `heterorl serve` has --max-body-mb)
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a log-prob below this is reported as this
-DETOKENIZE_CONTEXT = 5  # prompt tokens decoded before a completion's first token (a leading space depends on them)
 
 Models = Callable[[], dict[str, SamplingClient]]
 
@@ -81,6 +80,7 @@ class _SamplingBody(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # the caller's end-user id, for its own logs: it changes nothing here
     return_tokens_as_token_ids: bool | None = None  # vLLM's extension: logprobs' tokens as "token_id:ID"
+    ignore_eos: bool | None = None  # vLLM's extension: generate max_tokens tokens whatever the model samples
 
     @field_validator("stop")
     @classmethod
@@ -206,12 +206,18 @@ class _OpenAIRoute(APIRoute):
                 return exc.response()
             except SamplingError as exc:
                 return _error(400, str(exc))
+            except _ClientGone:  # (nobody reads this answer)
+                return _error(499, "the client closed the connection before the answer was ready")
 
         return answer
 
 
 # -- from a request to sampling ------------------------------------------------------------------------------------
-def _client(models: Models, model_id: str) -> SamplingClient:
+def _client(models: Models, model_id: str, lookup: Callable[[str], SamplingClient] | None = None) -> SamplingClient:
+    """The client serving ``model_id``: ``lookup(model_id)`` when given (it raises `RequestRefused` saying why it
+    serves none), else ``models()[model_id]``."""
+    if lookup is not None:
+        return lookup(model_id)
     served = models()
     if model_id not in served:
         listed = ", ".join(sorted(served)) or "none yet"
@@ -303,6 +309,7 @@ def _sampling_params(body: _SamplingBody, tokenizer, max_tokens: int) -> Samplin
     return SamplingParams(
         max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
+        ignore_eos=bool(body.ignore_eos),
         stop_token_ids=tuple(stop_ids), seed=body.seed)
 
 
@@ -317,89 +324,16 @@ def _check_size(prompts: int, n: int, max_tokens: int | None) -> None:
                              "or n, or split the request", "max_tokens")
 
 
-async def _sample(client: SamplingClient, model_id: str, prompts: list[list[int]], n: int,
-                  params: SamplingParams) -> tuple[list[list[SampleOutput]], int | None]:
-    """Each prompt's ``n`` samples, awaited without holding the event loop (the client's own thread samples), and
-    the policy version that drew them: the version the client held both when the request was queued and when it
-    finished (versions only grow), None when a new one was loaded meanwhile."""
-    _check_size(len(prompts), n, params.max_tokens)
-    version = client.version
-    try:
-        future = client.sample(prompts, n, params)
-    except RuntimeError as exc:  # the client's thread was shut down: the model was closed after it was looked up
-        raise RequestRefused(404, f"model {model_id!r} was closed while this request was served ({exc}); list the "
-                             "served models again (GET /v1/models)", "model", "model_not_found") from None
-    groups = await asyncio.wrap_future(future)
-    return groups, (version if client.version == version else None)
+def _prompts_fit(client: SamplingClient, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
+    """Refuse (400) what the engine would refuse, before a stream's first byte: ids outside the vocabulary."""
+    engine = client.engine
+    vocab = getattr(engine, "vocab_size", None)
+    if vocab is not None:
+        validate_request(prompts, params, n, vocab, getattr(engine, "max_positions", None))
 
 
 # -- from samples to answers ---------------------------------------------------------------------------------------
-@dataclass
-class _Choice:
-    """One completion as answered: ``text`` cut before the first stop string, ``tokens`` through the token that
-    ended it (the end-of-sequence token, or the one that completed the stop string), with their log-probs,
-    their own texts (special tokens shown), where each one's text starts in the completion before the stop string
-    was cut, and each one's part of ``text`` (the stream's chunks; they concatenate to ``text``)."""
-
-    text: str
-    finish_reason: str
-    tokens: list[int]
-    logprobs: list[float]
-    token_texts: list[str]
-    text_offsets: list[int]
-    shares: list[str]
-
-
-def _token_pieces(tokenizer, context: list[int], tokens: list[int]) -> list[str]:
-    """Each token's piece of the decoded completion (special tokens skipped), decoded incrementally as vLLM
-    does: a token is decoded after the few before it, so that text that depends on its neighbours (a leading
-    space, a character split over byte tokens) comes out as the whole sequence's decode has it; a token that ends
-    inside a character adds nothing until the one that completes it."""
-    ids = [*context, *tokens]
-    prefix, read = 0, len(context)
-    before = tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
-    pieces = []
-    for end in range(len(context) + 1, len(ids) + 1):
-        after = tokenizer.decode(ids[prefix:end], skip_special_tokens=True)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            pieces.append(after[len(before):])
-            prefix, read = read, end
-            before = tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
-        else:
-            pieces.append("")
-    return pieces
-
-
-def _finish(tokenizer, prompt: list[int], sample: SampleOutput, stops: list[str], token_ids: bool) -> _Choice:
-    """The answer for ``sample``: cut at the stop string completed first (the one a check after each token finds
-    first), finish_reason "stop" for a stop string, an end-of-sequence or stop token, "length" otherwise."""
-    pieces = _token_pieces(tokenizer, prompt[-DETOKENIZE_CONTEXT:], sample.tokens)
-    full = "".join(pieces)
-    ends = list(itertools.accumulate(map(len, pieces)))
-    found = [(full.index(stop) + len(stop), full.index(stop)) for stop in stops if stop in full]
-    if found:
-        stop_end, cut = min(found)
-        kept = next(i for i, end in enumerate(ends) if end >= stop_end) + 1
-        text, reason = full[:cut], "stop"
-    else:
-        kept, text = len(pieces), full
-        reason = "length" if sample.stop_reason == STOP_LENGTH else "stop"
-    starts = [end - len(piece) for end, piece in zip(ends, pieces)][:kept]
-    tokens = sample.tokens[:kept]
-    texts = ([f"token_id:{t}" for t in tokens] if token_ids else
-             [tokenizer.decode([t], skip_special_tokens=False) for t in tokens])
-    return _Choice(text=text, finish_reason=reason, tokens=tokens,
-                   logprobs=[max(float(lp), LOGPROB_FLOOR) for lp in sample.logprobs[:kept]], token_texts=texts,
-                   text_offsets=starts, shares=[text[min(s, len(text)):min(e, len(text))]
-                                                for s, e in zip(starts, ends[:kept])])
-
-
-def _finish_all(tokenizer, prompts, groups, stops: list[str], token_ids: bool) -> list[_Choice]:
-    return [_finish(tokenizer, prompt, sample, stops, token_ids) for prompt, group in zip(prompts, groups)
-            for sample in group]
-
-
-def _completion_logprobs(choice: _Choice, k: int, positions: slice = slice(None)) -> dict:
+def _completion_logprobs(choice: Choice, k: int, positions: slice = slice(None)) -> dict:
     """OpenAI completions' logprobs of the tokens at ``positions``; top_logprobs holds the sampled token alone
     (the engine reports no alternatives), or is null for k = 0."""
     tokens, logprobs = choice.token_texts[positions], choice.logprobs[positions]
@@ -407,7 +341,7 @@ def _completion_logprobs(choice: _Choice, k: int, positions: slice = slice(None)
             "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs)] if k > 0 else None}
 
 
-def _chat_logprobs(choice: _Choice, k: int, positions: slice = slice(None)) -> dict:
+def _chat_logprobs(choice: Choice, k: int, positions: slice = slice(None)) -> dict:
     """OpenAI chat logprobs of the tokens at ``positions``; top_logprobs holds the sampled token alone when
     k > 0, else nothing."""
     content = []
@@ -417,7 +351,7 @@ def _chat_logprobs(choice: _Choice, k: int, positions: slice = slice(None)) -> d
     return {"content": content, "refusal": None}
 
 
-def _usage(prompts: list[list[int]], choices: list[_Choice]) -> dict:
+def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
     prompt_tokens, completion_tokens = sum(map(len, prompts)), sum(len(c.tokens) for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -427,46 +361,71 @@ def _event(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-def _stream(head: dict, choices: list[_Choice], chunk: Callable[[_Choice, int], dict],
-            finish: Callable[[_Choice], dict], usage: dict, body: _SamplingBody) -> StreamingResponse:
-    """Server-sent events: per choice, a chunk per token (``chunk(choice, i)``) and one with its finish_reason;
-    then, with stream_options.include_usage, a chunk with no choices and the usage; then [DONE]."""
-    if not (body.stream_options and body.stream_options.include_usage):
-        usage = None
-    extra = {} if usage is None else {"usage": None}
+def _stream(generation: Generation, head: Callable[[], dict], chunk: Callable[[Choice, int], dict],
+            finish: Callable[[Choice], dict], include_usage: bool) -> StreamingResponse:
+    """Server-sent events as the tokens are drawn: per choice, a chunk per token once it is settled
+    (``chunk(choice, i)``) and one with its finish_reason, choices interleaved; then, with ``include_usage``, a
+    chunk with no choices and the usage; then [DONE]. An engine error after the first byte is an error event.
+    A client that goes away cancels the generation (between decode steps)."""
+    extra = {"usage": None} if include_usage else {}
 
-    def events():
-        for index, choice in enumerate(choices):
-            for i in range(len(choice.tokens)):
-                yield _event(head | extra | {"choices": [{"index": index} | chunk(choice, i)]})
-            yield _event(head | extra | {"choices": [{"index": index} | finish(choice)]})
-        if usage is not None:
-            yield _event(head | {"choices": [], "usage": usage})
+    async def events():
+        top = None
+        try:
+            async for index, i in generation.events():
+                top = top or head()
+                choice = generation.builders[index].choice
+                part = finish(choice) if i is None else chunk(choice, i)
+                yield _event(top | extra | {"choices": [{"index": index} | part]})
+            if include_usage:
+                yield _event((top or head()) | {"choices": [], "usage": _usage(
+                    generation.prompts, [b.choice for b in generation.builders])})
+        except SamplingError as exc:
+            yield _event({"error": {"message": str(exc), "type": "invalid_request_error", "param": None,
+                                    "code": None}})
+        finally:
+            generation.cancel()  # (a no-op once it is done; else the client went away)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-async def _generate(client: SamplingClient, body: _SamplingBody, prompts: list[list[int]], max_tokens: int | None,
-                    prompt_field: str, id_prefix: str) -> tuple[dict, list[_Choice], dict]:
-    """Sample ``body.n`` completions of each prompt and finish them: the answer's head (id, created, model,
-    system_fingerprint), its choices (prompt-major) and its usage."""
-    max_tokens = _max_tokens(client, body.model, prompts, max_tokens, prompt_field)
-    groups, version = await _sample(client, body.model, prompts, body.n or 1,
-                                    _sampling_params(body, client.tokenizer, max_tokens))
-    choices = await asyncio.to_thread(_finish_all, client.tokenizer, prompts, groups, body.stop,
-                                      bool(body.return_tokens_as_token_ids))
-    head = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model,
+class _ClientGone(Exception):
+    """The client of a request went away before its answer was ready."""
+
+
+async def _unless_gone(request: Request, generation: Generation) -> list[list[SampleOutput]]:
+    """The generation's samples; if the client disconnects first, the generation is cancelled (`_ClientGone`)."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    gone, done = asyncio.ensure_future(disconnected()), asyncio.ensure_future(generation.result())
+    await asyncio.wait({gone, done}, return_when=asyncio.FIRST_COMPLETED)
+    if done.done():
+        gone.cancel()
+        return done.result()
+    generation.cancel()
+    done.cancel()
+    raise _ClientGone
+
+
+def _head(model: str, id_prefix: str, version: int | None) -> dict:
+    return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model,
             "system_fingerprint": None if version is None else f"heterorl-v{version}"}
-    return head, choices, _usage(prompts, choices)
 
 
 # -- the router ----------------------------------------------------------------------------------------------------
-def openai_router(models: Models, *, owned_by: str = "heterorl") -> APIRouter:
+def openai_router(models: Models, *, owned_by: str = "heterorl", batching: bool = True,
+                  lookup: Callable[[str], SamplingClient] | None = None) -> APIRouter:
     """``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` over the sampling clients ``models()``
-    names (asked on every request). Refusals are OpenAI error bodies whatever app includes the router."""
+    names (asked on every request). Refusals are OpenAI error bodies whatever app includes the router.
+    ``batching``: concurrent requests to one model that can share an engine call share it (`RequestBatcher`).
+    ``lookup``: finds a request's model instead of ``models()`` (`heterorl serve`'s: a use of it, for the memory
+    budget's eviction, and why an id is not served)."""
     router = APIRouter(route_class=_OpenAIRoute)
     first_listed: dict[str, int] = {}  # a model id's "created": when this router first served it
+    batchers: weakref.WeakKeyDictionary[SamplingClient, RequestBatcher] = weakref.WeakKeyDictionary()
 
     def listed() -> list[dict]:
         served, now = models(), int(time.time())
@@ -475,57 +434,94 @@ def openai_router(models: Models, *, owned_by: str = "heterorl") -> APIRouter:
         return [{"id": m, "object": "model", "created": first_listed.setdefault(m, now), "owned_by": owned_by}
                 for m in sorted(served)]
 
+    def closed(model_id: str):
+        return lambda exc: RequestRefused(404, f"model {model_id!r} was closed while this request was served "
+                                          f"({exc}); list the served models again (GET /v1/models)", "model",
+                                          "model_not_found")
+
+    async def generate(client: SamplingClient, body: _SamplingBody, prompts: list[list[int]],
+                       max_tokens: int | None, prompt_field: str) -> Generation:
+        """Start ``body.n`` completions of each prompt (in a batch with other requests where they can share it)."""
+        max_tokens = _max_tokens(client, body.model, prompts, max_tokens, prompt_field)
+        n = body.n or 1
+        _check_size(len(prompts), n, max_tokens)
+        params = _sampling_params(body, client.tokenizer, max_tokens)
+        _prompts_fit(client, prompts, params, n)
+        generation = Generation(prompts, n, params, tokenizer=client.tokenizer, stops=body.stop,
+                                token_ids=bool(body.return_tokens_as_token_ids), stream=bool(body.stream))
+        batcher = batchers.get(client)
+        if batcher is None:
+            batcher = batchers[client] = RequestBatcher(client, batching=batching, on_closed=closed(body.model))
+        batcher.submit(generation)
+        return generation
+
+    async def answer(request: Request, generation: Generation, body: _SamplingBody) -> tuple[list[Choice], dict]:
+        """The finished choices (prompt-major) and usage of a request that is not streamed."""
+        groups = await _unless_gone(request, generation)
+        choices = await asyncio.to_thread(finish_all, generation.tokenizer, generation.prompts, groups, body.stop,
+                                          bool(body.return_tokens_as_token_ids))
+        return choices, _usage(generation.prompts, choices)
+
     @router.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": listed()}
 
     @router.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict:
-        _client(models, model_id)
+        _client(models, model_id, lookup)
         return next(entry for entry in listed() if entry["id"] == model_id)
 
     @router.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        client = _client(models, body.model)
+    async def completions(body: CompletionRequest, request: Request):
+        client = _client(models, body.model, lookup)
         _refuse_unsupported(body)
         count = 1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)
         _check_size(count, body.n or 1, body.max_tokens or COMPLETION_MAX_TOKENS)  # (before tokenizing)
         prompts = await asyncio.to_thread(_completion_prompts, client.tokenizer, body.prompt)
-        head, choices, usage = await _generate(client, body, prompts, body.max_tokens or COMPLETION_MAX_TOKENS,
-                                               "prompt", "cmpl")
-        head, k = head | {"object": "text_completion"}, body.logprobs
+        generation = await generate(client, body, prompts, body.max_tokens or COMPLETION_MAX_TOKENS,
+                                    "prompt")
+        k, kind = body.logprobs, {"object": "text_completion"}
         if body.stream:
-            return _stream(head, choices, lambda c, i: {
-                "text": c.shares[i], "finish_reason": None,
-                "logprobs": None if k is None else _completion_logprobs(c, k, slice(i, i + 1))},
-                lambda c: {"text": "", "finish_reason": c.finish_reason, "logprobs": None}, usage, body)
-        return head | {"usage": usage, "choices": [
+            return _stream(generation, lambda: _head(body.model, "cmpl", generation.version) | kind,
+                           lambda c, i: {"text": c.shares[i], "finish_reason": None, "logprobs":
+                                         None if k is None else _completion_logprobs(c, k, slice(i, i + 1))},
+                           lambda c: {"text": "", "finish_reason": c.finish_reason, "logprobs": None},
+                           _include_usage(body))
+        choices, usage = await answer(request, generation, body)
+        return _head(body.model, "cmpl", generation.version) | kind | {"usage": usage, "choices": [
             {"index": i, "text": c.text, "finish_reason": c.finish_reason,
              "logprobs": None if k is None else _completion_logprobs(c, k)} for i, c in enumerate(choices)]}
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest):
-        client = _client(models, body.model)
+    async def chat_completions(body: ChatRequest, request: Request):
+        client = _client(models, body.model, lookup)
         _refuse_unsupported(body)
         _check_size(1, body.n or 1, body.max_completion_tokens or body.max_tokens)  # (before rendering)
         prompts = [await asyncio.to_thread(_chat_prompt, client.tokenizer, body.messages, body.model)]
-        head, choices, usage = await _generate(client, body, prompts, body.max_completion_tokens or body.max_tokens,
-                                               "messages", "chatcmpl")
+        generation = await generate(client, body, prompts, body.max_completion_tokens or body.max_tokens,
+                                    "messages")
         k = body.top_logprobs or 0
         if body.stream:
-            def chunk(c: _Choice, i: int) -> dict:
+            def chunk(c: Choice, i: int) -> dict:
                 delta = {"content": c.shares[i]} | ({"role": "assistant"} if i == 0 else {})
                 return {"delta": delta, "finish_reason": None,
                         "logprobs": _chat_logprobs(c, k, slice(i, i + 1)) if body.logprobs else None}
 
-            return _stream(head | {"object": "chat.completion.chunk"}, choices, chunk,
-                           lambda c: {"delta": {}, "finish_reason": c.finish_reason, "logprobs": None}, usage, body)
-        return head | {"object": "chat.completion", "usage": usage, "choices": [
-            {"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
-             "finish_reason": c.finish_reason, "logprobs": _chat_logprobs(c, k) if body.logprobs else None}
-            for i, c in enumerate(choices)]}
+            return _stream(generation, lambda: _head(body.model, "chatcmpl", generation.version) | {
+                "object": "chat.completion.chunk"}, chunk,
+                lambda c: {"delta": {}, "finish_reason": c.finish_reason, "logprobs": None}, _include_usage(body))
+        choices, usage = await answer(request, generation, body)
+        return _head(body.model, "chatcmpl", generation.version) | {
+            "object": "chat.completion", "usage": usage, "choices": [
+                {"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                 "finish_reason": c.finish_reason, "logprobs": _chat_logprobs(c, k) if body.logprobs else None}
+                for i, c in enumerate(choices)]}
 
     return router
+
+
+def _include_usage(body: _SamplingBody) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
 
 
 def openai_app(models: Models, *, owned_by: str = "heterorl", api_key: str | None = None,

@@ -9,16 +9,19 @@ Routes (all under a bearer token when the service has one; docs/SERVICE.md):
     POST   /api/v1/sessions/{id}/calls          {method, args, request_id?} → {future_id}
     POST   /api/v1/samplers/calls               {model, method, args, request_id?} → {future_id}
     GET    /api/v1/futures/{id}?wait_s=30       {status: pending} | {status: done, result | error}
+    DELETE /api/v1/futures/{id}                 cancel it: {state: cancelled | stopping | running | done}
     GET    /api/v1/sessions/{id}/weights/{v}    a version's weights (safetensors), after save_weights_for_sampler
     GET    /api/v1/sessions/{id}/tokenizer      its tokenizer's files (zip)
+    GET    /api/v1/memory                       {budget_bytes, used_bytes, sessions, samplers}: bytes held
     GET    /health                              no token needed
     /v1/models, /v1/completions, /v1/chat/completions (heterorl.service.openai_api)
 
 Bodies are JSON, or msgpack with ``Content-Type: application/msgpack`` (token arrays travel smaller); answers
 follow ``Accept``. A malformed body is a 422 naming the field, an unknown id a 404 naming it, a call the session
 cannot run a 400 with the error a local call would raise, a body over ``max_body_bytes`` a 413, a missing or
-wrong token a 401 (nothing runs). Calls run as futures in submission order per session, whatever happens to the
-connection that submitted them; a retried request (same ``request_id``) runs once.
+wrong token a 401 (nothing runs), a session that does not fit the memory budget a 507 (and a sampling client
+evicted to keep within it a 404 saying so). Calls run as futures in submission order per session, whatever happens
+to the connection that submitted them; a retried request (same ``request_id``) runs once.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from pydantic import BaseModel, Field, ValidationError
 
 from heterorl.errors import HeteroRLError
 from heterorl.service import wire
+from heterorl.service.calls import BadRequest, NotFound, TooBusy
 from heterorl.service.guard import (
+    BODY_IDLE_TIMEOUT_S,
     HEADER_TIMEOUT_S,
     KEY_MISSING,
     BodyTooLarge,
@@ -46,7 +51,8 @@ from heterorl.service.guard import (
     header_timeout_protocol,
     key_matches,
 )
-from heterorl.service.sessions import BadRequest, NotFound, Service, TooBusy, tokenizer_zip
+from heterorl.service.memory import OverMemoryBudget
+from heterorl.service.sessions import Service, tokenizer_zip
 from heterorl.transport.sockets import is_loopback_host as is_loopback
 
 log = logging.getLogger("heterorl.service")
@@ -72,9 +78,10 @@ class SamplerCall(TrainingCall):
 
 
 def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = 64 * 2**20,
-               openai: bool = True, docs: bool = False) -> FastAPI:
+               openai: bool = True, docs: bool = False, batching: bool = True) -> FastAPI:
     """The service's FastAPI app. ``api_key``: the bearer token every route but /health requires (None: none).
-    ``docs``: serve /docs, /redoc and /openapi.json (behind the key, like every route)."""
+    ``docs``: serve /docs, /redoc and /openapi.json (behind the key, like every route). ``batching``: concurrent
+    OpenAI requests to one model share engine calls where they can."""
     app = FastAPI(title="heterorl training sessions", version="1", docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
 
@@ -93,9 +100,26 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
     if openai:
         from heterorl.service.openai_api import openai_router
 
-        router = openai_router(lambda: {model: sampler for model, (_, sampler) in service.samplers().items()})
+        router = openai_router(lambda: {model: sampler for model, (_, sampler) in service.samplers().items()},
+                               batching=batching, lookup=_openai_lookup(service))
         app.include_router(router, dependencies=[Depends(authorize)])
     return app
+
+
+def _openai_lookup(service: Service) -> Callable:
+    """The sampling client of an OpenAI request's model, found as the session API finds it (a use of it, for the
+    memory budget; why an id is not served: evicted, closed, ambiguous)."""
+    from heterorl.service.openai_api import RequestRefused
+
+    def lookup(model_id: str):
+        try:
+            return service.sampler(model_id)[1]
+        except NotFound as exc:
+            raise RequestRefused(404, str(exc), "model", "model_not_found") from None
+        except BadRequest as exc:
+            raise RequestRefused(400, str(exc), "model") from None
+
+    return lookup
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -106,6 +130,10 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TooBusy)
     async def too_busy(request: Request, exc: TooBusy):
         return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": "1"})
+
+    @app.exception_handler(OverMemoryBudget)  # (Starlette takes the handler of the nearest class in the MRO)
+    async def over_budget(request: Request, exc: OverMemoryBudget):
+        return JSONResponse({"detail": str(exc), "error": wire.error_to_wire(exc)}, status_code=507)
 
     @app.exception_handler(HeteroRLError)
     async def refused(request: Request, exc: HeteroRLError):  # BadRequest and what a primitive refuses at once
@@ -181,6 +209,14 @@ def _api_router(service: Service, limit: int) -> APIRouter:
             raise BadRequest(f"wait_s={wait_s}: give 0 to {MAX_WAIT_S:g} seconds")
         return _answer(request, await service.poll(future_id, wait_s))
 
+    @api.get("/memory")
+    def memory() -> dict:
+        return service.memory()
+
+    @api.delete("/futures/{future_id}")
+    async def cancel(future_id: str) -> dict:
+        return {"future_id": future_id, "state": service.cancel_call(future_id)}
+
     @api.get("/sessions/{session_id}/tokenizer")
     async def tokenizer(session_id: str) -> Response:
         data = await run_in_threadpool(tokenizer_zip, service.session(session_id).training.tokenizer)
@@ -217,13 +253,13 @@ class ServerThread:
     socket is bound before it starts, so ``url`` is known at once (``port`` 0: a free one)."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
+                 header_timeout_s: float = HEADER_TIMEOUT_S, body_idle_s: float = BODY_IDLE_TIMEOUT_S) -> None:
         import uvicorn
 
         self._socket, self.url = listen(host, port)
         self.host, self.port = host, self._socket.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
-                                                    http=header_timeout_protocol(header_timeout_s)))
+                                                    http=header_timeout_protocol(header_timeout_s, body_idle_s)))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]},
                                        name="heterorl-http", daemon=True)
         self.thread.start()
@@ -247,7 +283,7 @@ class ServerThread:
 
 def serve(service: Service, host: str, port: int, *, api_key: str | None, max_body_bytes: int,
           log_level: str = "info", on_listening: Callable[[str], None] | None = None,
-          docs: bool = False) -> str | None:
+          docs: bool = False, batching: bool = True) -> str | None:
     """Run the service until SIGTERM or SIGINT; the signal's name (None: the server stopped by itself). A
     non-loopback ``host`` needs an API key. The socket is bound first and ``on_listening`` called with its URL
     (with the port the system chose when ``port`` is 0). Requests in flight at the signal get
@@ -263,7 +299,7 @@ def serve(service: Service, host: str, port: int, *, api_key: str | None, max_bo
     try:
         if on_listening is not None:
             on_listening(url)
-        app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, docs=docs)
+        app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, docs=docs, batching=batching)
         server = _signalled_server_class()(uvicorn.Config(
             app, log_level=log_level, lifespan="off", http=header_timeout_protocol(),
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S))

@@ -14,11 +14,12 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-from heterorl.engines.base import SamplingParams
+from heterorl.engines.base import GenerationWatch, SamplingParams
 from heterorl.errors import HeteroRLError
-from heterorl.service import wire
+from heterorl.service import memory, wire
+from heterorl.service.calls import BadRequest, CallBook, NotFound
 from heterorl.training.session import SamplingClient, TrainingClient
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -28,32 +29,8 @@ TRAINING_METHODS = ("forward", "forward_backward", "optim_step", "save_weights_f
 SAMPLER_METHODS = ("sample", "compute_logprobs")
 
 
-class NotFound(HeteroRLError):
-    """A session, sampler, future or weights version the service does not hold (HTTP 404)."""
-
-
-class BadRequest(HeteroRLError):
-    """A call the service cannot run as asked: an unknown method, a bad argument (HTTP 400)."""
-
-
-class TooBusy(HeteroRLError):
-    """More calls are waiting than the service takes, for this session or in all (HTTP 429, Retry-After)."""
-
-
 MAX_REQUEST_TOKENS = 1 << 18  # prompts x samples x max_tokens of one sampling call: what it may generate
 MAX_PROMPT_TOKENS = 1 << 20  # every prompt token of one sampling or log-prob call, together
-
-
-@dataclass
-class Call:
-    """One submitted call: its future, and once it finished, its result or error in wire form."""
-
-    future: Future
-    owner: str  # the session it belongs to
-    created: float
-    done_at: float | None = None
-    result: Any = None
-    error: dict | None = None
 
 
 @dataclass
@@ -90,13 +67,15 @@ def _lora_spec(lora: dict | None):
 class Service:
     """Sessions and their calls. ``state_dir``: where ``save_state`` writes (one folder per session; names only,
     never paths). Finished results are kept ``result_ttl_s`` seconds; each session keeps its newest
-    ``max_samplers`` sampling clients (older ones are closed and their model ids answer 404)."""
+    ``max_samplers`` sampling clients (older ones are closed and their model ids answer 404); all of them hold at
+    most ``memory_budget_mb`` together ("auto": half the memory; None: no bound; `memory.Budget` says how)."""
 
     def __init__(self, state_dir: str | Path, *, result_ttl_s: float = 600.0, max_sessions: int = 8,
                  max_samplers: int = 8, device: str = "cpu",
                  loader: Callable[[str], tuple] | None = None, models: dict[str, str] | None = None,
                  max_pending_per_session: int = 64, max_pending: int = 512,
-                 max_request_tokens: int = MAX_REQUEST_TOKENS, session_ttl_s: float | None = 3600.0) -> None:
+                 max_request_tokens: int = MAX_REQUEST_TOKENS, session_ttl_s: float | None = 3600.0,
+                 memory_budget_mb: float | str | None = "auto") -> None:
         """``models``: local Hugging Face folders sessions may start from by name ({name: path};
         `list_base_models` names them with the built-in policies). Calls waiting or running: at most
         ``max_pending_per_session`` per session and ``max_pending`` in all (`TooBusy` beyond). One sampling call
@@ -106,14 +85,14 @@ class Service:
         self.state_dir = Path(state_dir)
         self.models = dict(models or {})
         self.result_ttl_s, self.max_sessions, self.max_samplers = result_ttl_s, max_sessions, max_samplers
-        self.max_pending_per_session, self.max_pending = max_pending_per_session, max_pending
         self.max_request_tokens, self.session_ttl_s = max_request_tokens, session_ttl_s
         self.device = device
+        self.budget = memory.Budget(memory.budget_bytes(memory_budget_mb, device))
         self._loader = loader
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
-        self._calls: dict[str, Call] = {}
-        self._requests: OrderedDict[tuple, str] = OrderedDict()  # (session, method, request id) → call id
+        self.calls = CallBook(result_ttl_s=result_ttl_s, max_pending_per_session=max_pending_per_session,
+                              max_pending=max_pending)
 
     # -- sessions -------------------------------------------------------------------------------------------
     def list_base_models(self) -> list[dict]:
@@ -133,6 +112,7 @@ class Service:
             if len(self._sessions) >= self.max_sessions:
                 raise BadRequest(f"this service holds its maximum of {self.max_sessions} sessions: close one "
                                  "(DELETE /api/v1/sessions/ID) or start it with a larger --max-sessions")
+            self._make_room("a new session", None)  # (refused before loading when the budget is used up)
         model, tokenizer = self._load(base_model)
         try:
             training = TrainingClient(model, tokenizer, device=self.device, seed=seed, share_prompts=share_prompts,
@@ -140,8 +120,15 @@ class Service:
         except HeteroRLError as exc:  # (a LoRA config that does not fit the model)
             raise BadRequest(str(exc)) from None
         session = Session(f"s-{uuid.uuid4().hex[:12]}", base_model, training)
-        with self._lock:
-            self._sessions[session.session_id] = session
+        try:
+            with self._lock:
+                evicted = self._make_room(f"a session of {base_model}", memory.session_bytes(training, ()))
+                self._sessions[session.session_id] = session
+        except memory.OverMemoryBudget:
+            training.close()
+            raise
+        for sampler in evicted:
+            sampler.close()
         return self.describe(session.session_id)
 
     def _load(self, base_model: str) -> tuple:
@@ -190,8 +177,8 @@ class Service:
         if self.session_ttl_s is None:
             return []
         cutoff = time.monotonic() - self.session_ttl_s
+        busy = {c.owner for c in self.calls.pending()}
         with self._lock:
-            busy = {c.owner for c in self._calls.values() if c.done_at is None}
             idle = [sid for sid, s in self._sessions.items() if s.used < cutoff and sid not in busy]
         for session_id in idle:
             try:
@@ -215,19 +202,23 @@ class Service:
             self.close_session(session_id)
 
     def shutdown(self, timeout_s: float) -> tuple[int, int]:
-        """Stop taking calls and end the sessions: calls still queued are cancelled, calls running get
-        ``timeout_s`` to finish. (cancelled, still running): a caller that must stop now ends the process when
-        the second is not 0 (a running call cannot be interrupted)."""
+        """Stop taking calls and end the sessions: calls still queued are cancelled, sampling calls running are
+        stopped between two decode steps, other calls running get ``timeout_s`` to finish. (cancelled, still
+        running): a caller that must stop now ends the process when the second is not 0 (a training call that
+        runs cannot be interrupted)."""
         with self._lock:
             sessions = list(self._sessions.values())
             self._sessions.clear()
-            pending = [c.future for c in self._calls.values() if c.done_at is None]
-        cancelled = sum(1 for future in pending if future.cancel())
+        pending = self.calls.pending()
+        cancelled = sum(1 for call in pending if call.future.cancel())
+        for call in pending:
+            if call.watch is not None:
+                call.watch.cancel()
         for session in sessions:
             for client in [session.training, *session.samplers.values()]:
                 client._executor.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + timeout_s
-        running = [f for f in pending if not f.done()]
+        running = [c.future for c in pending if not c.future.done()]
         while running and time.monotonic() < deadline:
             time.sleep(0.05)
             running = [f for f in running if not f.done()]
@@ -249,43 +240,19 @@ class Service:
             raise BadRequest(f"unknown sampling method {method!r}; one of {', '.join(SAMPLER_METHODS)}")
         args = args or {}
         _check_sampling_size(method, args, self.max_request_tokens)  # (before anything is started)
+        watch = GenerationWatch() if method == "sample" else None  # (`cancel` stops it between decode steps)
         return self._submit(session_id, f"sampler:{model_id}:{method}", request_id,
-                            lambda: _start_sampling(sampler, method, args))
+                            lambda: _start_sampling(sampler, method, args, model_id, watch),
+                            sampler=(session_id, sampler.version), watch=watch)
 
-    def _submit(self, owner: str, method: str, request_id: str | None, start: Callable[[], Future]) -> str:
-        """Start a call of session ``owner``; a ``request_id`` already seen for the same session and method
-        returns that call's id instead (a retry runs once; the same id elsewhere is another request)."""
-        self._expire()
-        key = (owner, method, request_id)
+    def _submit(self, owner: str, method: str, request_id: str | None, start: Callable[[], Future],
+                **call) -> str:
+        """Start a call of session ``owner`` (`CallBook.submit`: a ``request_id`` already seen for the same session
+        and method returns that call's id instead)."""
         with self._lock:
             if owner in self._sessions:
                 self._sessions[owner].used = time.monotonic()
-            if request_id is not None and key in self._requests:
-                return self._requests[key]
-            self._check_room(owner)
-        try:
-            future = start()
-        except (TypeError, KeyError) as exc:  # arguments the method does not take, or lacks
-            raise BadRequest(f"bad arguments: {type(exc).__name__}: {exc}") from None
-        call_id = f"f-{uuid.uuid4().hex}"
-        call = Call(future, owner, time.monotonic())
-        with self._lock:
-            self._calls[call_id] = call
-            if request_id is not None:
-                self._requests[key] = call_id
-        future.add_done_callback(lambda f: self._finish(call, f))
-        return call_id
-
-    def _check_room(self, owner: str) -> None:
-        """`TooBusy` when the session, or the service, already has as many calls waiting or running as it takes
-        (called holding the lock)."""
-        pending = [c.owner for c in self._calls.values() if c.done_at is None]
-        mine = sum(1 for o in pending if o == owner)
-        if mine >= self.max_pending_per_session:
-            raise TooBusy(f"session {owner} has {mine} calls waiting or running, its limit "
-                          f"({self.max_pending_per_session}): wait for their results before sending more")
-        if len(pending) >= self.max_pending:
-            raise TooBusy(f"this service has {len(pending)} calls waiting or running, its limit: retry later")
+        return self.calls.submit(owner, method, request_id, start, **call)
 
     def _start(self, session: Session, method: str, args: dict) -> Future:
         training = session.training
@@ -318,97 +285,90 @@ class Service:
 
     def _keep_weights(self, session: Session, version: int, state: dict) -> int:  # (whole or adapter)
         with self._lock:
+            dropped = next(iter(session.weights.values())) if len(session.weights) >= 2 else {}
+            evicted = self._make_room(f"the weights of version {version} of session {session.session_id}",
+                                      memory.tensors_bytes(state.values()) - memory.tensors_bytes(dropped.values()))
             session.weights[version] = state
             while len(session.weights) > 2:
                 session.weights.popitem(last=False)
+        for sampler in evicted:
+            sampler.close()
         return version
 
     def _keep_sampler(self, session: Session, sampler: SamplingClient) -> dict:
-        with self._lock:
-            session.samplers[sampler.version] = sampler
-            evicted = [session.samplers.popitem(last=False)[1] for _ in
-                       range(max(0, len(session.samplers) - self.max_samplers))]
+        model_id = f"heterorl:{session.session_id}/{sampler.version}"
+        try:
+            with self._lock:
+                evicted = self._make_room(f"the sampling client {model_id}", memory.sampler_bytes(sampler), session)
+                session.samplers[sampler.version] = sampler
+                self.budget.use((session.session_id, sampler.version))
+                while len(session.samplers) > self.max_samplers:
+                    evicted.append(self._evict(session, next(iter(session.samplers)), "was closed: its session "
+                                               f"keeps its newest {self.max_samplers} (--max-samplers)"))
+        except memory.OverMemoryBudget:  # (the session goes on as it was)
+            sampler.close()
+            raise
         for old in evicted:
             old.close()
-        return {"version": sampler.version, "model": f"heterorl:{session.session_id}/{sampler.version}"}
+        return {"version": sampler.version, "model": model_id}
 
-    def _finish(self, call: Call, future: Future) -> None:
-        try:
-            exc = future.exception()
-            if exc is not None:
-                call.error = wire.error_to_wire(exc)
-            else:
-                value = future.result()
-                call.result = (wire.samples_to_wire(value) if isinstance(value, list) and value
-                               and _is_samples(value) else wire.result_to_wire(value))
-        except Exception as exc:  # a result that cannot be sent is an error the client hears of, never a hang
-            call.error = wire.error_to_wire(exc)
-        call.done_at = time.monotonic()
-
-    def get_call(self, call_id: str) -> Call:
-        with self._lock:
-            call = self._calls.get(call_id)
-        if call is None:
-            raise NotFound(f"no call {call_id!r}: unknown, or its result expired ({self.result_ttl_s:g} s after "
-                           "it finished)")
-        return call
+    def get_call(self, call_id: str):
+        return self.calls.get(call_id)
 
     async def poll(self, call_id: str, wait_s: float = 0.0) -> dict:
         """The call's state: ``pending``, or ``done`` with its ``result`` or ``error``; waits up to ``wait_s``
-        for it to finish (long-poll) without holding a thread."""
-        import asyncio
-
-        call = self.get_call(call_id)
+        for it to finish (long-poll) without holding a thread. A poll is a sign of life of its session."""
+        call = self.calls.get(call_id)
         with self._lock:
-            if call.owner in self._sessions:  # (a poll is a sign of life: its session does not expire meanwhile)
+            if call.owner in self._sessions:  # (its session does not expire meanwhile)
                 self._sessions[call.owner].used = time.monotonic()
-        if call.done_at is None and wait_s > 0:
-            # `_finish` was the future's first done callback: once this wakes, the result is in wire form
-            done = asyncio.wrap_future(call.future)
-            try:
-                await asyncio.wait_for(asyncio.shield(done), wait_s)
-            except (TimeoutError, Exception):  # (a call's own error is in call.error)
-                pass
-        if call.done_at is None:
-            return {"status": "pending"}
-        return {"status": "done", "result": call.result} if call.error is None else {"status": "done",
-                                                                                      "error": call.error}
+        return await self.calls.poll(call, wait_s)
 
-    def _expire(self) -> None:
-        cutoff = time.monotonic() - self.result_ttl_s
-        with self._lock:
-            old = [cid for cid, c in self._calls.items() if c.done_at is not None and c.done_at < cutoff]
-            for cid in old:
-                del self._calls[cid]
-            if old:
-                gone = set(old)
-                for rid in [r for r, cid in self._requests.items() if cid in gone]:
-                    del self._requests[rid]
+    def cancel_call(self, call_id: str) -> str:
+        """Cancel a call (`CallBook.cancel`): what became of it."""
+        return self.calls.cancel(call_id)
 
     # -- samplers and weights -----------------------------------------------------------------------------
     def sampler(self, model_id: str) -> tuple[str, SamplingClient]:
         """(session id, sampling client) of "heterorl:SESSION/VERSION", "heterorl:SESSION/latest" or "latest"
-        (only while one session serves samplers: with several it would be another user's model)."""
-        served = self.samplers()
+        (only while one session serves samplers: with several it would be another user's model); a use of it, for
+        the eviction of the least recently used. `NotFound` saying why for an evicted one."""
+        served = self._served()
         if model_id == "latest" and model_id not in served and any(m.endswith("/latest") for m in served):
             raise BadRequest("model 'latest' is ambiguous here: several sessions serve sampling clients; name "
                              "one, e.g. heterorl:SESSION/latest")
         if model_id not in served:
-            raise NotFound(f"no sampling client {model_id!r}; serving: {', '.join(sorted(served)) or 'none yet'} "
+            listed = ", ".join(sorted(served)) or "none yet"
+            with self._lock:
+                evicted = self.budget.gone(model_id)
+            raise NotFound(evicted or f"no sampling client {model_id!r}; serving: {listed} "
                            "(save_weights_and_get_sampling_client makes one)")
-        return served[model_id]
+        session, version, sampler = served[model_id]
+        with self._lock:
+            if version in session.samplers:
+                self.budget.use((session.session_id, version))
+        return session.session_id, sampler
+
+    def touch_sampler(self, model_id: str) -> None:
+        """Record a use of the sampler ``model_id`` names, as `sampler` does (the OpenAI endpoint calls it for each
+        request's model: the samplers evicted first are those used least recently); its errors as `sampler`'s."""
+        self.sampler(model_id)
 
     def samplers(self) -> dict[str, tuple[str, SamplingClient]]:
         """Every model id served → (session id, sampling client)."""
+        return {model_id: (session.session_id, sampler) for model_id, (session, _, sampler) in self._served().items()}
+
+    def _served(self) -> dict[str, tuple[Session, int, SamplingClient]]:
+        """Every model id served → (session, version, sampling client)."""
         served, newest, serving = {}, None, 0
         with self._lock:
             for session_id, session in self._sessions.items():
                 for version, sampler in session.samplers.items():
-                    served[f"heterorl:{session_id}/{version}"] = (session_id, sampler)
+                    served[f"heterorl:{session_id}/{version}"] = (session, version, sampler)
                 if session.samplers:
-                    latest = next(reversed(session.samplers.values()))
-                    served[f"heterorl:{session_id}/latest"] = (session_id, latest)
-                    newest = None if newest is not None else (session_id, latest)
+                    latest = served[f"heterorl:{session_id}/{next(reversed(session.samplers))}"]
+                    served[f"heterorl:{session_id}/latest"] = latest
+                    newest = None if newest is not None else latest
                     serving = serving + 1
         if newest is not None and serving == 1:  # "latest": only when one session serves (else: whose?)
             served["latest"] = newest
@@ -422,6 +382,25 @@ class Service:
             raise NotFound(f"session {session_id} holds no exported weights of version {version} (the two newest "
                            "save_weights_for_sampler results are kept)")
         return wire.state_to_bytes(state)
+
+    # -- memory -------------------------------------------------------------------------------------------
+    def memory(self) -> dict:
+        """What the service holds against its budget: {budget_bytes (None: no budget), used_bytes, sessions:
+        {session id: bytes}, samplers: {model id: bytes}} (`heterorl.service.memory` counts them)."""
+        with self._lock:
+            return self.budget.report(self._sessions)
+
+    def _make_room(self, what: str, need_bytes: int | None, newcomer: Session | None = None) -> list[SamplingClient]:
+        """The samplers `memory.Budget.make_room` evicts for ``need_bytes`` more, out of service, to close once the
+        lock is released (called holding the lock)."""
+        busy = {c.sampler for c in self.calls.pending()}
+        chosen = self.budget.make_room(what, need_bytes, self._sessions, busy, newcomer)
+        return [self._evict(self._sessions[session_id], version) for session_id, version in chosen]
+
+    def _evict(self, session: Session, version: int, why: str | None = None) -> SamplingClient:
+        """Take a sampler out of service, for ``why`` (`memory.Budget.forget`; called holding the lock)."""
+        self.budget.forget((session.session_id, version), why)
+        return session.samplers.pop(version)
 
 
 def tokenizer_zip(tokenizer) -> bytes:
@@ -439,18 +418,16 @@ def tokenizer_zip(tokenizer) -> bytes:
     return buffer.getvalue()
 
 
-def _is_samples(value: list) -> bool:
-    from heterorl.engines.base import SampleOutput
-
-    first = value[0][0] if isinstance(value[0], list) and value[0] else value[0]
-    return isinstance(first, SampleOutput)
-
-
-def _start_sampling(sampler: SamplingClient, method: str, args: dict) -> Future:
-    if method == "sample":
-        return sampler.sample(args["prompt_tokens"], int(args.get("num_samples", 1)),
-                              wire.params_from_wire(args.get("sampling_params")))
-    return sampler.compute_logprobs(args["tokens"])
+def _start_sampling(sampler: SamplingClient, method: str, args: dict, model_id: str,
+                    watch: GenerationWatch | None) -> Future:
+    try:
+        if method == "sample":
+            return sampler.sample(args["prompt_tokens"], int(args.get("num_samples", 1)),
+                                  wire.params_from_wire(args.get("sampling_params")), watch=watch)
+        return sampler.compute_logprobs(args["tokens"])
+    except RuntimeError:  # its executor is shut down: evicted after the call looked it up
+        raise NotFound(f"the sampling client {model_id!r} was evicted as this call arrived: make a new one with "
+                       "save_weights_and_get_sampling_client") from None
 
 
 def _check_sampling_size(method: str, args: dict, max_tokens_out: int) -> None:

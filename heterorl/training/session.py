@@ -25,7 +25,7 @@ import torch
 
 import gepo
 from heterorl.config import LoraConfig
-from heterorl.engines.base import SampleOutput, SamplingEngine, SamplingParams, WeightUpdates
+from heterorl.engines.base import GenerationWatch, SampleOutput, SamplingEngine, SamplingParams, WeightUpdates
 from heterorl.engines.logprobs import packed_completion_logprobs, pad_right, prompt_groups, should_pack, token_logprobs
 from heterorl.engines.torch_engine import TorchEngine
 from heterorl.errors import HeteroRLError, SamplingError
@@ -107,8 +107,17 @@ class _SerialExecutor:
     def submit(self, fn, *args, **kwargs) -> Future:
         return self._pool.submit(fn, *args, **kwargs)
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        """Stop taking calls; ``wait``: until the queued ones ran; ``cancel_futures``: drop the queued ones."""
+        self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+def _report_all(watch: GenerationWatch, groups: list[list[SampleOutput]]) -> None:
+    """Give ``watch`` a finished generation's tokens step by step, as an engine that reports them would have."""
+    rows = [sample for group in groups for sample in group]
+    for step in range(max((len(s.tokens) for s in rows), default=0)):
+        live = [r for r, s in enumerate(rows) if step < len(s.tokens)]
+        watch.tokens(live, [rows[r].tokens[step] for r in live], [rows[r].logprobs[step] for r in live])
 
 
 class SamplingClient:
@@ -139,13 +148,19 @@ class SamplingClient:
     def sample(
         self, prompt_tokens: Sequence[int] | Sequence[Sequence[int]], num_samples: int = 1,
         sampling_params: SamplingParams | None = None, *, weight_updates: Callable | None = None,
+        watch: GenerationWatch | None = None,
     ) -> Future:
         """Future of ``list[SampleOutput]`` (one prompt) or ``list[list[SampleOutput]]`` (a list of prompts).
 
         ``weight_updates``: in-flight updates, for an engine that takes them (`SamplingEngine.
         supports_inflight_updates`): a callable polled between decode steps that returns (version, state dict)
         of newer weights or None; the engine loads them at once and each sample's ``versions`` names the
-        version that drew each token. The sampler then holds the newest version loaded."""
+        version that drew each token. The sampler then holds the newest version loaded.
+
+        ``watch`` (`GenerationWatch`): the tokens as they are drawn, and a cancel that stops the generation
+        between decode steps (`GenerationCancelled`); its ``version`` is set to the version that generates. An
+        engine without ``supports_watch`` honours a cancel only before it starts, and reports every token at
+        the end."""
         params = sampling_params or SamplingParams()
         single = len(prompt_tokens) > 0 and isinstance(prompt_tokens[0], int)
         prompts = [prompt_tokens] if single else prompt_tokens
@@ -154,14 +169,22 @@ class SamplingClient:
                                 "without weight_updates and load new weights between samples (load_weights)")
 
         def run() -> list:
+            extra = {}
+            if watch is not None:
+                watch.check()
+                watch.version = self.version
+                if self.engine.supports_watch:
+                    extra["watch"] = watch
             if weight_updates is None:
-                groups = self.engine.generate(prompts, params, num_samples)
+                groups = self.engine.generate(prompts, params, num_samples, **extra)
             else:
                 updates = WeightUpdates(self.version, weight_updates)
                 try:
-                    groups = self.engine.generate(prompts, params, num_samples, updates=updates)
+                    groups = self.engine.generate(prompts, params, num_samples, updates=updates, **extra)
                 finally:
                     self.version = updates.version
+            if watch is not None and not self.engine.supports_watch:
+                _report_all(watch, groups)
             for group in groups:
                 for sample in group:
                     sample.text = self.tokenizer.decode(sample.tokens, skip_special_tokens=True)

@@ -179,3 +179,24 @@ def test_weights_that_do_not_fit_are_refused_and_the_engine_keeps_its_own(engine
 def test_a_folder_vllm_cannot_load_is_a_clear_error(tmp_path):
     with pytest.raises(SamplingError, match="not a Hugging Face model folder"):
         VLLMEngine(tmp_path, eos_token_id=1)
+
+
+def test_a_watched_generation_reports_every_token_and_a_cancel_before_it_starts(engine, policy, prompts):
+    """vLLM generates a batch in one call: a `GenerationWatch` gets every row's tokens once it is done (what the
+    OpenAI endpoint streams), and a cancel made before the call starts it never."""
+    from heterorl.engines.base import GenerationCancelled, GenerationWatch
+    from heterorl.training.session import SamplingClient
+
+    _, tokenizer = policy
+    sampler = SamplingClient(engine, tokenizer, version=4)
+    seen = {}
+    watch = GenerationWatch(lambda rows, tokens, logprobs: [seen.setdefault(r, []).append(t)
+                                                            for r, t in zip(rows, tokens)])
+    groups = sampler.sample(prompts, 2, SamplingParams(max_tokens=6, temperature=1.0, seed=5), watch=watch).result()
+    assert [seen[r] for r in range(2 * len(prompts))] == [s.tokens for g in groups for s in g]
+    assert watch.version == 4
+    cancelled = GenerationWatch()
+    cancelled.cancel()
+    with pytest.raises(GenerationCancelled):
+        sampler.sample(prompts, 1, SamplingParams(max_tokens=6), watch=cancelled).result()
+    sampler._executor.shutdown()  # (the module's engine stays open for the other tests)

@@ -11,8 +11,9 @@ import httpx
 import pytest
 
 import heterorl.service.openai_api as openai_api
+from heterorl.service.calls import TooBusy
 from heterorl.service.server import ServerThread, create_app
-from heterorl.service.sessions import Call, Service, TooBusy
+from heterorl.service.sessions import Service
 
 BASE = "add3-sft-base"
 KEY = "abuse-test-key"
@@ -195,7 +196,7 @@ def test_calls_beyond_the_queue_limit_are_429_with_retry_after(tmp_path):
             httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
         first, second = _session(http), _session(http)
         for owner in (first, first, second):  # calls still waiting (their futures never finish here)
-            service._calls[f"f-stuck-{len(service._calls)}"] = Call(Future(), owner, 0.0)
+            service.calls.submit(owner, "stuck", None, Future)
         refused = http.post(f"/api/v1/sessions/{first}/calls", json={"method": "optim_step"})
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert "session" in refused.json()["detail"]
@@ -221,6 +222,26 @@ def test_connections_that_never_finish_their_headers_are_closed_and_health_still
         idle = socket.create_connection((server.host, server.port), timeout=30)
         assert idle.recv(1024) == b""  # one that sends nothing at all too
         idle.close()
+
+
+def test_a_body_that_stops_arriving_after_complete_headers_is_closed(tmp_path):
+    """slowloris on the body: complete headers, then a body sent slower than the idle limit"""
+    import socket
+
+    with ServerThread(create_app(Service(tmp_path), api_key=KEY), body_idle_s=0.5) as server:
+        slow = []
+        for _ in range(20):
+            sock = socket.create_connection((server.host, server.port), timeout=30)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                         b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+            slow.append(sock)
+        assert httpx.get(server.url + "/health", timeout=30).json() == {"ok": True}
+        for sock in slow:
+            assert sock.recv(1024) == b""  # closed by the server (the 30 s socket timeout would raise instead)
+            sock.close()
+        # a whole request on a connection of its own is answered as usual
+        answer = httpx.post(server.url + "/v1/completions", headers=AUTH, json={"model": "m", "prompt": "1"})
+        assert answer.status_code == 404
 
 
 def test_sigterm_stops_the_service_within_its_grace_and_says_what_it_aborted(tmp_path):
@@ -254,7 +275,7 @@ def test_an_idle_session_expires_and_frees_its_place(tmp_path):
     import time
 
     from heterorl.policies import load_policy
-    from heterorl.service.sessions import NotFound
+    from heterorl.service.calls import NotFound
 
     service = Service(tmp_path, max_sessions=1, session_ttl_s=0.2, loader=lambda name: load_policy(BASE))
     first = service.create_session(BASE)["session_id"]
@@ -296,3 +317,32 @@ def test_a_client_reattaches_by_id_and_a_saved_state_is_reopened_after_a_restart
         with pytest.raises(HeteroRLError, match="not a session id"):
             bad.load_state("before-restart", session="../etc").result()
     second.close()
+
+
+def test_a_sampling_call_its_client_cancels_stops_between_decode_steps_and_a_waiting_one_never_runs(served):
+    """problem 4: a call could not be cancelled; `future.cancel()` of a remote call now cancels it on the service"""
+    import time
+
+    from heterorl.engines.base import SamplingParams
+    from heterorl.service.client import connect
+
+    server, service = served
+    with connect(server.url, api_key=KEY) as client:
+        training = client.create_training_client(BASE, seed=0)
+        sampler = training.save_weights_and_get_sampling_client()
+        prompt = training.tokenizer.encode("123+456=")
+        huge = SamplingParams(max_tokens=240, ignore_eos=True)  # 1024 x 240 tokens: far longer than this test
+        running = sampler.sample([prompt] * 1024, 1, huge)
+        waiting = sampler.sample([prompt] * 1024, 1, huge)
+        call = service.get_call(running.future_id)
+        deadline = time.monotonic() + 60
+        while not call.future.running():
+            assert time.monotonic() < deadline, "the first call never started"
+            time.sleep(0.01)
+        assert waiting.cancel() and running.cancel()
+        assert service.get_call(waiting.future_id).future.cancelled()  # never ran
+        error = call.future.exception(timeout=60)
+        assert type(error).__name__ == "GenerationCancelled"
+        assert service.cancel_call(running.future_id) == "done"
+        assert len(sampler.sample(prompt, 2, SamplingParams(max_tokens=3)).result()) == 2  # it serves on
+        training.close()

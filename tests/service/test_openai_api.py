@@ -15,7 +15,8 @@ from heterorl.engines.base import SampleOutput, SamplingParams
 from heterorl.engines.torch_engine import TorchEngine
 from heterorl.policies import build_tiny_policy, load_policy
 from heterorl.runtime.worker import RolloutWorker, WorkerOptions
-from heterorl.service.openai_api import _finish, openai_app
+from heterorl.service.openai_api import openai_app
+from heterorl.service.openai_generation import finish
 from heterorl.service.server import ServerThread
 from heterorl.training.session import SamplingClient
 
@@ -153,10 +154,10 @@ def test_a_character_split_over_byte_tokens_comes_out_whole():
     tokens = tokenizer.encode("né!", add_special_tokens=False) + [tokenizer.eos_token_id]
     assert len(tokens) == 5
     sample = SampleOutput(tokens=tokens, logprobs=[-0.5] * 5, stop_reason="eos")
-    whole = _finish(tokenizer, [], sample, [], token_ids=False)
+    whole = finish(tokenizer, [], sample, [], token_ids=False)
     assert (whole.text, whole.finish_reason) == ("né!", "stop")
     assert whole.shares == ["n", "", "é", "!", ""] and whole.text_offsets == [0, 1, 1, 2, 3]
-    cut = _finish(tokenizer, [], sample, ["!"], token_ids=False)
+    cut = finish(tokenizer, [], sample, ["!"], token_ids=False)
     assert (cut.text, cut.tokens, cut.shares) == ("né", tokens[:4], ["n", "", "é", ""])
 
 
