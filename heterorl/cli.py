@@ -418,7 +418,8 @@ def cmd_serve(args) -> int:
     try:
         stopped_by = serve(service, host.strip("[]"), int(port), api_key=api_key,
                            max_body_bytes=int(args.max_body_mb * 2**20), log_level=args.log_level,
-                           on_listening=listening, docs=args.docs, batching=not args.no_openai_batching)
+                           on_listening=listening, docs=args.docs, batching=not args.no_openai_batching,
+                           grace_s=args.shutdown_grace_s)
     finally:
         cancelled, running = service.shutdown(timeout_s=5.0)
         print(f"heterorl serve stopped{f' on {stopped_by}' if stopped_by else ''}: {cancelled} queued calls "
@@ -572,6 +573,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "a session or sampler that still does not fit is refused (HTTP 507). GET /api/v1/memory shows "
                    "what each holds")
     p.add_argument("--docs", action="store_true", help="serve /docs, /redoc and /openapi.json (behind the key)")
+    p.add_argument("--shutdown-grace-s", type=_positive(float), default=10.0,
+                   help="on SIGTERM or SIGINT, how long requests in flight get to finish before they are cut "
+                   "(default 10)")
     p.add_argument("--no-openai-batching", action="store_true",
                    help="give each OpenAI request an engine call of its own (default: concurrent requests to one "
                    "model with the same n and sampling parameters and no seed share one)")

@@ -7,6 +7,7 @@ may send), and concurrent requests to one sampling client batched into one engin
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -295,7 +296,9 @@ class RequestBatcher:
 
     def __init__(self, client: SamplingClient, *, batching: bool = True,
                  on_closed: Callable[[RuntimeError], BaseException] | None = None) -> None:
-        self.client, self.batching, self.on_closed = client, batching, on_closed
+        # (a weak reference: the router keys its batchers by client weakly, and a closed model must be freed)
+        self._client = weakref.ref(client)
+        self.batching, self.on_closed = batching, on_closed
         self._waiting: list[Generation] = []
         self._running = False
 
@@ -317,8 +320,11 @@ class RequestBatcher:
                     self._waiting.remove(other)
         batch = _Batch(members)
         prompts = [p for member in members for p in member.prompts]
+        client = self._client()
         try:
-            future = self.client.sample(prompts, first.n, first.params, watch=batch.watch)
+            if client is None:
+                raise RuntimeError("the sampling client is gone")
+            future = client.sample(prompts, first.n, first.params, watch=batch.watch)
         except RuntimeError as exc:  # the client's thread was shut down: the model was closed meanwhile
             batch.finished(None, self.on_closed(exc) if self.on_closed else exc)
             self._next()

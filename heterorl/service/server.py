@@ -283,11 +283,11 @@ class ServerThread:
 
 def serve(service: Service, host: str, port: int, *, api_key: str | None, max_body_bytes: int,
           log_level: str = "info", on_listening: Callable[[str], None] | None = None,
-          docs: bool = False, batching: bool = True) -> str | None:
+          docs: bool = False, batching: bool = True, grace_s: float = SHUTDOWN_GRACE_S) -> str | None:
     """Run the service until SIGTERM or SIGINT; the signal's name (None: the server stopped by itself). A
     non-loopback ``host`` needs an API key. The socket is bound first and ``on_listening`` called with its URL
     (with the port the system chose when ``port`` is 0). Requests in flight at the signal get
-    ``SHUTDOWN_GRACE_S`` to finish; the caller then stops the sessions (`Service.shutdown`)."""
+    ``grace_s`` to finish; the caller then stops the sessions (`Service.shutdown`)."""
     import uvicorn
 
     if api_key is None and not is_loopback(host):
@@ -302,7 +302,7 @@ def serve(service: Service, host: str, port: int, *, api_key: str | None, max_bo
         app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, docs=docs, batching=batching)
         server = _signalled_server_class()(uvicorn.Config(
             app, log_level=log_level, lifespan="off", http=header_timeout_protocol(),
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+            timeout_graceful_shutdown=grace_s))
         if early:
             server.handle_exit(early[0], None)
         server.run(sockets=[sock])

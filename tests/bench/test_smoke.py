@@ -100,15 +100,6 @@ def test_bench_service_times_remote_against_local_and_loads_the_openai_endpoint(
     assert float(out.stdout.split("each: ")[1].split(" requests/s")[0]) > 0
 
 
-def test_bench_serve_load_prints_batched_against_unbatched_and_latency_with_an_abuser():
-    out = run_cli("bench", "serve-load", "--clients", "2", "--seconds", "1", "--openai-clients", "2",
-                  "--session-clients", "1", "--requests", "1", "--max-tokens", "3")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert float(out.stdout.split("batched / unbatched ")[1].split("x")[0]) > 0
-    assert "3 answered, 0 failed" in out.stdout.split("with the abuser")[1]
-    assert "p99 with the abuser / alone: " in out.stdout and "declared 200 MB bodies: 413" in out.stdout
-
-
 def test_bench_async_runs_every_mode_and_prints_ratio_waste_and_bound():
     # the learner-bound workload, which runs all three modes; the maze workload is the same code on another config
     out = run_cli("bench", "async", "--workload", "add3", "--add3-steps", "3", "task.options.eval_size=16")

@@ -252,9 +252,8 @@ def test_sigterm_stops_the_service_within_its_grace_and_says_what_it_aborted(tmp
     import time
 
     from heterorl.bench.service import start_service
-    from heterorl.service.server import SHUTDOWN_GRACE_S
-
-    process, url = start_service(state_dir=str(tmp_path))
+    grace_s = 2.0
+    process, url = start_service("--shutdown-grace-s", str(grace_s), state_dir=str(tmp_path))
     host, port = re.match(r"http://([\d.]+):(\d+)", url).groups()
     with socket.create_connection((host, int(port)), timeout=60) as stuck:
         stuck.sendall(b"POST /api/v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -262,7 +261,7 @@ def test_sigterm_stops_the_service_within_its_grace_and_says_what_it_aborted(tmp
         time.sleep(0.5)  # (it is in flight before the signal or after: the stop is bounded either way)
         process.send_signal(signal.SIGTERM)
         try:
-            process.wait(SHUTDOWN_GRACE_S + 30)
+            process.wait(grace_s + 30)
         finally:
             process.kill()
     log = (tmp_path / "serve.log").read_text()
