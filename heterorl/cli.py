@@ -156,7 +156,7 @@ def _setup(cfg, name: str, policy: str):
 def cmd_sft(args) -> int:
     from heterorl.config import to_dict
     from heterorl.loops.sft import run_sft
-    from heterorl.runs import save_trained_policy
+    from heterorl.runs import json_text, save_trained_policy
 
     cfg = _resolve_config(args)
     if cfg is None:
@@ -171,9 +171,9 @@ def cmd_sft(args) -> int:
     out = save_trained_policy(training, Path(cfg.sft.output), Path(cfg.sft.output) / "adapter")
     summary = {"success": result.success, "steps": result.steps, "minutes": result.minutes, "policy": str(out),
                "command": "heterorl sft " + " ".join(sys.argv[2:]), "config": to_dict(cfg)}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / "summary.json").write_text(json_text(summary, indent=2))
     # the policy folder records how it was made: its SFT summary and per-step curve
-    (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "sft_summary.json").write_text(json_text(summary, indent=2))
     shutil.copyfile(run_dir / "metrics.jsonl", out / "sft_metrics.jsonl")
     print(f"SFT: held-out greedy success {result.success:.3f} after {result.steps} steps "
           f"({result.minutes:.1f} min); policy saved to {out}")

@@ -131,6 +131,7 @@ class TransportConfig:
     weights_deltas: bool = True
     dedup_window: int = 1_000_000  # trajectory ids remembered for duplicate detection
     max_workers: int = 1024  # registry size; when full, the entry of the worker silent longest makes room
+    max_ids_per_key: int = 8  # worker ids one CURVE key may hold in the registry (docs/RELIABILITY.md)
     worker_expiry_s: float = 600.0  # a worker silent this long leaves the registry (it may say hello again)
     # per worker (docs/RELIABILITY.md, "Bounds per worker"): incomplete groups it may have at the learner, and
     # their bytes; a member beyond either is refused with its group
@@ -145,6 +146,7 @@ class TransportConfig:
     def validate(self, key: str = "transport") -> None:
         _positive(self, key, "control_hwm", "weights_hwm", "credits_per_worker", "trajectory_batch",
                   "weights_chunk_bytes", "weights_pipeline", "max_retained_versions", "dedup_window", "max_workers",
+                  "max_ids_per_key",
                   "heartbeat_interval_s", "open_groups_per_worker", "open_group_bytes_per_worker", "group_timeout_s",
                   "keys_reload_s")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
@@ -419,9 +421,17 @@ class RLConfig:
     drop_uniform_groups: bool = False
     eval_every: int = 10
     eval_max_tokens: Optional[int] = None  # None = rollout.max_tokens
+    # bounds on one group's weight in an update (docs/RELIABILITY.md, "Bounds on one group"): a group with a token
+    # whose |log p − log q| exceeds max_log_ratio, or a reward with |r| > max_abs_reward, is dropped before the
+    # loss and counted (optim/dropped_groups); null: no bound
+    max_log_ratio: Optional[float] = 10.0
+    max_abs_reward: Optional[float] = 10.0
 
     def validate(self, key: str = "rl") -> None:
         _positive(self, key, "steps", "prompts_per_step", "updates_per_batch", "eval_every")
+        for name in ("max_log_ratio", "max_abs_reward"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                _fail(f"{key}.{name}", getattr(self, name), "must be > 0, or null for no bound")
 
 
 @dataclass

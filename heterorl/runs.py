@@ -21,8 +21,26 @@ from heterorl.config import Config, to_dict, to_yaml
 log = logging.getLogger("heterorl.runs")
 
 
+def finite_or_null(value: Any) -> Any:
+    """``value`` with every float that is not finite (inf, -inf, NaN), in lists and dicts too, replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def json_text(value: Any, **kwargs) -> str:
+    """Standard JSON for ``value``: a number that is not finite is written as null (JSON has no Infinity or NaN,
+    and strict parsers refuse them); what reads a run's files skips nulls as it skips absent metrics."""
+    return json.dumps(finite_or_null(value), allow_nan=False, **kwargs)
+
+
 class MetricsLogger:
-    """Writes one JSON object per ``log`` call to ``run_dir/metrics.jsonl`` and mirrors it to wandb."""
+    """Writes one JSON object per ``log`` call to ``run_dir/metrics.jsonl`` (standard JSON: `json_text`) and mirrors
+    it to wandb."""
 
     def __init__(self, run_dir: str | Path, *, config: dict | None = None, name: str = "run",
                  wandb_project: str | None = None, wandb_mode: str = "offline", append: bool = False,
@@ -51,7 +69,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
         record = {"step": step, "time_s": round(time.time() - self._start, 3), **clean}
-        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        self._file.write(json_text(record) + "\n")
         self._file.flush()
         if self._wandb_run is not None:
             numeric = {k: v for k, v in clean.items() if isinstance(v, float) and math.isfinite(v)}
@@ -148,7 +166,7 @@ def finish_run(cfg: Config, task, training, run_dir: Path, result: RunResult, ex
     plot = plot_curves({cfg.loss.name: [(h["step"], h["eval/success"]) for h in result.history]},
                        run_dir / "success.png", title=f"{task.name}: held-out greedy success ({title})", xlabel=xlabel)
     summary = {**result.__dict__, "loss": cfg.loss.name, **extra}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / "summary.json").write_text(json_text(summary, indent=2))
     return plot
 
 

@@ -160,4 +160,7 @@ def test_the_config_a_learner_sends_its_workers_is_in_the_form_the_previous_rele
     sent = learner_settings(cfg)["config"]
     data = yaml.safe_load(sent)
     assert "group_timeout_s" not in data["transport"] and data["buffer"]["partial_group_timeout_s"] == 45
+    # the learner's own bounds, new since that release, stay home
+    assert "max_ids_per_key" not in data["transport"]
+    assert not {"max_log_ratio", "max_abs_reward"} & set(data["rl"])
     assert to_yaml(load_config(text=sent)) == to_yaml(cfg)

@@ -20,15 +20,22 @@ The learner's log-probs come from the first update of each step (the weights it 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
+from heterorl.config import ENGINES
+
 if TYPE_CHECKING:
     from heterorl.runtime.buffer import Group
 
 UNKNOWN_ENGINE = "unknown"  # a trajectory whose worker left the registry before the learner saw its hello
+OTHER_ENGINE = "other"  # the engines named after `MAX_NEW_ENGINES` others had their tallies
+KNOWN_ENGINES = frozenset({*ENGINES, UNKNOWN_ENGINE, OTHER_ENGINE})
+MAX_NEW_ENGINES = 4  # tallies of engine names outside KNOWN_ENGINES (a worker names its engine: a peer's input)
+MAX_SAMPLERS_REMEMBERED = 4096  # sampler ids whose engine is remembered (the least recently used is forgotten)
 
 
 @dataclass
@@ -107,22 +114,38 @@ def tallies_to_json(tallies: dict[str, EngineTally]) -> dict[str, dict]:
 
 class FleetEngines:
     """The learner's tallies by engine (`EngineTally`), each worker's engine looked up by its sampler id in what
-    ``workers`` lists (the registry's `WorkerInfo`s: ``worker_id``, ``engine``). Not thread-safe: its owner holds
-    its lock around every call."""
+    ``workers`` lists (the registry's `WorkerInfo`s: ``worker_id``, ``engine``). Bounded whatever the workers
+    name: a tally for each of `KNOWN_ENGINES` and for the first `MAX_NEW_ENGINES` other names (those of a resumed
+    run's checkpoint included), the rest counted under `OTHER_ENGINE`; the engines of the last
+    `MAX_SAMPLERS_REMEMBERED` sampler ids. Not thread-safe: its owner holds its lock around every call."""
 
     def __init__(self, workers: Callable[[], Iterable], tallies: dict[str, EngineTally] | None = None) -> None:
         self._workers = workers
-        self._engine_of: dict[str, str] = {}  # sampler id → the engine its hello named
+        self._engine_of: OrderedDict[str, str] = OrderedDict()  # sampler id → the engine it named, most recent last
         self.tallies: dict[str, EngineTally] = dict(tallies or {})  # engine → its totals (saved in checkpoints)
 
     def engine(self, sampler_id: str) -> str:
-        """The engine ``sampler_id``'s worker named in its hello (a worker's hello precedes its trajectories; one
-        removed from the registry before the learner first looks is `UNKNOWN_ENGINE`)."""
+        """The engine ``sampler_id``'s worker named in its hello, or the name it is tallied under (a worker's hello
+        precedes its trajectories; one removed from the registry before the learner first looks is
+        `UNKNOWN_ENGINE`)."""
         engine = self._engine_of.get(sampler_id)
-        if engine is None:
-            self._engine_of.update((w.worker_id, w.engine) for w in self._workers())
+        if engine is None:  # one look at the fleet for every worker not yet known: they go in as least recent
+            for worker in self._workers():
+                if worker.worker_id not in self._engine_of:
+                    self._engine_of[worker.worker_id] = worker.engine
+                    self._engine_of.move_to_end(worker.worker_id, last=False)
             engine = self._engine_of.setdefault(sampler_id, UNKNOWN_ENGINE)
-        return engine
+        self._engine_of.move_to_end(sampler_id)
+        while len(self._engine_of) > MAX_SAMPLERS_REMEMBERED:
+            self._engine_of.popitem(last=False)
+        return self._tallied_as(engine)
+
+    def _tallied_as(self, engine: str) -> str:
+        """``engine``, or `OTHER_ENGINE` once `MAX_NEW_ENGINES` names outside `KNOWN_ENGINES` have tallies."""
+        if engine in KNOWN_ENGINES or engine in self.tallies:
+            return engine
+        new = sum(1 for name in self.tallies if name not in KNOWN_ENGINES)
+        return engine if new < MAX_NEW_ENGINES else OTHER_ENGINE
 
     def tally(self, sampler_id: str) -> EngineTally:
         return self.tallies.setdefault(self.engine(sampler_id), EngineTally())

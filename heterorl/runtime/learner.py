@@ -498,7 +498,11 @@ def learner_settings(cfg: Config, contract: TrajectoryContract | None = None, ba
 def _config_for_workers(cfg: Config) -> str:
     """The run config as workers receive it, in the form workers of the previous release read too: the group
     timeout, a key of the learner's alone that they do not know, travels as ``buffer.partial_group_timeout_s``,
-    the deprecated key that mirrors it."""
+    the deprecated key that mirrors it; the bounds on one group's weight (``rl.max_log_ratio``,
+    ``rl.max_abs_reward``) and on the ids of one key (``transport.max_ids_per_key``), the learner's alone too,
+    stay home."""
     data = to_dict(cfg)
-    del data["transport"]["group_timeout_s"]
+    del data["transport"]["group_timeout_s"], data["transport"]["max_ids_per_key"]
+    for key in ("max_log_ratio", "max_abs_reward"):
+        del data["rl"][key]
     return yaml.safe_dump(data, sort_keys=False)

@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from heterorl.errors import HeteroRLError
+from heterorl.runs import finite_or_null
 from heterorl.service import wire
 from heterorl.service.calls import BadRequest, NotFound, TooBusy
 from heterorl.service.guard import (
@@ -161,7 +162,7 @@ async def _body(request: Request, model: type[BaseModel], limit: int):
 def _answer(request: Request, value: Any) -> Response:
     if wire.MSGPACK in request.headers.get("accept", ""):
         return Response(wire.pack(value, wire.MSGPACK), media_type=wire.MSGPACK)
-    return JSONResponse(value)
+    return JSONResponse(finite_or_null(value))  # (standard JSON: a skipped step's grad_norm inf is null)
 
 
 def _api_router(service: Service, limit: int) -> APIRouter:

@@ -17,6 +17,7 @@ import torch
 import gepo
 from heterorl import errors
 from heterorl.engines.base import SampleOutput, SamplingParams
+from heterorl.runs import json_text
 from heterorl.training.session import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 from heterorl.transport.weights import storage_key
 
@@ -82,7 +83,7 @@ def result_from_wire(raw: dict) -> Any:
     if kind == "forward_backward":
         return ForwardBackwardOutput(loss=raw["loss"], metrics=raw["metrics"], logprobs=raw["logprobs"])
     if kind == "optim_step":
-        return OptimStepOutput(grad_norm=raw["grad_norm"], step=raw["step"])
+        return OptimStepOutput(grad_norm=raw["grad_norm"], step=raw["step"], skipped=raw.get("skipped", False))
     return raw.get("value")
 
 
@@ -109,9 +110,11 @@ def error_from_wire(raw: dict) -> Exception:
 # -- bodies --------------------------------------------------------------------------------------------------
 
 def pack(value: Any, content_type: str) -> bytes:
+    """``value`` as msgpack, or as standard JSON (a float that is not finite, e.g. the gradient norm of a skipped
+    step, is null: JSON has no Infinity)."""
     if content_type == MSGPACK:
         return msgpack.packb(value, use_bin_type=True)
-    return json.dumps(value).encode()
+    return json_text(value).encode()
 
 
 def unpack(body: bytes, content_type: str | None) -> Any:

@@ -16,7 +16,7 @@ from statistics import fmean, pstdev
 from typing import Callable, Sequence
 
 from heterorl.errors import HeteroRLError
-from heterorl.runs import format_table, read_metrics
+from heterorl.runs import format_table, json_text, read_metrics
 from heterorl.sweeps.claims import Claim, paper_claims, run_metric
 from heterorl.sweeps.stats import LAST_EVALS, eval_auc, last_evals_mean, mean_ci, paired_ci
 
@@ -313,7 +313,7 @@ def export_metrics(sweep: SweepResults, path: Path) -> Path:
                     "delay": cell.summary["delay"], "seed": cell.summary["seed"]}
             for record in cell.metrics:
                 values = {k: _compact(record[k]) for k in EXPORTED if k in record}
-                f.write(json.dumps({**head, "step": record["step"], **values}, allow_nan=True) + "\n")
+                f.write(json_text({**head, "step": record["step"], **values}) + "\n")
     return path
 
 

@@ -56,7 +56,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from heterorl.errors import ConfigError, HeteroRLError
 from heterorl.files import write_atomically
-from heterorl.runs import read_metrics
+from heterorl.runs import json_text, read_metrics
 from heterorl.sweeps.report import cell_name
 
 # A loss preset is the loss with its published defaults; "tis" is GRPO with truncated importance sampling.
@@ -296,7 +296,7 @@ class SweepRunner:
         else:
             tail = (folder / "log.txt").read_text(errors="replace").splitlines()[-20:]
             summary = {**meta, "status": "failed", "exit_code": code, "log_tail": tail}
-        write_atomically(path, json.dumps(summary, indent=2).encode())
+        write_atomically(path, json_text(summary, indent=2).encode())
         return summary["status"] == "done"
 
     def _progress_line(self, cell: PlannedCell, ok: bool, finished: int, total: int, seconds: float) -> str:

@@ -15,6 +15,7 @@ submission order, on the client's worker thread.
 from __future__ import annotations
 
 import copy
+import math
 import random
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -91,8 +92,9 @@ class ForwardBackwardOutput:
 
 @dataclass
 class OptimStepOutput:
-    grad_norm: float
+    grad_norm: float  # before clipping
     step: int
+    skipped: bool = False  # the gradient norm was not finite: no step was taken and the gradients were zeroed
 
 
 LossFnArg = str | Callable[[gepo.LossBatch, Any], "tuple[torch.Tensor, dict[str, float]]"]
@@ -402,6 +404,9 @@ class TrainingClient:
         max_norm = params.grad_clip_norm if params.grad_clip_norm is not None else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # (sharded: a DTensor)
+        if not math.isfinite(grad_norm):  # clipping scaled every gradient by 0 (or NaN): a step would teach nothing
+            self.optimizer.zero_grad(set_to_none=True)  # (the norm is global, so every data-parallel rank skips)
+            return OptimStepOutput(grad_norm=grad_norm, step=self.step, skipped=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -412,7 +417,8 @@ class TrainingClient:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def optim_step(self, params: AdamParams | None = None) -> Future:
-        """Future of ``OptimStepOutput``: one AdamW step on the accumulated gradients, then zero them."""
+        """Future of ``OptimStepOutput``: one AdamW step on the accumulated gradients, then zero them. When their
+        norm is not finite (inf or NaN) no step is taken, the step count stays, and the output says ``skipped``."""
         return self._executor.submit(self._optim_step, params or AdamParams())
 
     def frozen_copy(self) -> torch.nn.Module | None:

@@ -5,11 +5,11 @@ the learner, the simulated execution)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from gepo import LossInputError
+from gepo import LossBatch, LossInputError
 from heterorl.config import Config
 from heterorl.training.lr_schedule import learning_rate
 from heterorl.training.session import AdamParams, Datum, TrainingClient, resolve_loss
@@ -40,15 +40,68 @@ def minibatches(datums: list[Datum], count: int) -> list[list[Datum]]:
 # ``optim/skip_reason`` of a step that ran no update (``optim/updates`` 0)
 NO_SIGNAL = "no_signal"  # every group's completions scored alike: every group-relative advantage is 0
 TOO_FEW_GROUPS = "too_few_groups"  # fewer groups with signal in each minibatch than learner ranks
-BAD_BATCH = "bad_batch"  # the loss refused every minibatch that had signal (`gepo.LossInputError`: e.g. not finite)
+# every minibatch that had signal was skipped: the loss refused it (`gepo.LossInputError`: e.g. not finite) or its
+# gradient norm was not finite
+BAD_BATCH = "bad_batch"
 
 
 @dataclass
 class SkippedUpdate:
-    """A minibatch the loss refused (`gepo.LossInputError`), so no update ran on it."""
+    """Rows no update learned from: a minibatch the loss refused (`gepo.LossInputError`) or whose gradient was not
+    finite, or groups a bound dropped from a minibatch that trained (`bounded`)."""
 
     rows: list[int]  # its datums, as indices into the datums given to `optimize_batch`
-    reason: str  # the loss's message
+    reason: str  # the loss's message, or the bound's
+
+
+@dataclass
+class DroppedGroups:
+    """Groups `bounded` took out of a minibatch before its loss, and why."""
+
+    group_ids: list[int]
+    reason: str
+
+
+def _rows(batch: LossBatch, keep: torch.Tensor) -> LossBatch:
+    """``batch`` restricted to the rows where ``keep``; the learner's log-probs keep their gradient."""
+    values = {f.name: getattr(batch, f.name) for f in fields(batch) if f.init}
+    return LossBatch(**{name: value[keep] if isinstance(value, torch.Tensor) else value
+                        for name, value in values.items()})
+
+
+def bounded(loss_fn, max_log_ratio: float | None, max_abs_reward: float | None, dropped: list[DroppedGroups]):
+    """``loss_fn`` on the minibatch without the groups that break a bound (docs/RELIABILITY.md, "Bounds on one
+    group"): a completion token whose |log p − log q| > ``max_log_ratio`` (its importance weight beyond
+    e^±max_log_ratio), or a row whose |reward| > ``max_abs_reward``; None: no such bound. The learner's log-probs
+    are those of this forward, so the check costs no extra pass. Each call appends what it dropped to
+    ``dropped``; when it would drop every group it raises `gepo.LossInputError` instead (no loss, no update)."""
+    def loss(batch: LossBatch, config):
+        over = torch.zeros(batch.logprobs.shape[0], dtype=torch.bool, device=batch.logprobs.device)
+        reasons = []
+        if max_log_ratio is not None and batch.behaviour_logprobs is not None:
+            delta = (batch.token("logprobs") - batch.token("behaviour_logprobs")).detach().abs()  # padding: 0
+            far = (delta > max_log_ratio).any(-1)
+            if bool(far.any()):
+                reasons.append(f"|log p − log q| up to {float(delta[far].max()):.4g} > rl.max_log_ratio = "
+                               f"{max_log_ratio:g}")
+            over |= far
+        if max_abs_reward is not None and batch.rewards is not None:
+            far = batch.rewards.abs() > max_abs_reward
+            if bool(far.any()):
+                reasons.append(f"|reward| up to {float(batch.rewards[far].abs().max()):.4g} > rl.max_abs_reward = "
+                               f"{max_abs_reward:g}")
+            over |= far
+        if not bool(over.any()):
+            return loss_fn(batch, config)
+        ids = batch.group_ids if batch.group_ids is not None else torch.zeros_like(over, dtype=torch.long)
+        out = torch.isin(ids, ids[over])  # every row of a group with one row over a bound
+        dropped.append(DroppedGroups(sorted(set(ids[over].tolist())), "; ".join(reasons)))
+        if bool(out.all()):
+            raise LossInputError(f"every group of this minibatch breaks a bound on one group's weight: "
+                                 f"{'; '.join(reasons)}")
+        return loss_fn(_rows(batch, ~out), config)
+
+    return loss
 
 
 def refused_on_any_rank(loss_fn, rank: int, world: int):
@@ -88,9 +141,13 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
     the loss's metrics (``loss/*``, ``is/*``, ``kl/*``) nor ``optim/lr``/``optim/grad_norm``: by design they
     are absent, not NaN, and ``optim/skip_reason`` says why (`NO_SIGNAL`, `TOO_FEW_GROUPS` or `BAD_BATCH`).
 
-    A minibatch whose loss raises ``gepo.LossInputError`` (a non-finite loss, inconsistent input) is skipped
-    without a step and logged; ``optim/bad_batches`` (present only when > 0) counts them,
-    and ``skipped``, when given, receives a `SkippedUpdate` for each, so the caller can keep its rows.
+    A group that breaks a bound on one group's weight (``cfg.rl.max_log_ratio``, ``cfg.rl.max_abs_reward``:
+    `bounded`) is dropped from its minibatch before the loss, which trains on the rest; ``optim/dropped_groups``
+    (present only when > 0) counts them and a warning says why. A minibatch whose loss raises
+    ``gepo.LossInputError`` (a non-finite loss, inconsistent input, every group dropped), or whose gradient norm is
+    not finite, is skipped without a step and logged; ``optim/bad_batches`` (present only when > 0) counts them.
+    ``skipped``, when given, receives a `SkippedUpdate` for each skipped minibatch and for the dropped groups of
+    each minibatch that trained, so the caller can keep their rows.
 
     ``fresh_logprobs``, when given, receives {row: the learner's log-probs of its completion tokens} for the rows
     this rank forwarded before the first ``optim_step``, i.e. under the weights the batch started from (the
@@ -100,15 +157,17 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
     minibatch and skip decisions, and runs ``forward_backward`` on its share of each minibatch's groups
     (groups rank, rank + world, ...); the gradient all-reduce in ``backward`` averages the shares. A minibatch
     the loss refuses on any rank is skipped on every rank (`refused_on_any_rank`), and its `SkippedUpdate`
-    holds all of its rows, so the ranks keep identical weights and none waits for another.
+    holds all of its rows, so the ranks keep identical weights and none waits for another. Groups are dropped by
+    the rank whose share holds them, which counts them and writes them down.
     """
     rank, world = shard
     metrics: dict = {"optim/updates": 0}
     reason = NO_SIGNAL
     row_of = {id(d): i for i, d in enumerate(datums)}
-    loss_fn, loss_config = cfg.loss.name, cfg.loss.resolved_options()
+    loss_fn, loss_config = resolve_loss(cfg.loss.name, cfg.loss.resolved_options())
+    dropped: list[DroppedGroups] = []
+    loss_fn = bounded(loss_fn, cfg.rl.max_log_ratio, cfg.rl.max_abs_reward, dropped)
     if world > 1:
-        loss_fn, loss_config = resolve_loss(loss_fn, loss_config)
         loss_fn = refused_on_any_rank(loss_fn, rank, world)
     if cfg.rl.drop_uniform_groups:
         datums = [d for group in group_rows(datums) if has_signal([group]) for d in group]
@@ -120,24 +179,41 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
             reason = TOO_FEW_GROUPS
             continue
         share = [d for g in groups[rank::world] for d in g]
+        dropped.clear()
+        refused, out = None, None
         try:
             out = training.forward_backward(share, loss_fn, loss_config,
                                             temperature=cfg.rollout.temperature or 1.0).result()
         except LossInputError as exc:
             # the learner outlives a batch its loss cannot take: no step on it (the loss refuses before backward,
             # on every rank, so no gradient of it was accumulated)
-            log.warning("skipped a minibatch of %d rows without an update: %s", len(batch), exc)
+            refused = str(exc)
+        if dropped:
+            count = sum(len(d.group_ids) for d in dropped)
+            metrics["optim/dropped_groups"] = metrics.get("optim/dropped_groups", 0) + count
+            log.warning("dropped %d of %d group(s) of a minibatch before its loss: %s", count,
+                        len(groups[rank::world]), "; ".join(d.reason for d in dropped))
+        if out is not None:
+            if fresh_logprobs is not None and not metrics["optim/updates"]:
+                fresh_logprobs.update((row_of[id(d)], lp) for d, lp in zip(share, out.logprobs))
+            lr = learning_rate(training.step + 1, cfg.optim.lr, total_updates, cfg.optim.warmup_steps,
+                               cfg.optim.schedule, cfg.optim.min_lr_ratio)
+            optim = training.optim_step(AdamParams(
+                learning_rate=lr, beta1=cfg.optim.beta1, beta2=cfg.optim.beta2,
+                weight_decay=cfg.optim.weight_decay, grad_clip_norm=cfg.optim.grad_clip_norm)).result()
+            if optim.skipped:
+                refused = (f"its gradient norm is {optim.grad_norm} (not finite): the optimizer step was skipped and "
+                           "the gradients zeroed")
+        if refused is not None:
+            log.warning("skipped a minibatch of %d rows without an update: %s", len(batch), refused)
             metrics["optim/bad_batches"] = metrics.get("optim/bad_batches", 0) + 1
             if skipped is not None:
-                skipped.append(SkippedUpdate([row_of[id(d)] for d in batch], str(exc)))
+                skipped.append(SkippedUpdate([row_of[id(d)] for d in batch], refused))
             continue
-        if fresh_logprobs is not None and not metrics["optim/updates"]:
-            fresh_logprobs.update((row_of[id(d)], lp) for d, lp in zip(share, out.logprobs))
-        lr = learning_rate(training.step + 1, cfg.optim.lr, total_updates, cfg.optim.warmup_steps,
-                           cfg.optim.schedule, cfg.optim.min_lr_ratio)
-        optim = training.optim_step(AdamParams(
-            learning_rate=lr, beta1=cfg.optim.beta1, beta2=cfg.optim.beta2,
-            weight_decay=cfg.optim.weight_decay, grad_clip_norm=cfg.optim.grad_clip_norm)).result()
+        if dropped and skipped is not None:
+            ids = {i for d in dropped for i in d.group_ids}
+            skipped.append(SkippedUpdate([row_of[id(d)] for d in share if d.group_id in ids],
+                                         "; ".join(d.reason for d in dropped)))
         metrics.update(out.metrics)
         metrics.update({"optim/lr": lr, "optim/grad_norm": optim.grad_norm})
         metrics["optim/updates"] += 1

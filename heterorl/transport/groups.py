@@ -70,6 +70,11 @@ class GroupAssembler:
     def holds(self, owner: str, group_id: str) -> bool:
         return group_id in self._open.get(owner, ())
 
+    def holds_member(self, owner: str, traj: Trajectory) -> bool:
+        """Whether ``traj`` itself is held in an open group of ``owner``."""
+        group = self._open.get(owner, {}).get(traj.group_id)
+        return group is not None and group.members.get(traj.trajectory_id) is traj
+
     def add(self, traj: Trajectory, now_s: float) -> Added:
         """Hold ``traj`` with the members of its group that arrived before it; its group when this completes
         it. Refused, with nothing changed: a member that would open one group too many for its owner, that

@@ -108,11 +108,21 @@ class Intake:
                 or (self.config.max_trajectories_per_s and self._rate_room(worker, now) < len(keys))):
             for index, traj in enumerate(trajectories):
                 self._take_one(worker, traj, received_at, now, breaches.get(index))
-            return
-        worker.received_session += len(keys)
-        for traj, key in zip(trajectories, keys):
-            traj.received_at = received_at
-            self._take(worker, traj, key, now)
+        else:
+            worker.received_session += len(keys)
+            for traj, key in zip(trajectories, keys):
+                traj.received_at = received_at
+                self._take(worker, traj, key, now)
+        if self.groups.open_groups(worker.worker_id):  # (none in the common case: whole groups per batch)
+            self._detach_held(worker, trajectories)
+
+    def _detach_held(self, worker: WorkerInfo, trajectories: list[Trajectory]) -> None:
+        """Copy the members of ``trajectories`` still held in incomplete groups out of their message's frame, so
+        that a held member pins only its own bytes, never the whole message (which the bound on held bytes,
+        ``open_group_bytes_per_worker``, would not see)."""
+        for traj in trajectories:
+            if traj.group_size > 1 and self.groups.holds_member(worker.worker_id, traj):
+                traj.detach()
 
     def _breaches(self, worker: WorkerInfo, batch: TrajectoryBatch, newest_version: int) -> dict[int, tuple[str, str]]:
         """{index: (reason, message)} of the members of ``batch`` to refuse: those that break the contract, and

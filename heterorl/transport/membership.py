@@ -7,7 +7,6 @@ thread sends it. Not thread-safe: the server's lock guards every call.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from heterorl.config import TransportConfig
@@ -16,8 +15,6 @@ from heterorl.transport.intake import Intake
 from heterorl.transport.protocol import BYE_BUSY, BYE_REFUSED, Bye, Hello, Message, Ready
 from heterorl.transport.registry import Rejections, WorkerInfo, WorkerRegistry
 from heterorl.transport.weights.release import WeightsRelease
-
-log = logging.getLogger("heterorl.transport")
 
 REVOKED = "this worker's key was removed from the learner's allowed keys"
 
@@ -39,8 +36,8 @@ class Membership:
               weights_port: int) -> Message:
         """The answer to ``hello`` on connection ``routing_id`` (signed by CURVE key ``user_id``): ``ready`` with
         ``settings`` (the run's) and the learner's weights ports, a refusal (its id is another key's, its layout
-        does not fit) or busy (the registry is full of live workers). One connection is one worker: an entry
-        under another id on it is replaced."""
+        does not fit) or busy (the registry is full of live workers, or the CURVE key holds ``max_ids_per_key`` live
+        ids). One connection is one worker: an entry under another id on it is replaced."""
         registry = self.registry
         worker = registry.workers.get(hello.worker_id)
         if worker is not None and not registry.owns(worker, user_id):
@@ -49,6 +46,12 @@ class Membership:
         previous = registry.by_routing.get(routing_id)
         if previous is not None and previous != hello.worker_id:
             self.evict(registry.workers[previous], f"its connection said hello as {hello.worker_id!r}", "replaced")
+        if worker is None and user_id is not None and not self._key_has_room(user_id, now):
+            n = len(registry.ids_of_key(user_id))
+            self._reject("key_full", f"hello from {hello.worker_id!r}: its key holds {n} live worker ids")
+            return Bye("learner", f"{BYE_BUSY}this worker's key already holds {n} live worker ids "
+                       f"(transport.max_ids_per_key); a place frees when one of them has been silent for "
+                       f"transport.heartbeat_timeout_s ({self.config.heartbeat_timeout_s:g} s)")
         why = self.release.layout_refusal(hello.layout)
         if why is not None:
             self._reject("bad_layout", f"hello from {hello.worker_id!r}: {why}")
@@ -79,11 +82,24 @@ class Membership:
                    "made_room")
         return True
 
+    def _key_has_room(self, user_id: str, now: float) -> bool:
+        """Whether CURVE key ``user_id`` may register one more worker id: it holds fewer than
+        ``max_ids_per_key``, or one of them taken for dead makes room (the one silent longest is removed)."""
+        mine = self.registry.ids_of_key(user_id)
+        if len(mine) < self.config.max_ids_per_key:
+            return True
+        oldest = self.registry.longest_silent_dead(mine)
+        if oldest is None:
+            return False
+        self.evict(oldest, f"its key holds transport.max_ids_per_key ids and it has been silent for "
+                   f"{now - oldest.last_seen:.0f} s", "key_full")
+        return True
+
     def left(self, worker: WorkerInfo, failed: bool, reason: str) -> None:
         """``worker`` said bye: it is taken for dead (``failed``: it will not come back)."""
         worker.alive, worker.failed = False, failed
         self.admission.reclaim(worker)
-        log.info("worker %s left: %s", worker.worker_id, reason)
+        self.registry.events("left", "worker %s left: %s", worker.worker_id, reason[:200])
 
     def evict(self, worker: WorkerInfo, why: str, reason: str) -> None:
         """Remove ``worker`` from the registry: its incomplete groups are dropped, its unused permits go back

@@ -4,7 +4,9 @@ who may join (the allowed CURVE keys, re-read every ``keys_reload_s``), and the 
 One connection is one worker (a hello under a new id replaces the old entry). A worker silent for
 ``heartbeat_timeout_s`` is taken for dead; one silent for ``worker_expiry_s`` leaves the registry, and when
 ``max_workers`` are registered the dead one silent longest makes room for a newcomer. Its counters then go into
-the fleet's totals (`fleet_totals`). The bottom room of the learner's end (heterorl.transport.server): the others
+the fleet's totals (`fleet_totals`). What a peer names is bounded: the reward outcome names kept
+(`outcomes.OutcomeNames`), the ids of one CURVE key (`ids_of_key`, ``max_ids_per_key``: `Membership`), the
+membership log lines (`PacedLog`). The bottom room of the learner's end (heterorl.transport.server): the others
 read `WorkerInfo`; this module reads none of them. Not thread-safe: the server's lock guards every call.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import socket as pysocket
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +24,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from heterorl.config import TransportConfig
 from heterorl.delay.queue import DelayQueue
+from heterorl.transport.outcomes import OutcomeNames
 from heterorl.transport.protocol import Heartbeat, Hello
 from heterorl.transport.weights.reshard import DestLayout, layout_key
 
@@ -28,7 +32,7 @@ log = logging.getLogger("heterorl.transport")
 
 HOST = pysocket.gethostname()  # a worker whose hello names this host shares the learner's machine
 _TOTALS = ("trajectories", "duplicates", "busy_s", "idle_s")  # per-worker counters `fleet_totals` sums
-_LIVE_ONLY = ("pending_notices", "acks", "rejects", "poisoned_groups")  # left out of a `snapshot`
+_LIVE_ONLY = ("pending_notices", "acks", "rejects", "poisoned_groups", "outcomes_said")  # left out of a `snapshot`
 
 
 class RateLimitedLog:
@@ -43,6 +47,29 @@ class RateLimitedLog:
         n = self.counts[reason]
         if n <= 5 or n % 1000 == 0:
             log.log(self.level, "%s (%s, #%d): %s", self.what, reason, n, message)
+
+
+class PacedLog:
+    """Log a peer's membership events (joined, rejoined, back, left, dead) at most ``burst`` lines of each kind at
+    once, then one per ``interval_s``; the next line logged says how many were left out. An honest fleet's
+    events are all logged; a flood of hellos, byes or ids is not (docs/RELIABILITY.md, "Maps a peer fills")."""
+
+    def __init__(self, burst: int = 20, interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst, self.interval_s, self._clock = burst, interval_s, clock
+        self._allowance: dict[str, tuple[float, float]] = {}  # kind (the code's, never a peer's) → (lines, when)
+        self.left_out: Counter = Counter()  # by kind, since its last line
+
+    def __call__(self, kind: str, fmt: str, *args, level: int = logging.INFO) -> None:
+        now = self._clock()
+        lines, when = self._allowance.get(kind, (float(self.burst), now))
+        lines = min(float(self.burst), lines + (now - when) / self.interval_s)
+        if lines < 1:
+            self._allowance[kind] = (lines, now)
+            self.left_out[kind] += 1
+            return
+        self._allowance[kind] = (lines - 1, now)
+        skipped = self.left_out.pop(kind, 0)
+        log.log(level, fmt + (f" ({skipped} more '{kind}' lines left out)" if skipped else ""), *args)
 
 
 class Rejections:
@@ -93,7 +120,8 @@ class WorkerInfo:
     busy_base: float = 0.0  # busy_s when this session began: its start rate counts the busy seconds since
     idle_s: float = 0.0  # ... and waiting for credit, permits or weights
     groups_session: int = 0  # groups whose first trajectory arrived this session
-    reward_outcomes: dict = field(default_factory=dict)  # its process's programs run by outcome (heartbeats)
+    reward_outcomes: dict = field(default_factory=dict)  # its process's programs run by outcome (heartbeats; folded)
+    outcomes_said: dict = field(default_factory=dict)  # ... as its latest heartbeat said them (at most 64 names)
     outcomes_before: Counter = field(default_factory=Counter)  # ... and its earlier processes' under this id
     last_group_id: str = ""
     starts_granted_session: int = 0  # admission permits granted this session (cumulative)
@@ -129,6 +157,8 @@ class WorkerRegistry:
         self._allowed_keys: set[str] | None = None  # z85 public keys allowed in (CURVE only)
         self._keys_signature, self._keys_checked = None, 0.0  # (the allowed keys' files, when last read)
         self._removal_log = RateLimitedLog("worker removed from the registry", logging.INFO)
+        self.outcome_names = OutcomeNames()
+        self.events = PacedLog()  # membership events' log lines
 
     # -- who is who -------------------------------------------------------------------------------
     def of_connection(self, routing_id: bytes) -> WorkerInfo | None:
@@ -146,9 +176,14 @@ class WorkerRegistry:
     def full(self) -> bool:
         return len(self.workers) >= self.config.max_workers
 
-    def longest_silent_dead(self) -> WorkerInfo | None:
-        """The worker silent longest among those taken for dead (a full registry's candidate to make room)."""
-        dead = [w for w in self.workers.values() if not w.alive]
+    def ids_of_key(self, user_id: str) -> list[WorkerInfo]:
+        """The entries registered by CURVE key ``user_id`` (at most ``max_ids_per_key``)."""
+        return [w for w in self.workers.values() if w.public_key == user_id]
+
+    def longest_silent_dead(self, among: list[WorkerInfo] | None = None) -> WorkerInfo | None:
+        """The worker silent longest among those taken for dead (of ``among``, default all): a full registry's,
+        or a key's at ``max_ids_per_key``, candidate to make room."""
+        dead = [w for w in (self.workers.values() if among is None else among) if not w.alive]
         return min(dead, key=lambda w: w.last_seen) if dead else None
 
     # -- joining and leaving ----------------------------------------------------------------------
@@ -160,11 +195,12 @@ class WorkerRegistry:
                                 public_key=user_id, joined_at=now, last_seen=now,
                                 rate_tokens=self.config.credits_per_worker, rate_refilled=now)
             self.workers[hello.worker_id] = worker
-            log.info("worker %s joined from %s (pid %d)", hello.worker_id, hello.host, hello.pid)
+            self.events("joined", "worker %s joined from %s (pid %d)", hello.worker_id, hello.host, hello.pid)
         else:
             if worker.routing_id != routing_id:
                 self.by_routing.pop(worker.routing_id, None)
-                log.info("worker %s rejoined from %s (pid %d)", hello.worker_id, hello.host, hello.pid)
+                self.events("rejoined", "worker %s rejoined from %s (pid %d)", hello.worker_id, hello.host,
+                            hello.pid)
             worker.routing_id, worker.host, worker.pid = routing_id, hello.host, hello.pid
         self.by_routing[routing_id] = hello.worker_id
         worker.last_seen, worker.alive, worker.version_held = now, True, hello.version_held
@@ -180,10 +216,13 @@ class WorkerRegistry:
         worker.busy_s, worker.idle_s = beat.busy_s, beat.idle_s
         worker.starts_reported = beat.groups_started
         # cumulative over the worker's process: lower counts come from a new process under the same id, so the
-        # previous process's counts are kept aside
-        if any(beat.reward_outcomes.get(name, 0) < count for name, count in worker.reward_outcomes.items()):
+        # previous process's counts are kept aside. Compared by the names it said; kept by the names it may hold
+        # (`OutcomeNames`: the learner's map of names is bounded, whatever a peer invents)
+        said = beat.reward_outcomes
+        if any(said.get(name, 0) < count for name, count in worker.outcomes_said.items()):
             worker.outcomes_before.update(worker.reward_outcomes)
-        worker.reward_outcomes = beat.reward_outcomes
+        worker.outcomes_said = said
+        worker.reward_outcomes = self.outcome_names.fold(said, worker.worker_id)
 
     def mark_dead_if_silent(self, worker: WorkerInfo, now: float) -> bool:
         """Take a live worker silent for ``heartbeat_timeout_s`` for dead; True when it just died."""
@@ -191,7 +230,8 @@ class WorkerRegistry:
         if not worker.alive or silent <= self.config.heartbeat_timeout_s:
             return False
         worker.alive = False
-        log.warning("worker %s silent for %.1f s: marked dead", worker.worker_id, silent)
+        self.events("dead", "worker %s silent for %.1f s: marked dead", worker.worker_id, silent,
+                    level=logging.WARNING)
         return True
 
     def expired(self, worker: WorkerInfo, now: float) -> bool:

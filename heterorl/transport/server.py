@@ -400,7 +400,7 @@ class LearnerServer(Endpoint):
             now = worker.last_seen = time.monotonic()
             if not worker.alive:
                 worker.alive = True
-                log.info("worker %s is back", worker.worker_id)
+                self._registry.events("back", "worker %s is back", worker.worker_id)
             if isinstance(message, (TrajectoryBatch, Trajectory)):
                 batch = message if isinstance(message, TrajectoryBatch) else TrajectoryBatch([message])
                 self._intake.take_batch(worker, batch, time.time(), now, self.store.newest)

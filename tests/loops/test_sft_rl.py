@@ -149,14 +149,16 @@ def test_a_batch_without_signal_runs_no_update_and_says_why():
 def test_a_minibatch_whose_loss_is_not_finite_is_skipped_and_the_rest_still_trains():
     """Behaviour log-probs of -1e30 make GEPO's importance weight overflow: the loss refuses that minibatch
     (`gepo.LossInputError`), which then runs no update, leaves no gradient behind and is handed back by its rows;
-    the weights move exactly as if only the good minibatch had been given."""
+    the weights move exactly as if only the good minibatch had been given. (With ``rl.max_log_ratio`` on, the bad
+    group would be dropped before the loss instead: tests/training/test_bounds.py.)"""
     import copy
 
     import torch
 
     from heterorl.training.step import BAD_BATCH
 
-    cfg = load_config(packaged("maze_rl.yaml"), ["rollout.group_size=4", "loss.name=gepo", "optim.warmup_steps=0"])
+    cfg = load_config(packaged("maze_rl.yaml"), ["rollout.group_size=4", "loss.name=gepo", "optim.warmup_steps=0",
+                                                 "rl.max_log_ratio=null"])
     task = _task(cfg)
     model, tok = load_policy(str(packaged(SFT_BASE)))
     sampler = TrainingClient(copy.deepcopy(model), tok).save_weights_and_get_sampling_client()

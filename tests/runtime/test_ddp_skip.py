@@ -42,7 +42,8 @@ def _rank_main(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # the ranks meet in a file (no port to pick: gloo binds its own free ones)
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     try:
-        cfg = load_config(None, OVERRIDES + ["rl.updates_per_batch=1"])  # the poisoned minibatch is the only one
+        # the poisoned minibatch is the only one; the bound on a group's log-ratio off, so that the loss refuses it
+        cfg = load_config(None, OVERRIDES + ["rl.updates_per_batch=1", "rl.max_log_ratio=null"])
         training = _client()
         poisoned, clean = _poisoned_then_clean(len(training.tokenizer))
         before = _weights(training)
@@ -93,7 +94,7 @@ def test_one_rank_skips_without_any_collective(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", no_collective)
     training = _client()
     poisoned, _ = _poisoned_then_clean(len(training.tokenizer))
-    cfg = load_config(None, OVERRIDES + ["rl.updates_per_batch=1"])
+    cfg = load_config(None, OVERRIDES + ["rl.updates_per_batch=1", "rl.max_log_ratio=null"])
     before = _weights(training)
     skipped: list[SkippedUpdate] = []
     metrics = optimize_batch(training, poisoned, cfg, total_updates=1, skipped=skipped)

@@ -5,7 +5,16 @@ import json
 import numpy as np
 import pytest
 
-from heterorl.runtime.engine_stats import EngineTally, step_mismatch, tallies_to_json
+from heterorl.runtime import engine_stats
+from heterorl.runtime.engine_stats import (
+    KNOWN_ENGINES,
+    MAX_NEW_ENGINES,
+    OTHER_ENGINE,
+    EngineTally,
+    FleetEngines,
+    step_mismatch,
+    tallies_to_json,
+)
 
 
 def test_mismatch_figures_are_those_of_all_tokens_pooled():
@@ -50,3 +59,27 @@ def test_the_ratio_variance_stays_exact_when_the_engines_all_but_agree():
     for part in np.array_split(delta, 7):
         tally.add_mismatch(part)
     assert tally.summary(1.0)["is_ratio_var"] == pytest.approx(np.var(np.expm1(delta)), rel=1e-6)
+
+
+def test_a_resumed_runs_engine_tallies_count_against_the_bound_and_sampler_ids_are_forgotten(monkeypatch):
+    """Tallies read from a checkpoint hold their places among the `MAX_NEW_ENGINES` new names (the rest go to
+    ``other``, known engines never); the engines of at most `MAX_SAMPLERS_REMEMBERED` sampler ids are kept.
+    (Over loopback: tests/transport/test_peer_maps.py.)"""
+
+    class Worker:
+        def __init__(self, worker_id: str, engine: str) -> None:
+            self.worker_id, self.engine = worker_id, engine
+
+    fleet = [Worker(f"w{i}", f"x{i}") for i in range(3)] + [Worker("t", "torch")]
+    resumed = {f"old{i}": EngineTally(received=1) for i in range(MAX_NEW_ENGINES - 1)}
+    engines = FleetEngines(lambda: fleet, resumed)
+    for w in fleet:
+        engines.tally(w.worker_id).received += 1
+    assert [engines.engine(w.worker_id) for w in fleet] == ["x0", OTHER_ENGINE, OTHER_ENGINE, "torch"]
+    assert set(engines.tallies) == set(resumed) | {"x0", OTHER_ENGINE, "torch"}
+    assert engines.tallies[OTHER_ENGINE].received == 2
+    assert KNOWN_ENGINES >= {"torch", "vllm", "unknown", OTHER_ENGINE}
+    monkeypatch.setattr(engine_stats, "MAX_SAMPLERS_REMEMBERED", 2)
+    for w in fleet:
+        engines.engine(w.worker_id)
+    assert list(engines._engine_of) == ["w2", "t"]  # the two used last

@@ -166,11 +166,14 @@ def test_a_hostile_worker_cannot_stop_the_learner_and_is_told_why(tmp_path):
     assert len(trained & honest_sent) >= 44
 
 
-def test_a_batch_whose_loss_is_not_finite_is_skipped_and_kept_for_inspection(tmp_path):
-    """Without a contract a log-prob of -1e30 reaches the loss, which refuses the batch as not finite: the learner
-    runs no update on it, names it in ``skipped_batches.jsonl`` and finishes its steps."""
+@pytest.mark.parametrize("max_log_ratio", ["null", "10"])
+def test_a_batch_whose_loss_is_not_finite_is_skipped_and_kept_for_inspection(tmp_path, max_log_ratio):
+    """Without a contract a log-prob of -1e30 reaches the learner. With ``rl.max_log_ratio`` off, the loss refuses
+    the batch as not finite and the learner runs no update on it; with the bound (the default), the group is
+    dropped before the loss and the rest of its batch trains (docs/RELIABILITY.md, "Bounds on one group"). Either
+    way the learner names it in ``skipped_batches.jsonl`` and finishes its steps."""
     (tmp_path / "run.yaml").write_text(hostile_run(tmp_path / "run"))
-    cfg = load_config(tmp_path / "run.yaml")
+    cfg = load_config(tmp_path / "run.yaml", [f"rl.max_log_ratio={max_log_ratio}"])
     model, tokenizer = load_policy("maze-sft-base")
     server = LearnerServer("tcp://127.0.0.1:0", cfg.transport, settings=learner_settings(cfg))
     records = []
@@ -203,10 +206,17 @@ def test_a_batch_whose_loss_is_not_finite_is_skipped_and_kept_for_inspection(tmp
     assert result.steps == 3
     lines = [json.loads(line) for line in (tmp_path / "run" / SKIPPED_BATCHES).read_text().splitlines()]
     (skipped,) = [line for line in lines if "w-bad-0" in line["trajectory_ids"]]
+    steps = [r for r in records if "optim/updates" in r]
+    assert len(steps) == 3
+    if max_log_ratio == "10":
+        assert skipped["trajectory_ids"] == [t.trajectory_id for t in bad]  # the group alone
+        assert "rl.max_log_ratio = 10" in skipped["reason"]
+        (step,) = [r for r in steps if "optim/dropped_groups" in r]
+        assert step["optim/dropped_groups"] == 1 and step["optim/updates"] == 1
+        return
     assert {t.trajectory_id for t in bad} <= set(skipped["trajectory_ids"]) and len(skipped["trajectory_ids"]) == 16
     assert "not finite" in skipped["reason"]
-    steps = [r for r in records if "optim/updates" in r]
-    assert len(steps) == 3 and sum(r.get("optim/skip_reason") == "bad_batch" for r in steps) == len(lines)
+    assert sum(r.get("optim/skip_reason") == "bad_batch" for r in steps) == len(lines)
 
 
 def test_an_honest_worker_keeps_the_contract_the_learner_states(tmp_path, silent_learner):

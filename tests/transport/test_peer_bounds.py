@@ -95,6 +95,29 @@ def test_incomplete_groups_are_bounded_per_worker_dropped_when_refused_and_expir
     assert server.stats["dropped_groups"] == 4 and server.stats["rejected"] == 4
 
 
+def test_a_member_held_for_its_group_holds_only_its_own_bytes_not_its_whole_message():
+    """A received trajectory's arrays view its message's frame: one member held in an open group kept the whole
+    message alive (32 such messages of 75.5 MB: +2.3 GB while the held bytes counted 2,560). A held member is
+    copied out of its frame."""
+    config = TransportConfig(**QUICK, credits_per_worker=64)
+    with LearnerServer(ADDRESS, config) as server:
+        peer = WorkerClient(server.control_endpoint, "peer", config)
+        try:
+            peer.wait_ready(10)
+            big = member("peer", "big", 0, size=1, tokens=50_000)  # a whole group of one: 800 KB of the frame
+            peer.send_many([big, member("peer", "open", 0)], 5)  # ... and one member of a group of 4, held
+            [taken] = take_all(server, 1)
+            assert taken.trajectory_id == "big-0" and taken.completion_tokens.base is not None  # (a view, taken)
+            # (the assembler's own view of what it holds: no public API hands out held members)
+            [held] = server._intake.groups._open["peer"]["open"].members.values()
+            for array in (held.prompt_tokens, held.completion_tokens, held.behaviour_logprobs,
+                          held.policy_versions):
+                assert array.base is None, "a held member still views its message's frame"
+            assert [w.open_bytes for w in server.workers() if w.worker_id == "peer"] == [held.nbytes]
+        finally:
+            peer.close()
+
+
 def test_a_peer_cannot_squat_another_workers_ids():
     """Ids are the workers' own: a peer that sends the very ids another worker will use (whole groups, and
     groups it never completes) makes none of that worker's trajectories a duplicate, nor its groups

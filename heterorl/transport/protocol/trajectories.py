@@ -96,6 +96,15 @@ class Trajectory(Message):
         """The group's id in its sampler's namespace (see `key`)."""
         return f"{self.sampler_id}|{self.group_id}"
 
+    def detach(self) -> None:
+        """Copy the arrays out of the frame they view (a received trajectory's arrays view its message's data
+        frame, which stays alive as long as one of them does): held apart from its message, it holds only its own
+        bytes (`nbytes`)."""
+        for name in ("prompt_tokens", "completion_tokens", "behaviour_logprobs", "policy_versions"):
+            array = getattr(self, name)
+            if array.base is not None:
+                setattr(self, name, array.copy())
+
     def to_wire(self):
         body = super().to_wire()
         body["prompt_tokens"] = le_bytes(self.prompt_tokens, "<i4")
