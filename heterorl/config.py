@@ -125,6 +125,12 @@ class TransportConfig:
     weights_chunk_bytes: int = 4 * 2**20
     weights_pipeline: int = 8  # chunk requests in flight per fetch
     fetch_timeout_s: float = 30.0  # restart a weights fetch after this long without a chunk
+    # the learner's weights serving (docs/RELIABILITY.md, "Weights serving"): bytes of chunk replies not yet handed
+    # to the network, per worker and in all (a chunk request beyond either is answered with its header, and the
+    # worker asks again shortly); 0 per worker: twice a fetch's pipeline (weights_chunk_bytes x weights_pipeline x 2)
+    weights_bytes_in_flight_per_worker: int = 0
+    weights_bytes_in_flight: int = 2 * 2**30
+    max_layouts: int = 8  # distinct slice layouts a sharded learner packs each publish; a hello beyond is refused
     max_retained_versions: int = 64  # packed versions kept for workers whose release is still delayed
     # send a version as deltas from the one a worker holds (heterorl.transport.weights.deltas): exact, checked, and a
     # full snapshot whenever the chain is missing, longer than a snapshot, or doubted. Off: every version whole
@@ -138,6 +144,20 @@ class TransportConfig:
     open_groups_per_worker: int = 32
     open_group_bytes_per_worker: int = 256 * 2**20
     group_timeout_s: float = 600.0  # a group still incomplete this long after its first member arrived is dropped
+    # ... or sooner: 4 x the slowest of its worker's recent groups took to arrive whole, at least this (seconds)
+    group_deadline_min_s: float = 5.0
+    # admission permits are leases (docs/RELIABILITY.md, "Permits"): a worker that owes a group for 4 x its
+    # measured seconds per group (within these bounds) stops holding its share; a probation permit lasts
+    # permit_lease_s; at most probation_permits are out at once
+    permit_lease_s: float = 60.0
+    permit_lease_min_s: float = 5.0
+    probation_permits: int = 2
+    # a connection with more refused messages than this within a second is throttled (its messages discarded
+    # unread) for throttle_s, doubling each time; its worker is disconnected (and refused for the back-off) at
+    # the throttles_before_disconnect-th throttle in a row (docs/RELIABILITY.md, "Work a peer makes")
+    max_refusals_per_s: int = 1000
+    throttle_s: float = 1.0
+    throttles_before_disconnect: int = 3
     max_trajectories_per_s: float = 0.0  # per worker, enforced through its credit; 0: no limit
     keys_reload_s: float = 2.0  # how often the learner re-reads its allowed-keys folder (revocation)
     linger_ms: int = 1000
@@ -146,9 +166,13 @@ class TransportConfig:
     def validate(self, key: str = "transport") -> None:
         _positive(self, key, "control_hwm", "weights_hwm", "credits_per_worker", "trajectory_batch",
                   "weights_chunk_bytes", "weights_pipeline", "max_retained_versions", "dedup_window", "max_workers",
-                  "max_ids_per_key",
+                  "max_ids_per_key", "weights_bytes_in_flight", "max_layouts",
                   "heartbeat_interval_s", "open_groups_per_worker", "open_group_bytes_per_worker", "group_timeout_s",
-                  "keys_reload_s")
+                  "keys_reload_s", "group_deadline_min_s", "permit_lease_s", "permit_lease_min_s", "probation_permits",
+                  "max_refusals_per_s", "throttle_s", "throttles_before_disconnect")
+        if self.permit_lease_min_s > self.permit_lease_s:
+            _fail(f"{key}.permit_lease_min_s", self.permit_lease_min_s,
+                  f"must be at most `{key}.permit_lease_s` ({self.permit_lease_s})")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             _fail(f"{key}.heartbeat_timeout_s", self.heartbeat_timeout_s,
                   f"must exceed `{key}.heartbeat_interval_s` ({self.heartbeat_interval_s})")
@@ -158,6 +182,11 @@ class TransportConfig:
                   "taken for dead can expire")
         if not self.max_trajectories_per_s >= 0:
             _fail(f"{key}.max_trajectories_per_s", self.max_trajectories_per_s, "must be >= 0 (0: no limit)")
+        pipeline_bytes = self.weights_chunk_bytes * self.weights_pipeline
+        if self.weights_bytes_in_flight_per_worker and self.weights_bytes_in_flight_per_worker < pipeline_bytes:
+            _fail(f"{key}.weights_bytes_in_flight_per_worker", self.weights_bytes_in_flight_per_worker,
+                  f"must be 0 (twice a fetch's pipeline) or at least `{key}.weights_chunk_bytes` x "
+                  f"`{key}.weights_pipeline` ({pipeline_bytes}), or an honest fetch would wait on itself")
 
 
 DELAY_KINDS = ("none", "constant", "uniform", "exponential", "lognormal", "weibull", "trace")

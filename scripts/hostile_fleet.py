@@ -101,12 +101,15 @@ def drill_poison(endpoint: str, rounds: int, report: dict) -> None:
 
 
 def drill_open_groups(endpoint: str, rounds: int, report: dict) -> None:
-    """One member of each of many groups, never completed: held up to the bound, the rest refused."""
+    """One member of each of many groups, never completed, without asking for permits: the one its probation
+    permit allows is held (until its deadline), the rest refused beyond its start limit (or, at a high rate of
+    refusals, its connection throttled)."""
     client = peer(endpoint, "hostile-open")
     sent = rounds * 50
     for n in range(sent):
         send(client, [member("hostile-open", f"open-{n}", 0)])
-    wait(lambda: client.stats["acked"] + told(client)["open_groups_bound"] >= sent, 60)
+    wait(lambda: client.stats["acked"] + sum(told(client).values()) >= sent
+         or any(r.startswith("throttled: ") for r in client.rejections), 60)
     report["open_groups"] = {"sent": sent, "held": client.stats["acked"], "told": dict(told(client))}
     client.close()
 
@@ -115,11 +118,16 @@ def drill_replay(endpoint: str, run_dir: Path, report: dict) -> None:
     """The honest worker's trained ids (from the learner's checkpoint), sent again as this peer's own, and
     with its sampler id forged."""
     state = wait(lambda: _trained_ids(run_dir), 120)
-    ids = [key.split("|", 1)[1] for key in state if key.startswith("honest|")][:64]
+    ids = [key.split("|", 1)[1] for key in state if key.startswith("honest|")][:16]
     client = peer(endpoint, "hostile-replay")
-    groups = sorted({tid.rsplit("-", 1)[0] for tid in ids})
-    for g in groups:
+    groups = []
+    for g in sorted({tid.rsplit("-", 1)[0] for tid in ids}):  # each on a permit, as a worker starts a group,
+        if not client.acquire_starts(1, timeout_s=60):  # while the run gives permits
+            break
         send(client, [member("hostile-replay", g, j) for j in range(GROUP)])
+        groups.append(g)
+    if not groups:
+        raise RuntimeError("the replaying peer got no admission permit before the run ended")
     send(client, [member("honest", groups[0], j) for j in range(GROUP)])  # forged: names the honest sampler
     wait(lambda: client.stats["acked"] + sum(told(client).values()) >= GROUP * (len(groups) + 1), 60)
     report["replay"] = {"groups": len(groups), "accepted": client.stats["acked"], "told": dict(told(client))}

@@ -161,6 +161,8 @@ def test_the_config_a_learner_sends_its_workers_is_in_the_form_the_previous_rele
     data = yaml.safe_load(sent)
     assert "group_timeout_s" not in data["transport"] and data["buffer"]["partial_group_timeout_s"] == 45
     # the learner's own bounds, new since that release, stay home
-    assert "max_ids_per_key" not in data["transport"]
+    assert not {"max_ids_per_key", "group_deadline_min_s", "permit_lease_s", "permit_lease_min_s", "probation_permits",
+                "max_refusals_per_s", "throttle_s", "throttles_before_disconnect", "max_layouts",
+                "weights_bytes_in_flight", "weights_bytes_in_flight_per_worker"} & set(data["transport"])
     assert not {"max_log_ratio", "max_abs_reward"} & set(data["rl"])
     assert to_yaml(load_config(text=sent)) == to_yaml(cfg)

@@ -503,6 +503,11 @@ def _config_for_workers(cfg: Config) -> str:
     stay home."""
     data = to_dict(cfg)
     del data["transport"]["group_timeout_s"], data["transport"]["max_ids_per_key"]
+    for key in ("group_deadline_min_s", "permit_lease_s", "permit_lease_min_s", "probation_permits",
+                "max_refusals_per_s", "throttle_s", "throttles_before_disconnect"):
+        del data["transport"][key]  # the learner's admission, group deadlines and throttling alone
+    for key in ("weights_bytes_in_flight_per_worker", "weights_bytes_in_flight", "max_layouts"):
+        del data["transport"][key]  # the learner's weights serving alone
     for key in ("max_log_ratio", "max_abs_reward"):
         del data["rl"][key]
     return yaml.safe_dump(data, sort_keys=False)

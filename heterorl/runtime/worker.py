@@ -147,6 +147,12 @@ class Pipeline:
         if pending is not None:
             pending.result()
 
+    def check(self) -> None:
+        """Raise the error of the job in flight if it has ended with one (a worker waiting for permits learns at
+        once that its last batch failed)."""
+        if self._pending is not None and self._pending.done():
+            self.drain()
+
     def close(self) -> None:
         """Stop taking jobs; the one in flight ends on its own (a closing worker's sends give up at once)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -325,6 +331,7 @@ class RolloutWorker:
             # admission permits may come a few at a time: a sync share is sampled in as many calls as it takes
             n = self._wait(self.client.acquire_starts, owed if sync else cfg.runtime.groups_per_call, 1.0)
             if n == 0:
+                self._scoring.check()
                 continue
             owed -= n if sync else 0
             self._generate_and_send(cfg, task, [task.sample_train(rng) for _ in range(n)])

@@ -12,6 +12,7 @@ every call.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict, deque
 
 from heterorl.config import TransportConfig
@@ -34,7 +35,7 @@ class Intake:
         self._reject = reject
         self.contract = contract
         self.groups = GroupAssembler(config.group_timeout_s, config.open_groups_per_worker,
-                                     config.open_group_bytes_per_worker)
+                                     config.open_group_bytes_per_worker, config.group_deadline_min_s)
         self._seen: OrderedDict[str, None] = OrderedDict()  # `Trajectory.key`s taken (dedup_window newest)
         self._queue: deque[list[Trajectory]] = deque()  # complete groups, oldest first
         self.queued = 0  # trajectories in the queue
@@ -76,6 +77,10 @@ class Intake:
             worker = self.registry.workers.get(sampler_id)
             if worker is not None:  # (not one removed from the registry since, whose id came back)
                 worker.buffered = max(0, worker.buffered - count)
+
+    def waits_on_learner(self, worker: WorkerInfo) -> bool:
+        """Whether complete groups of ``worker`` wait in the queue for the learner to take them."""
+        return worker.buffered > self.groups.held_by(worker.worker_id)
 
     # -- credit -----------------------------------------------------------------------------------
     def credit_limit(self, worker: WorkerInfo, now: float) -> int:
@@ -175,16 +180,23 @@ class Intake:
 
     def _take(self, worker: WorkerInfo, traj: Trajectory, key: str, now: float) -> None:
         """Accept ``traj`` (new, within credit and the contract) into its group, and queue the group when this
-        completes it; or refuse it, with its group, when it would take its worker past its bounds on incomplete
-        groups (`GroupAssembler.add`)."""
+        completes it; or refuse it, with its group, when it starts a group beyond the worker's start limit
+        (admission control) or would take its worker past its bounds on incomplete groups
+        (`GroupAssembler.add`)."""
         if traj.group_size > 1 and traj.group_id in worker.poisoned_groups:
             self._refuse_member(worker, traj, GROUP_REJECTED, f"group {traj.group_id} has a member that was rejected")
+            return
+        starts = traj.group_id != worker.last_group_id and not self.groups.holds(worker.worker_id, traj.group_id)
+        if starts and not self.admission.may_start(worker):
+            self._refuse_member(worker, traj, "over_start_limit", (
+                f"{worker.worker_id} started group {traj.group_id} beyond its start limit "
+                f"({worker.start_limit_told} groups this session): wait for the learner's permits"), counted=False)
             return
         added = self.groups.add(traj, now)
         if added.refused is not None:
             self._refuse_member(worker, traj, *added.refused)
             return
-        if traj.group_id != worker.last_group_id:
+        if starts:
             self.admission.count_start(worker, traj.group_id)
         self._seen[key] = None
         if len(self._seen) > self.config.dedup_window:
@@ -198,12 +210,15 @@ class Intake:
         if added.complete is not None:
             self._queue.append(added.complete)
             self.queued += len(added.complete)
+            self.admission.count_complete(worker, traj.group_id, now)
 
     # -- refusals and drops -----------------------------------------------------------------------
-    def _refuse_member(self, worker: WorkerInfo, traj: Trajectory, reason: str, message: str) -> None:
+    def _refuse_member(self, worker: WorkerInfo, traj: Trajectory, reason: str, message: str,
+                       counted: bool = True) -> None:
         """Refuse ``traj`` and, with it, its group: the members held so far are dropped, later ones refused
         (`GROUP_REJECTED`). A refused group still counts as a group its worker started (an admission permit),
-        and widens the fleet's admission cap by one, as it will never be trained."""
+        and widens the fleet's admission cap by one, as it will never be trained — unless not ``counted`` (it
+        was refused for starting beyond its worker's permits)."""
         poisoned = worker.poisoned_groups
         poisoned[traj.group_id] = None
         while len(poisoned) > _POISONED_GROUPS_KEPT:
@@ -212,9 +227,11 @@ class Intake:
                                       f"its member {traj.trajectory_id} was refused")
         if dropped is not None:
             self._dropped(worker, dropped)
+        elif not counted:
+            worker.last_group_id = traj.group_id  # (its later members are refused with it, never counted)
         elif traj.group_id != worker.last_group_id:
             self.admission.count_start(worker, traj.group_id)
-            self.admission.count_refused()
+            self.admission.count_dropped(worker, traj.group_id, time.monotonic())
         self._reject(reason, message, worker, traj.trajectory_id)
 
     def drop_groups(self, worker: WorkerInfo, reason: str, why: str) -> None:
@@ -232,7 +249,8 @@ class Intake:
         ``stats["dropped_groups/<reason>"]`` and told to the worker)."""
         members = len(dropped.members)
         worker.buffered = max(0, worker.buffered - members)
-        self.admission.count_refused()  # started (and counted), never trained: the admission cap widens
+        # started (and counted), never trained: the admission cap widens
+        self.admission.count_dropped(worker, dropped.group_id, time.monotonic())
         self.stats["dropped_groups"] += 1
         self.stats[f"dropped_groups/{dropped.reason}"] += 1
         self.stats["dropped_trajectories"] += members

@@ -7,6 +7,7 @@ thread sends it. Not thread-safe: the server's lock guards every call.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from heterorl.config import TransportConfig
@@ -14,6 +15,7 @@ from heterorl.transport.admission import Admission
 from heterorl.transport.intake import Intake
 from heterorl.transport.protocol import BYE_BUSY, BYE_REFUSED, Bye, Hello, Message, Ready
 from heterorl.transport.registry import Rejections, WorkerInfo, WorkerRegistry
+from heterorl.transport.throttle import PeerThrottle, Verdict
 from heterorl.transport.weights.release import WeightsRelease
 
 REVOKED = "this worker's key was removed from the learner's allowed keys"
@@ -28,9 +30,9 @@ class Membership:
     """Joins and departures over the four rooms."""
 
     def __init__(self, config: TransportConfig, registry: WorkerRegistry, intake: Intake, admission: Admission,
-                 release: WeightsRelease, reject: Rejections) -> None:
+                 release: WeightsRelease, reject: Rejections, throttle: PeerThrottle) -> None:
         self.config, self.registry, self.intake = config, registry, intake
-        self.admission, self.release, self._reject = admission, release, reject
+        self.admission, self.release, self._reject, self.throttle = admission, release, reject, throttle
 
     def hello(self, routing_id: bytes, hello: Hello, user_id: str | None, now: float, settings: dict[str, Any],
               weights_port: int) -> Message:
@@ -39,6 +41,11 @@ class Membership:
         does not fit) or busy (the registry is full of live workers, or the CURVE key holds ``max_ids_per_key`` live
         ids). One connection is one worker: an entry under another id on it is replaced."""
         registry = self.registry
+        banned_s = self.throttle.banned_for([hello.worker_id, user_id or ""], now)
+        if banned_s:
+            self._reject("banned", f"hello from {hello.worker_id!r}, disconnected for its refusals")
+            return Bye("learner", f"{BYE_BUSY}this worker was disconnected for the rate of its refused messages; "
+                       f"say hello in {banned_s:.0f} s")
         worker = registry.workers.get(hello.worker_id)
         if worker is not None and not registry.owns(worker, user_id):
             self._reject("forged_id", f"worker id {hello.worker_id!r} belongs to another key")
@@ -71,6 +78,7 @@ class Membership:
         return Ready(worker_id=hello.worker_id, credits=worker.last_credit_sent,
                      newest_version=worker.released_version, heartbeat_interval_s=self.config.heartbeat_interval_s,
                      settings={**settings, "weights_port": weights_port, "start_limit": self.admission.first_limit(),
+                               **self.release.session_settings(worker),
                                **self.release.shard_settings()})
 
     def _make_room(self, now: float) -> bool:
@@ -108,6 +116,26 @@ class Membership:
         self.admission.reclaim(worker)
         self.registry.remove(worker, why, reason)
         self.release.forget(worker.worker_id)
+
+    def throttled(self, routing_id: bytes, verdict: Verdict, now: float) -> Message | None:
+        """Connection ``routing_id`` was throttled (``verdict``): its worker is told so in its next ack, or, at
+        `Verdict.DISCONNECT`, removed from the registry, its id and key refused for the back-off, and the bye
+        returned to send."""
+        backoff = self.throttle.backoff_s(routing_id)
+        why = (f"more than transport.max_refusals_per_s ({self.config.max_refusals_per_s}) of its messages "
+               "refused within a second")
+        worker = self.registry.of_connection(routing_id)
+        name = worker.worker_id if worker is not None else "a peer that has not said hello"
+        self.registry.events("throttled", "%s %s for %g s: %s", name, verdict.value, backoff, why,
+                             level=logging.WARNING)
+        if worker is None:
+            return None
+        if verdict is Verdict.THROTTLED:
+            worker.rejects.append(f"throttled: its messages are discarded unread for {backoff:g} s: {why}")
+            return None
+        self.throttle.ban([worker.worker_id, worker.public_key or ""], now + backoff)
+        self.evict(worker, why, "throttled")
+        return Bye("learner", f"{BYE_BUSY}disconnected for {backoff:g} s: {why}")
 
     def check_alive(self, worker: WorkerInfo, now: float) -> bool:
         """Time out what ``worker`` holds: itself (dead after ``heartbeat_timeout_s`` of silence, removed from

@@ -126,6 +126,18 @@ class WorkerInfo:
     last_group_id: str = ""
     starts_granted_session: int = 0  # admission permits granted this session (cumulative)
     starts_reported: int = -1  # permits it has used this session, as its latest heartbeat said (-1: none said)
+    start_limit_told: int = 0  # the highest start limit told this session: it may start no more groups
+    permits_voided: int = 0  # of starts_granted_session, taken back since (`Admission._held`)
+    permits_reusable: int = 0  # of those, the ones it never used (granted again without a new start limit)
+    groups_completed_session: int = 0  # its groups completed this session (queued for the learner)
+    groups_dropped_session: int = 0  # ... started and then refused or dropped
+    first_completed_at: float = 0.0  # when its first and latest groups completed (the learner's monotonic clock)
+    last_completed_at: float = 0.0
+    lease_from: float = 0.0  # its lease clock runs from here (`Admission.delivering`)
+    probation_since: float = -1.0  # when it was granted the probation permit it holds (-1: none)
+    probation_group: str = ""  # the group it spent that permit on ("": not yet)
+    permit_expiries: int = 0  # its probation permits expired in a row (its back-off doubles)
+    permits_backoff_until: float = 0.0  # no probation permit before this
     last_start_limit_sent: int = -2
     poisoned_groups: OrderedDict = field(default_factory=OrderedDict)  # recent group ids with a rejected member
     open_bytes: int = 0  # in a snapshot (`LearnerServer.workers`): the bytes its incomplete groups hold

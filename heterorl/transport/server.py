@@ -65,6 +65,7 @@ from heterorl.transport.sockets import (
     require_security,
     send_frames,
 )
+from heterorl.transport.throttle import PeerThrottle, Verdict
 from heterorl.transport.weights.release import WeightsRelease
 from heterorl.transport.weights.store import WeightsStore
 
@@ -131,12 +132,14 @@ class LearnerServer(Endpoint):
         self.stats: Counter = Counter()
         self._reject = Rejections(self.stats)
         self._registry = WorkerRegistry(self.config, self.stats, curve.allowed_keys_dir if curve else None)
-        self._admission = Admission(self._registry)
+        self._admission = Admission(self._registry, self.config, self.stats)
         self._intake = Intake(self.config, self.stats, self._registry, self._admission, self._reject, contract)
         self._release = WeightsRelease(self.config, self.stats, self._registry, published_before, weights_delay,
                                       shard_ranks, shard_ports, model_shapes)
+        self._throttle = PeerThrottle(self.config.max_refusals_per_s, self.config.throttle_s,
+                                      self.config.throttles_before_disconnect)
         self._membership = Membership(self.config, self._registry, self._intake, self._admission, self._release,
-                                     self._reject)
+                                     self._reject, self._throttle)
         self._stop, self._ready = threading.Event(), threading.Event()
         self._error: BaseException | None = None
         self.control_endpoint = self.weights_endpoint = ""
@@ -258,12 +261,12 @@ class LearnerServer(Endpoint):
         workers hold unused — by their heartbeats' count of permits used, which includes groups still on their
         way (None: no admission control). 0 while the learner waits: the pace holds it back."""
         with self._lock:
-            return self._admission.permits_left()
+            return self._admission.permits_left(time.monotonic())
 
     def admission_state(self) -> str:
         """One line on the admission permits (for a learner that waits long for data)."""
         with self._lock:
-            return self._admission.state_line()
+            return self._admission.state_line(time.monotonic())
 
     def workers(self) -> list[WorkerInfo]:
         """A snapshot of the worker registry."""
@@ -373,8 +376,26 @@ class LearnerServer(Endpoint):
             self._housekeeping(control, now, beat)
 
     def _on_control(self, sock: zmq.Socket, frames: list) -> None:
-        routing_id = frames[0].bytes
+        """A control message: discarded unread while its connection is throttled; else handled, and its refusals
+        counted against its connection (`PeerThrottle`), which may throttle it (`Membership.throttled`)."""
+        routing_id, now = frames[0].bytes, time.monotonic()
         self.stats["received"] += 1
+        if self._throttle.discards(routing_id, now):
+            self.stats["throttled/discarded"] += 1
+            return
+        refused = self.stats["rejected"]
+        try:
+            self._handle_control(sock, routing_id, frames)
+        finally:
+            verdict = self._throttle.count(routing_id, self.stats["rejected"] - refused, now)
+            if verdict is not Verdict.OK:
+                self.stats[f"throttled/{verdict.value}"] += 1
+                with self._lock:
+                    bye = self._membership.throttled(routing_id, verdict, now)
+                if bye is not None:
+                    self._send(sock, routing_id, bye)
+
+    def _handle_control(self, sock: zmq.Socket, routing_id: bytes, frames: list) -> None:
         try:
             message = decode(frames[1:], self.limits)
         except ProtocolError as exc:
@@ -420,16 +441,18 @@ class LearnerServer(Endpoint):
         try:
             request = decode(frames[1:], self.limits)
         except ProtocolError as exc:
-            self._reject(exc.reason, f"on the weights channel: {exc}")
-            return
+            return self._reject(exc.reason, f"on the weights channel: {exc}")
         if not isinstance(request, WeightsRequest):
-            self._reject("unexpected_kind", f"{request.kind} on the weights channel")
-            return
+            return self._reject("unexpected_kind", f"{request.kind} on the weights channel")
         user_id = frames[1].get("User-Id") if self._curve is not None else None
         with self._lock:
             worker = self._registry.workers.get(request.worker_id)
             if worker is None or not (self._registry.owns(worker, user_id) and self._registry.key_allowed(user_id)):
                 self._reject("unknown_peer", f"weights request for unknown worker {request.worker_id!r}")
+                return
+            if not self._release.in_session(worker, request.session):
+                self._reject("wrong_session", f"weights request for {request.worker_id!r} without the token of its "
+                             "current session (a connection that is not its session's)")
                 return
             reply = self._release.reply(request, worker)
         if reply is not None:
@@ -447,7 +470,7 @@ class LearnerServer(Endpoint):
             if self._registry.keys_due(now) and self._registry.reload_keys():
                 for routing_id, message in self._membership.revoke():
                     self._send(sock, routing_id, message)
-            fleet_rate = self._admission.fleet_rate()
+            live = []
             for worker in list(self._registry.workers.values()):
                 if not self._membership.check_alive(worker, now):
                     continue
@@ -456,8 +479,11 @@ class LearnerServer(Endpoint):
                     continue
                 if released:
                     outgoing.append((worker.routing_id, WeightsNotice(worker.released_version)))
+                live.append(worker)
+            self._admission.grant_all(now, self._intake.waits_on_learner)
+            for worker in live:
                 limit = self._intake.credit_limit(worker, now)
-                start_limit = self._admission.grant(worker, fleet_rate)
+                start_limit = self._admission.limit_of(worker)
                 if (worker.acks or worker.rejects or limit != worker.last_credit_sent
                         or start_limit != worker.last_start_limit_sent or beat):
                     outgoing.append((worker.routing_id, Ack(worker.acks, worker.rejects, limit, start_limit,

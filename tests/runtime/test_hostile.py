@@ -106,6 +106,8 @@ def test_a_hostile_worker_cannot_stop_the_learner_and_is_told_why(tmp_path):
         while not stop.is_set():
             got = client.latest_weights()
             version = got[0] if got else version
+            if not client.acquire_starts(1, timeout_s=0.2):  # a group starts on an admission permit
+                continue
             group = [member("honest", f"honest-{n}", j, version=version) for j in range(4)]
             send(client, group, stop)
             honest_sent.update(t.key for t in group)
@@ -124,9 +126,10 @@ def test_a_hostile_worker_cannot_stop_the_learner_and_is_told_why(tmp_path):
     try:
         assert TrajectoryContract.from_settings(hostile.wait_ready(30).settings) == contract  # stated in ready
         assert hostile.wait_weights(-1, 60) is not None  # version 0 is out: version 0 is not ahead
+        assert hostile.acquire_starts(1, timeout_s=30) == 1  # its one valid group starts on a permit, as a worker's
+        send(hostile, FITS)
         for _, group in POISONS.values():
             send(hostile, group)
-        send(hostile, FITS)
         # a group's poisoned first member is refused, and members that arrive later in another message too
         send(hostile, poisoned("h-late", behaviour_logprobs=np.full(2, -1e30, np.float32))[:1])
         wait_until(lambda: any(r.startswith("h-late-0:") for r in hostile.rejections), 30, "h-late-0 refused")

@@ -15,23 +15,23 @@ ROUNDS, HELLOS, CONNECTIONS, MAX_WORKERS = 2, 200, 30, 16
 
 @pytest.mark.slow
 def test_a_real_learner_survives_the_hostile_drill(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/hostile_fleet.py", "--rounds", str(ROUNDS), "--steps", "20",
+    done = subprocess.run([sys.executable, "scripts/hostile_fleet.py", "--rounds", str(ROUNDS), "--steps", "300",
                            "--hellos", str(HELLOS), "--connections", str(CONNECTIONS), "--max-workers",
                            str(MAX_WORKERS), "--out", str(tmp_path)], cwd=REPO, env=ENV, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and "every promise held" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "drill.json").read_text())
     learner = report["learner"]
-    assert learner["exit_code"] == 0 and learner["steps"] == 20 and learner["late_worker_joined"]
+    assert learner["exit_code"] == 0 and learner["steps"] == 300 and learner["late_worker_joined"]
     assert set(learner["trained_from"]) <= {"honest", "late", "hostile-replay"}
     # every poisoned group refused whole, by the reason of its poisoned member
     poison = report["poison"]
     assert poison["accepted"] == 0 and poison["told"] == {
         "version_ahead": ROUNDS, "token_out_of_vocab": ROUNDS, "too_long": ROUNDS, "logprob_below_floor": ROUNDS,
         "group_too_large": 4 * ROUNDS, "group_rejected": 3 * 4 * ROUNDS}
-    # groups never completed: held up to the bound, the rest refused
+    # groups never completed, started without permits: at most its probation permit's one held, the rest refused
     opened = report["open_groups"]
-    assert opened["held"] == 32 and opened["told"]["open_groups_bound"] == opened["sent"] - 32
+    assert opened["held"] <= 1 and opened["told"]["over_start_limit"] == opened["sent"] - opened["held"]
     # replayed ids are the peer's own; a forged sampler is refused
     assert report["replay"]["accepted"] == 4 * report["replay"]["groups"] and report["replay"]["told"] == {
         "forged_id": 4}
@@ -40,5 +40,5 @@ def test_a_real_learner_survives_the_hostile_drill(tmp_path):
     assert sum(answers.values()) == CONNECTIONS and answers.get("bye (busy)", 0) >= CONNECTIONS - MAX_WORKERS
     assert learner["duplicates"] == 0 and learner["dropped_trained"] == 0
     counts = learner["transport"]
-    assert counts["rejected/open_groups_bound"] == opened["told"]["open_groups_bound"]
+    assert counts["rejected/over_start_limit"] >= opened["told"]["over_start_limit"]
     assert counts["workers_removed"] >= HELLOS - 1

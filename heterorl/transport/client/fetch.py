@@ -92,6 +92,7 @@ class ReceiveBuffers:
 
 RESYNC_BACKOFF_S = 0.5  # the second resync in a row waits this long before it asks, each later one twice as long
 RESYNC_BACKOFF_MAX_S = 30.0  # ... up to this
+REASK_S = 0.05  # chunks the learner held back (its bytes in flight at their bound) are asked again this soon
 
 
 class WeightsFetch:
@@ -119,6 +120,18 @@ class WeightsFetch:
         self.failures = 0  # resyncs since the last version verified
         self.resume_at = 0.0  # backing off: no request before then
         self.deferred: int | None = None  # the version a start held back by the back-off wants (`check_timeout`)
+        self.session = ""  # the token of this worker's session with the learner, named in each request
+        # chunk requests the learner held back: asked again at once, then at most every REASK_S (`check_timeout`)
+        self.reask_at, self.reask_due = 0.0, False
+
+    def new_session(self, token: str) -> None:
+        """The learner began a new session with this worker (a ``ready``, its ``weights_session``): requests carry
+        ``token`` from now on, and a transfer asked for under an earlier session is given up (the learner no
+        longer answers it); the held bytes stay the base of deltas."""
+        if token != self.session:
+            self.session = token
+            self._drop_transfer()
+            self.active, self.header = False, None
 
     def start(self, sock: zmq.Socket, receiver: FetchOwner, now: float, want: int = -1) -> None:
         if now < self.resume_at:
@@ -132,7 +145,7 @@ class WeightsFetch:
         self.last_progress = now
         base = self.held[0].version if self.held is not None and receiver.config.weights_deltas else -1
         request = WeightsRequest(receiver.worker_id, have_version=receiver.fetched_version, version=want,
-                                 delta_base=base, layout=receiver.layout_key)
+                                 delta_base=base, layout=receiver.layout_key, session=self.session)
         send_frames(sock, encode(request), receiver.stats, "weights_request")
 
     def resync(self, sock, receiver: FetchOwner, now: float, reason: str | None = None) -> None:
@@ -159,10 +172,16 @@ class WeightsFetch:
     def _request(self, sock, receiver: FetchOwner, index: int) -> None:
         request = WeightsRequest(receiver.worker_id, have_version=receiver.fetched_version,
                                  version=self.header.version, chunk=index, delta_base=self.header.base_version,
-                                 layout=receiver.layout_key)
+                                 layout=receiver.layout_key, session=self.session)
         send_frames(sock, encode(request), receiver.stats, "weights_request")
 
     def _on_header(self, sock, receiver: FetchOwner, message: WeightsHeader, now: float) -> None:
+        if self.header is not None and (message.version, message.base_version) == (self.header.version,
+                                                                                   self.header.base_version):
+            receiver.stats["weights/held_back"] += 1  # the header of this transfer: a chunk request was held back
+            self.reask_due = True
+            self._reask(sock, receiver, now)
+            return
         if self.want >= 0 and message.version != self.want:
             self.active = False  # this rank has not published it yet (or no longer keeps it): `_Shards` asks again
             receiver.stats["weights/shard_not_ready"] += 1
@@ -181,7 +200,7 @@ class WeightsFetch:
             self.resync(sock, receiver, now, "delta_base")
             return
         self._drop_transfer()  # (a transfer of an older version was under way: its buffer is free)
-        self.header, self.received = message, set()
+        self.header, self.received, self.reask_due = message, set(), False
         self.buffer = (np.empty(message.payload_bytes, np.uint8) if message.is_delta
                        else self.buffers.take(message.total_bytes))
         receiver.stats["weights/fresh_buffers"] = self.buffers.allocated
@@ -273,3 +292,14 @@ class WeightsFetch:
             self.active = False
         if self.deferred is not None and now >= self.resume_at:
             self.start(sock, receiver, now, self.deferred)
+        self._reask(sock, receiver, now)
+
+    def _reask(self, sock, receiver: FetchOwner, now: float) -> None:
+        """Ask again for the chunks asked for and not received, once the learner held one back and `REASK_S` has
+        passed since the last time (a chunk that was only slow then comes twice: the second is ignored)."""
+        if not self.reask_due or self.header is None or now < self.reask_at:
+            return
+        self.reask_due, self.reask_at = False, now + REASK_S
+        for index in range(self.next_chunk):
+            if index not in self.received:
+                self._request(sock, receiver, index)

@@ -355,6 +355,7 @@ class WorkerClient(Endpoint):
     def _on_ready(self, ready: Ready) -> None:
         host = self.address.rsplit(":", 1)[0]
         self._receiver.join(host, ready.settings)
+        self._receiver.fetch.new_session(str(ready.settings.get("weights_session", "")))
         with self._lock:
             first = self._ready is None
             self._ready = ready

@@ -50,7 +50,11 @@ class WeightsRequest(Message):
 
     ``delta_base`` (optional; −1 or absent: none): on a header request, the version whose bytes the worker holds
     whole and verified, so the learner may send the newest version as deltas from it; on a chunk request, the
-    base of the delta payload being fetched (−1: the full version)."""
+    base of the delta payload being fetched (−1: the full version).
+
+    ``session``: the token of the worker's current session, which the learner's ``ready`` gave it
+    (``weights_session``): the learner answers only requests that carry it, so a connection that is not the
+    worker's session cannot fetch in its name."""
 
     kind: ClassVar[str] = "weights_request"
     worker_id: str
@@ -59,7 +63,8 @@ class WeightsRequest(Message):
     chunk: int = -1
     delta_base: int = -1
     layout: str = ""  # the key of the slices this worker declared in its hello (`reshard.layout_key`; "": whole)
-    optional_fields: ClassVar[frozenset] = frozenset({"delta_base", "layout"})  # earlier workers: full, whole
+    session: str = ""
+    optional_fields: ClassVar[frozenset] = frozenset({"delta_base", "layout", "session"})  # earlier workers
 
     @classmethod
     def from_wire(cls, body, limits, data=()):
@@ -70,6 +75,7 @@ class WeightsRequest(Message):
             chunk=check_int("chunk", body["chunk"], -1, INT32_MAX),
             delta_base=check_int("delta_base", body.get("delta_base", -1), -1, INT32_MAX),
             layout=check_str("layout", body["layout"], 64) if body.get("layout") else "",
+            session=check_str("session", body["session"], 64, ID_PATTERN) if body.get("session") else "",
         )
 
 

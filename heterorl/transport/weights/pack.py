@@ -58,17 +58,6 @@ class PackedWeights:
     header: WeightsHeader
     buffer: np.ndarray  # uint8
     checksums: dict = field(default_factory=dict)  # chunk index → XXH3-64, computed on first request
-    trackers: list = field(default_factory=list)  # zmq.MessageTrackers of chunk frames that view the buffer
-
-    def track(self, tracker) -> None:
-        """Note a frame viewing the buffer that ZeroMQ may still be sending."""
-        if len(self.trackers) >= 64:
-            self.trackers = [t for t in self.trackers if not t.done]
-        self.trackers.append(tracker)
-
-    def in_flight(self) -> bool:
-        """True while ZeroMQ may still read the buffer (it must not be overwritten)."""
-        return any(not t.done for t in self.trackers)
 
     def chunk(self, index: int) -> memoryview:
         start = index * self.header.chunk_bytes

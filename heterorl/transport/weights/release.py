@@ -6,18 +6,26 @@ Weights are pulled: a ``weights_notice`` on the control channel says a version i
 header of the newest version released to it, then for its chunks. A worker that joins late or misses notices
 always gets the newest whole version. A version is kept while some worker may still be given it (`needed`), at
 most ``max_retained_versions``. Not thread-safe: the server's lock guards every call but `WeightsStore.pack`.
+
+Serving is bounded (docs/RELIABILITY.md, "Weights serving"): a request is answered only when it carries the token
+of its worker's current session (`in_session`); a chunk is sent only while that worker's replies not yet sent, and
+every worker's, stay under their bounds (`inflight.BytesInFlight`; else its transfer's header goes back and the
+worker asks again); a sharded learner packs at most ``max_layouts`` layouts each publish (`layout_refusal`).
 """
 
 from __future__ import annotations
 
+import hmac
+import secrets
 from collections import Counter
 from typing import Any, Callable
 
 from heterorl.config import TransportConfig
 from heterorl.transport.protocol import WeightsRequest
 from heterorl.transport.registry import WorkerInfo, WorkerRegistry
+from heterorl.transport.weights.inflight import BytesInFlight
 from heterorl.transport.weights.pack import PackedWeights
-from heterorl.transport.weights.reshard import DestLayout, ReshardError
+from heterorl.transport.weights.reshard import DestLayout, ReshardError, layout_key
 from heterorl.transport.weights.store import WeightsStore
 
 
@@ -42,6 +50,8 @@ class WeightsRelease:
         self._model_shapes = dict(model_shapes) if model_shapes else None  # what a worker's layout must fit
         self._weights_delay = weights_delay
         self._delay_links: dict[str, Any] = {}  # worker id → its weights link (`schedule_notice`)
+        self._sessions: dict[str, str] = {}  # worker id → the token of its current session (`start_session`)
+        self.in_flight = BytesInFlight.of(config, stats)  # chunk replies not yet handed to the network
 
     def shard_settings(self) -> dict[str, str]:
         """What ``ready`` tells a worker of a sharded learner: its other ranks' weights ports ({} when not)."""
@@ -52,15 +62,21 @@ class WeightsRelease:
 
     def layout_refusal(self, layout: dict) -> str | None:
         """Why the slices a hello asks for (``layout``) cannot be sent (None: they can, or it asks for the whole
-        model)."""
+        model). Every rank packs each layout every publish, so at most ``max_layouts`` are held: those of the
+        workers in the registry (a place frees when the last worker of a layout leaves it)."""
         if not layout:
             return None
         if not self.shard_ports or self._model_shapes is None:
             return "the learner is not sharded: it sends whole versions only (declare no layout)"
         try:
-            DestLayout.from_dict(layout).validate(self._model_shapes)
+            wanted = DestLayout.from_dict(layout)
+            wanted.validate(self._model_shapes)
         except ReshardError as exc:
             return f"its layout does not fit the model: {exc}"
+        held = {w.layout_key for w in self.registry.workers.values() if w.layout_key}
+        if layout_key(wanted) not in held and len(held) >= self.config.max_layouts:
+            return (f"the learner already packs {len(held)} distinct layouts each publish (transport.max_layouts); "
+                    "declare the layout of a worker already joined, or raise transport.max_layouts")
         return None
 
     def start_session(self, worker: WorkerInfo) -> None:
@@ -69,10 +85,22 @@ class WeightsRelease:
         worker.pending_notices.clear()
         worker.released_version = max(self.store.versions, default=-1)
         worker.noticed_version, worker.waiting_version = worker.released_version, -1
+        self._sessions[worker.worker_id] = secrets.token_hex(16)
+
+    def session_settings(self, worker: WorkerInfo) -> dict[str, str]:
+        """What ``ready`` tells a worker of its session: the token its weights requests must carry."""
+        return {"weights_session": self._sessions[worker.worker_id]}
+
+    def in_session(self, worker: WorkerInfo, token: str) -> bool:
+        """Whether ``token`` is that of ``worker``'s current session: requests from a connection of another
+        session (an earlier one, or one that only names the worker) are not answered."""
+        current = self._sessions.get(worker.worker_id, "")
+        return bool(token) and hmac.compare_digest(current, token)
 
     def forget(self, worker_id: str) -> None:
-        """A worker left the registry: its link goes (a worker of that id later gets a fresh one)."""
+        """A worker left the registry: its link and its session go (a worker of that id later gets fresh ones)."""
         self._delay_links.pop(worker_id, None)
+        self._sessions.pop(worker_id, None)
 
     def layout_store(self, key: str) -> WeightsStore:
         return self.stores.setdefault(key, WeightsStore(self.config, Counter()))
@@ -91,7 +119,7 @@ class WeightsRelease:
         released = store.versions.get(worker.released_version) if store is not None else None
         if released is None:
             return None
-        return store.reply(request, released)
+        return store.reply(request, released, self.in_flight, worker.worker_id)
 
     # -- notices ----------------------------------------------------------------------------------
     def schedule_notice(self, worker: WorkerInfo, version: int, now: float, size: int) -> None:

@@ -12,7 +12,12 @@ rank 0 first.
 - **The other ranks** run a `ShardServer`: a weights channel (on a free port of rank 0's host, bound at setup
   and told to rank 0: `heterorl.runtime.launch.bind_shard_channels`) and nothing else. A worker asks it for
   the version rank 0 released to it, by number; a version not published there yet is answered with the newest
-  one it has, and the worker asks again shortly.
+  one it has, and the worker asks again shortly. Such a rank does not check the session token rank 0 gave the
+  worker (`WeightsRelease.in_session`): it hears from rank 0 only at each publish (the versions still needed, the
+  layouts), and a worker that joins between two publishes asks it at once. What a peer can make it hold is
+  bounded all the same: chunks go as copies, and their bytes not yet sent are held under
+  ``weights_bytes_in_flight_per_worker`` for each worker a request names and ``weights_bytes_in_flight`` in all
+  (`heterorl.transport.weights.inflight`); under CURVE only allowed keys reach it.
 - **The worker** (`heterorl.transport.client`) fetches the version from every rank and places the slices with
   an all-or-nothing `reshard.Assembler`: it loads version v only when every rank's slices of v arrived and were
   verified, never a mix of two versions; a rank that does not answer leaves it on the version it has.
@@ -42,6 +47,7 @@ from heterorl.transport.sockets import (
     require_security,
     send_frames,
 )
+from heterorl.transport.weights.inflight import BytesInFlight
 from heterorl.transport.weights.reshard import DestLayout, Placement, SourceLayout, plan, take
 from heterorl.transport.weights.store import WeightsStore
 
@@ -121,6 +127,7 @@ class ShardServer(Endpoint):
         self.stats: Counter = Counter()
         self.store = WeightsStore(self.config, self.stats)
         self.stores: dict[str, WeightsStore] = {"": self.store}  # by `reshard.layout_key` ("": whole tensors)
+        self.in_flight = BytesInFlight.of(self.config, self.stats)  # chunk replies not yet handed to the network
         self._lock = threading.Lock()
         self._stop, self._ready = threading.Event(), threading.Event()
         self._error: BaseException | None = None
@@ -238,7 +245,7 @@ class ShardServer(Endpoint):
             released = store.versions.get(request.version) or store.versions.get(store.newest)
             if released is None:
                 return
-            frames, carried = store.reply(request, released)
+            frames, carried = store.reply(request, released, self.in_flight, request.worker_id)
         if send_frames(sock, [routing_id, *frames], self.stats, "weights_chunk" if carried else "weights_header"):
             self.stats["weights/bytes_sent"] += carried
 

@@ -26,6 +26,7 @@ from heterorl.transport.weights.deltas import (
     same_layout,
     tensor_checksums,
 )
+from heterorl.transport.weights.inflight import BytesInFlight
 from heterorl.transport.weights.pack import PackedWeights, pack_state_dict
 
 
@@ -50,9 +51,7 @@ class WeightsStore:
         step). Refuses a version that is not newer than every one published."""
         if version <= self.newest:
             raise TransportError(f"weights version {version} is not newer than {self.newest}")
-        spare = next((p for p in self.retired if not p.in_flight()), None)
-        if spare is not None:
-            self.retired.remove(spare)
+        spare = self.retired.popleft() if self.retired else None  # (chunks are sent as copies: nothing views it)
         return spare, self.versions.get(self.newest)  # the newest is never retired, so it stays intact
 
     def pack(self, state: dict, version: int, spare: PackedWeights | None, previous: PackedWeights | None,
@@ -108,11 +107,19 @@ class WeightsStore:
             self.payloads[key] = PackedWeights(header, payload)
         return self.payloads[key]
 
-    def reply(self, request: WeightsRequest, released: PackedWeights) -> tuple[list, int]:
-        """Under the lock: the frames that answer ``request`` from a worker released ``released``, and the chunk
-        bytes they carry (0: a header). A header request gets ``released``'s header (as steps from the worker's
-        ``delta_base`` when they are kept); a chunk request the chunk, tracked so that `begin` will not reuse its
-        buffer until ZeroMQ is done with it."""
+    def reply(self, request: WeightsRequest, released: PackedWeights, in_flight: BytesInFlight,
+              worker_id: str) -> tuple[list, int]:
+        """Under the lock: the frames that answer ``request`` from worker ``worker_id``, released ``released``,
+        and the chunk bytes they carry (0: a header). A header request gets ``released``'s header (as steps from
+        the worker's ``delta_base`` when they are kept); a chunk request a copy of the chunk in a tracked frame,
+        counted in ``in_flight`` (what a peer that does not read keeps queued is that copy, never the version:
+        `heterorl.transport.weights.inflight`), or, when that would take the worker's bytes in flight or
+        everyone's past their bound, the header of its transfer again (``weights/held_back``): the worker asks
+        once more for the chunks it lacks a moment later."""
+        if request.chunk >= 0 and not in_flight.room(worker_id, self.config.weights_chunk_bytes):
+            transfer = (self.versions.get(request.version) if request.delta_base < 0
+                        else self.payloads.get((request.delta_base, request.version)))
+            return encode((transfer or released).header), 0
         if request.chunk < 0 and request.delta_base >= 0:
             released = self.delta_payload(request.delta_base, released) or released
         packed = None
@@ -126,8 +133,8 @@ class WeightsStore:
         data = packed.chunk(request.chunk)
         chunk = WeightsChunk(version=packed.header.version, index=request.chunk,
                              checksum=packed.chunk_checksum(request.chunk))
-        frame = zmq.Frame(data, copy=False, track=True)
-        packed.track(zmq.MessageTracker(frame))
+        frame = zmq.Frame(bytes(data), copy=False, track=True)
+        in_flight.add(worker_id, frame, len(data))
         header, _ = encode(chunk)
         return [header, frame], len(data)
 
