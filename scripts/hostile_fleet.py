@@ -3,10 +3,11 @@
 open groups they never complete, replay the honest worker's trained ids as their own, forge its sampler id,
 flood the registry with hellos (from one connection and from many), and send garbage frames. A second honest
 worker starts once the registry is full of the flood's entries: the learner waits for it (it trains only with
-two workers), so the drill ends only if the newcomer got in. The learner must finish its steps (exit 0) having
-trained only honest data (and the replaying peer's groups, which are its own).
+two workers), so the drill ends only if the newcomer got in. The learner must still be training when every
+drill is done, then stop cleanly when sent SIGTERM (its step in progress finished, a checkpoint written, exit 0),
+having trained only honest data (and the replaying peer's groups, which are its own).
 
-    python scripts/hostile_fleet.py --rounds 20 --steps 40 --out runs/hostile
+    python scripts/hostile_fleet.py --rounds 20 --out runs/hostile
 
 Prints one table of what each hostile peer sent and what the learner told it, with the learner's own counts
 from its summary and its peak memory; writes the same as OUT/drill.json. Exit status 0 when every promise held.
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -230,6 +232,9 @@ def run(args) -> dict:
         workers.append(cli("rollout", "--connect", endpoint, "--worker-id", "late", log=out / "late.log"))
         for drill in drills:
             drill.join()
+        alive = learner.poll() is None
+        if alive:
+            learner.send_signal(signal.SIGTERM)
         code = learner.wait(args.timeout_s)
     finally:
         stop.set()
@@ -241,7 +246,8 @@ def run(args) -> dict:
     last = records[-1] if records else {}
     trained = _trained_ids(run_dir) or []
     report["learner"] = {
-        "exit_code": code, "steps": summary.get("steps"), **memory,
+        "exit_code": code, "steps": summary.get("steps"), "alive_after_drills": alive,
+        "stopped_by": summary.get("stopped_by"), **memory,
         "transport": summary.get("transport", {}),
         "trained_trajectories": len(trained),
         "trained_from": dict(Counter(key.split("|", 1)[0] for key in trained)),
@@ -274,6 +280,10 @@ def held(report: dict) -> list[str]:
                if name not in report]
     if learner["exit_code"] != 0:
         broken.append(f"the learner exited with {learner['exit_code']}")
+    if not learner["alive_after_drills"]:
+        broken.append("the learner was not training when the drills were done (raise --steps)")
+    elif learner["stopped_by"] != "SIGTERM":
+        broken.append(f"the learner did not stop cleanly on SIGTERM (its summary says {learner['stopped_by']!r})")
     if set(learner["trained_from"]) - {"honest", "late", "hostile-replay"}:
         broken.append(f"trained data from {learner['trained_from']}")
     if learner["duplicates"] or learner["dropped_trained"]:
@@ -290,7 +300,8 @@ def held(report: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=20, help="rounds of every poison; x50 groups left open")
-    parser.add_argument("--steps", type=int, default=40, help="learner steps")
+    parser.add_argument("--steps", type=int, default=100_000,
+                        help="learner steps: more than it trains while the drills run (it is stopped after them)")
     parser.add_argument("--hellos", type=int, default=1100, help="hellos with new ids from one connection")
     parser.add_argument("--connections", type=int, default=100, help="connections saying hello once each")
     parser.add_argument("--max-workers", type=int, default=64, help="the learner's transport.max_workers")

@@ -152,7 +152,7 @@ task: {{name: maze, options: {{size: 4, eval_size: 8}}, reward_fn: tests.stuck_r
 policy: {{tiny: {{hidden_size: 32, num_layers: 1, intermediate_size: 64}}}}
 rollout: {{group_size: 2, max_tokens: 8}}
 rl: {{base: null, steps: 3, prompts_per_step: 2, eval_every: 3}}
-runtime: {{workers: 1, groups_per_call: 1}}
+runtime: {{workers: 1, groups_per_call: 1, worker_restarts: 0}}
 logging: {{run_dir: {tmp_path / "run"}, wandb_mode: disabled, progress: false}}
 """)
     out = run_cli("train", "--config", str(config), timeout=300)

@@ -12,20 +12,26 @@ vLLM worker runs under ``runtime.vllm_python`` (its own venv).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from heterorl.config import Config, to_yaml
 from heterorl.errors import HeteroRLError
 from heterorl.files import write_atomically
-from heterorl.runs import setup_run
+from heterorl.runs import json_text, setup_run
+from heterorl.runtime.supervise import Child, WorkerFleet
+
+log = logging.getLogger("heterorl.runtime.launch")
 
 ENDPOINTS = "endpoints.json"
 METRICS = "metrics.jsonl"
@@ -117,7 +123,8 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
     rank = _init_ranks(cfg)
     shard_server, shard_ports = bind_shard_channels(cfg, bind, curve, allow_plaintext)
     if rank > 0:
-        _follow_rank(cfg, resume, shard_server)
+        with _signals_ignored():  # rank 0 stops them (its "stop"), after its last step
+            _follow_rank(cfg, resume, shard_server)
         return None
     checkpoint = read_checkpoint(run_dir, cfg.policy.device) if resume else None
     if checkpoint is not None:
@@ -132,18 +139,57 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
     try:
         if checkpoint is not None:
             learner.resume(checkpoint)
-        result = learner.run()
-        reason = BYE_RUN_FINISHED
+        with _stop_on_signals(learner):
+            result = learner.run()
+        reason = BYE_LEARNER_STOPPING if learner.stopped_by else BYE_RUN_FINISHED
     finally:
         server.close(reason)
         logger.close()
     counted = ("rejected", "dropped_groups", "dropped_trajectories", "duplicates", "workers_removed", "revoked")
     finish_learner_run(cfg, task, training, run_dir, result,
                        {"execution": "live", "transport_rejected": server.stats["rejected"],
+                        "stopped_by": learner.stopped_by or None,
                         "thread_split": None if learner.split is None else vars(learner.split),
                         # what the learner refused or dropped, by reason (docs/RELIABILITY.md)
                         "transport": {k: v for k, v in sorted(server.stats.items()) if k.startswith(counted)}})
     return result
+
+
+@contextlib.contextmanager
+def _stop_on_signals(learner):
+    """SIGTERM and SIGINT end the learner's run after its step in progress, with a checkpoint (`Learner.request_stop`);
+    a second one stops it at once. Outside the main thread (a learner run from a library) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame) -> None:
+        if learner.stopped_by:
+            raise KeyboardInterrupt(f"{signal.Signals(signum).name} again: stopping at once")
+        learner.request_stop(signal.Signals(signum).name)
+        log.warning("%s: stopping after the step in progress, with a checkpoint (send it again to stop at once)",
+                    signal.Signals(signum).name)
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _signals_ignored():
+    """A learner rank > 0 outlives SIGTERM and SIGINT (torchrun passes them to every rank): it follows rank 0."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def learner_addresses(cfg: Config, bind: str, resume: bool) -> tuple[str, str | None]:
@@ -272,34 +318,6 @@ def _checkpoint_step(run_dir: Path) -> int | None:
         return None
 
 
-class _Child:
-    def __init__(self, name: str, argv: list[str], log_path: Path, ranks: int = 1,
-                 python: str = sys.executable, devices: str = "") -> None:
-        self.name, self.log_path = name, log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log_path.open("ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
-        if devices:  # runtime.learner_devices / worker_devices: the GPUs this process sees
-            env["CUDA_VISIBLE_DEVICES"] = devices
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
-        self.proc = subprocess.Popen([python, *launcher, "-m", "heterorl.cli", *argv], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def tail(self, lines: int = 30) -> str:
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
 def worker_python(cfg: Config, engine: str) -> str:
     """The Python a worker of ``engine`` runs under: this one for torch; ``runtime.vllm_python`` for vLLM
     (its own venv), which must exist."""
@@ -313,7 +331,7 @@ def worker_python(cfg: Config, engine: str) -> str:
     return str(python)
 
 
-def _wait_for_endpoint(child: _Child, timeout_s: float) -> str:
+def _wait_for_endpoint(child: Child, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for line in child.log_path.read_text(errors="replace").splitlines():
@@ -348,44 +366,65 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
     config_path = run_dir / "train_config.yaml"
     config_path.write_text(to_yaml(cfg))
     logs = run_dir / "logs"
-    children: list[_Child] = []
+    learner: Child | None = None
+    fleet: WorkerFleet | None = None
     metrics_path = run_dir / METRICS
     step = _checkpoint_step(run_dir) if resume else None
     if step is not None:
         keep_metrics_until(metrics_path, step)  # as the learner will: the progress follows from what stays
     seen = metrics_path.stat().st_size if resume and metrics_path.exists() else 0
     try:
-        learner = _Child("learner", _learner_argv(cfg, config_path, resume), logs / "learner.log",
-                         ranks=cfg.runtime.learner_ranks, devices=cfg.runtime.learner_devices)
-        children.append(learner)
+        learner = Child("learner", _learner_argv(cfg, config_path, resume), logs / "learner.log",
+                        ranks=cfg.runtime.learner_ranks, devices=cfg.runtime.learner_devices)
         endpoint = _wait_for_endpoint(learner, 300)
-        for i, (engine, python) in enumerate(zip(engines, pythons)):
+
+        def start_worker(name: str) -> Child:
+            i = int(name.rsplit("-", 1)[1])
             throttle, devices = _nth(cfg.runtime.throttle, i, 1.0), _nth(cfg.runtime.worker_devices, i, "")
-            children.append(_Child(f"worker-{i}", ["rollout", "--connect", endpoint, "--worker-id", f"worker-{i}",
-                                                   "--throttle", str(throttle), "--engine", engine],
-                                   logs / f"worker-{i}.log", python=python, devices=devices))
-        left: set[str] = set()
-        while True:
-            seen = _follow(metrics_path, seen, progress)
-            status = learner.proc.poll()
-            if status is not None:
-                _follow(metrics_path, seen, progress)
-                if status != 0:
-                    raise HeteroRLError(f"the learner failed (exit {status}); log {learner.log_path}:\n"
-                                        f"{learner.tail()}")
-                break
-            _check_workers(children[1:], left)
-            time.sleep(0.5)
+            return Child(name, ["rollout", "--connect", endpoint, "--worker-id", name, "--throttle", str(throttle),
+                                "--engine", engines[i]], logs / f"{name}.log", python=pythons[i], devices=devices)
+
+        fleet = WorkerFleet(start_worker, [f"worker-{i}" for i in range(len(engines))], cfg.runtime.worker_restarts)
+        _follow_run(learner, fleet, metrics_path, seen, progress)
+        _record_restarts(run_dir, fleet.restarts())
         deadline = time.monotonic() + 30
-        for child in children[1:]:
+        for child in fleet.children():
             try:
                 child.proc.wait(max(0.1, deadline - time.monotonic()))  # they leave on the learner's bye
             except subprocess.TimeoutExpired:
                 pass
         return 0
     finally:
-        for child in reversed(children):
+        for child in [*(fleet.children() if fleet is not None else []), *([learner] if learner else [])]:
             child.stop()
+
+
+def _follow_run(learner: Child, fleet: WorkerFleet, metrics_path: Path, seen: int, progress) -> None:
+    """Until the learner exits: feed ``progress`` its metrics and supervise the workers (`WorkerFleet.check`).
+    HeteroRLError when the learner fails or every worker has been given up."""
+    while True:
+        seen = _follow(metrics_path, seen, progress)
+        status = learner.proc.poll()
+        if status is not None:
+            _follow(metrics_path, seen, progress)
+            if status != 0:
+                raise HeteroRLError(f"the learner failed (exit {status}); log {learner.log_path}:\n{learner.tail()}")
+            return
+        fleet.check()
+        time.sleep(0.5)
+
+
+def _record_restarts(run_dir: Path, restarts: dict[str, int]) -> None:
+    """Add the workers' restarts (`WorkerFleet.restarts`) to the learner's summary.json (``worker_restarts``)."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return
+    summary = json.loads(path.read_text())
+    summary["worker_restarts"] = restarts
+    write_atomically(path, json_text(summary, indent=2).encode())
+    if restarts:
+        print(f"heterorl train: worker restarts: {', '.join(f'{k} {v}' for k, v in sorted(restarts.items()))}",
+              file=sys.stderr, flush=True)
 
 
 def _learner_argv(cfg: Config, config_path: Path, resume: bool) -> list[str]:
@@ -397,22 +436,6 @@ def _learner_argv(cfg: Config, config_path: Path, resume: bool) -> list[str]:
 def _nth(values: list, i: int, default):
     """``values[i % len(values)]``, or ``default`` when there are none (runtime.throttle, runtime.worker_devices)."""
     return values[i % len(values)] if values else default
-
-
-def _check_workers(workers: list[_Child], left: set[str]) -> None:
-    """A worker that failed leaves the fleet (named in ``left``, its log tail printed) and the run goes on;
-    HeteroRLError when the last one has failed."""
-    for child in workers:
-        code = child.proc.poll()
-        if code in (None, 0) or child.name in left:
-            continue
-        left.add(child.name)
-        if len(left) == len(workers):
-            raise HeteroRLError(f"{child.name} failed (exit {code}), the last worker; log {child.log_path}:\n"
-                                f"{child.tail()}")
-        print(f"heterorl train: {child.name} failed (exit {code}) and left the fleet; the run goes on with "
-              f"{len(workers) - len(left)} worker(s). Its log {child.log_path}:\n{child.tail(10)}",
-              file=sys.stderr, flush=True)
 
 
 def _follow(path: Path, offset: int, progress) -> int:

@@ -128,6 +128,7 @@ class Learner:
         self._resumed_step = 0  # the step this learner resumed at: its server counts the groups started since
         self._buffer_lock = threading.Condition()
         self._stop_ingest = threading.Event()
+        self.stopped_by = ""  # why the run stopped before rl.steps (`request_stop`; "": it did not)
         self._ingest_error: BaseException | None = None
         self.engines = FleetEngines(lambda: self.server.workers())  # tallies by engine (under _buffer_lock)
 
@@ -205,7 +206,7 @@ class Learner:
             return sum(w.alive and w.version_held >= 0 for w in workers), sum(w.failed for w in workers)
 
         ready, gone = counts()
-        while ready < cfg.workers - gone and time.monotonic() < deadline:
+        while ready < cfg.workers - gone and time.monotonic() < deadline and not self.stopped_by:
             time.sleep(0.05)
             ready, gone = counts()
         if cfg.fleet_wait_s > 0 and ready < cfg.workers:
@@ -246,8 +247,8 @@ class Learner:
                         self.buffer.count_unassembled("partial", len(fresh))
                 self._buffer_lock.notify_all()
 
-    def _next_batch(self, version: int) -> list[Group]:
-        """Block until the buffer policy hands out a batch."""
+    def _next_batch(self, version: int) -> list[Group] | None:
+        """Block until the buffer policy hands out a batch (None: a stop was requested meanwhile)."""
         cfg = self.cfg
         silent_since, waiting_since, reported = None, time.monotonic(), 0
         self._starved = False
@@ -256,6 +257,8 @@ class Learner:
                 groups = self.buffer.take(cfg.rl.prompts_per_step, version)
                 if groups is not None:
                     return groups
+                if self.stopped_by:
+                    return None
                 if self._ingest_error is not None:
                     raise HeteroRLError(f"the learner's ingest thread failed: {self._ingest_error!r}")
                 self._buffer_lock.wait(0.05)
@@ -278,6 +281,11 @@ class Learner:
                         f"start workers with `heterorl rollout --connect {self.server.control_endpoint}`")
 
     # -- the loop -----------------------------------------------------------------------------------
+    def request_stop(self, why: str) -> None:
+        """End the run after the step in progress (a batch not yet complete is not waited for), with a checkpoint
+        to resume from; thread- and signal-safe."""
+        self.stopped_by = self.stopped_by or why
+
     def run(self) -> LearnerResult:
         cfg, state = self.cfg, self.state
         start = time.monotonic() - state.tally.elapsed_s
@@ -292,8 +300,12 @@ class Learner:
         ingest = threading.Thread(target=self._ingest, name="heterorl-learner-ingest", daemon=True)
         ingest.start()
         try:
-            while state.step < cfg.rl.steps:
+            while state.step < cfg.rl.steps and not self.stopped_by:
                 version = self._step(start, version)
+            if self.stopped_by and state.step < cfg.rl.steps:
+                log.info("stopped at step %d of %d (%s); resume with --resume", state.step, cfg.rl.steps,
+                         self.stopped_by)
+                self.save_checkpoint()
         finally:
             self._stop_ingest.set()
             ingest.join(5)
@@ -343,6 +355,8 @@ class Learner:
         """One learner step: batch → optimise → publish → record → checkpoint; returns the new version."""
         wait_start = time.monotonic()
         groups = self._next_batch(version)
+        if groups is None:
+            return version
         waited = time.monotonic() - wait_start
         self.state.tally.idle_s += waited
         step_start = time.monotonic()
@@ -500,7 +514,7 @@ def _config_for_workers(cfg: Config) -> str:
     timeout, a key of the learner's alone that they do not know, travels as ``buffer.partial_group_timeout_s``,
     the deprecated key that mirrors it; the bounds on one group's weight (``rl.max_log_ratio``,
     ``rl.max_abs_reward``) and on the ids of one key (``transport.max_ids_per_key``), the learner's alone too,
-    stay home."""
+    and the launcher's worker restarts stay home."""
     data = to_dict(cfg)
     del data["transport"]["group_timeout_s"], data["transport"]["max_ids_per_key"]
     for key in ("group_deadline_min_s", "permit_lease_s", "permit_lease_min_s", "probation_permits",
@@ -510,4 +524,5 @@ def _config_for_workers(cfg: Config) -> str:
         del data["transport"][key]  # the learner's weights serving alone
     for key in ("max_log_ratio", "max_abs_reward"):
         del data["rl"][key]
+    del data["runtime"]["worker_restarts"]  # `heterorl train`'s alone
     return yaml.safe_dump(data, sort_keys=False)

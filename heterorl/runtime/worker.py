@@ -27,11 +27,13 @@ agent harness can generate with its current policy (`served_models`, docs/SERVIC
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import random
 import secrets
+import signal
 import tempfile
 import threading
 import time
@@ -338,11 +340,15 @@ class RolloutWorker:
         self._scoring.drain()
         if self.client.refused:
             raise HeteroRLError(f"the learner refused worker {worker_id}: {self.client.refused}")
-        stats = self.client.stats
-        log.info("worker %s: the learner ended the run after %d groups (holding version %d; weights: %d versions "
-                 "whole, %d as deltas, %d resyncs)", worker_id, self.groups_sent, self.version,
-                 stats["weights/full_received"], stats["weights/deltas_applied"], stats["weights/resyncs"])
+        log.info("worker %s: the learner ended the run after %s", worker_id, self.tally())
         return 0
+
+    def tally(self) -> str:
+        """What this worker did: groups sent, the version it holds, the versions it received and how."""
+        stats = self.client.stats
+        return (f"{self.groups_sent} groups (holding version {self.version}; weights: "
+                f"{stats['weights/full_received']} versions whole, {stats['weights/deltas_applied']} as deltas, "
+                f"{stats['weights/resyncs']} resyncs, {stats['weights/checksum_failures']} checksum failures)")
 
     def _load_sampler(self, cfg: Config, task) -> SamplingClient:
         """The policy (checked against the learner's model and, in a LoRA run, its base), cast to the sampling
@@ -467,12 +473,35 @@ class RolloutWorker:
 
 
 def run_rollout_worker(options: WorkerOptions) -> int:
+    """Run a worker until the learner ends the run (0). SIGTERM or SIGINT stop it (0): its bye says done and its
+    log says what it did."""
     worker = RolloutWorker(options)
     failure: Exception | None = None
     try:
-        return worker.run()
-    except Exception as exc:  # an interrupt is not a failure: that worker may well come back
+        with _sigterm_interrupts():
+            return worker.run()
+    except KeyboardInterrupt:  # an interrupt is not a failure: that worker may well come back
+        log.info("worker %s: stopped by a signal after %s", options.worker_id, worker.tally())
+        return 0
+    except Exception as exc:
         failure = exc
         raise
     finally:
         worker.close(failure)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM raises KeyboardInterrupt in the main thread, as SIGINT does (elsewhere: nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(_signum, _frame) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)

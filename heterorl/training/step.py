@@ -11,6 +11,7 @@ import torch
 
 from gepo import LossBatch, LossInputError
 from heterorl.config import Config
+from heterorl.errors import HeteroRLError
 from heterorl.training.lr_schedule import learning_rate
 from heterorl.training.session import AdamParams, Datum, TrainingClient, resolve_loss
 
@@ -151,7 +152,8 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
 
     ``fresh_logprobs``, when given, receives {row: the learner's log-probs of its completion tokens} for the rows
     this rank forwarded before the first ``optim_step``, i.e. under the weights the batch started from (the
-    learner compares them with the workers' behaviour log-probs: `heterorl.runtime.engine_stats`).
+    learner compares them with the workers' behaviour log-probs: `heterorl.runtime.engine_stats`). A step that
+    ran no update forwards its first minibatch (no gradient) for them, so every step measures the mismatch.
 
     ``shard = (rank, world)``: under data parallelism every rank is given the whole batch, makes the same
     minibatch and skip decisions, and runs ``forward_backward`` on its share of each minibatch's groups
@@ -219,4 +221,26 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
         metrics["optim/updates"] += 1
     if not metrics["optim/updates"]:
         metrics["optim/skip_reason"] = BAD_BATCH if "optim/bad_batches" in metrics else reason
+        if fresh_logprobs is not None or shard[1] > 1:  # (every rank forwards: a sharded forward is collective)
+            _forward_for_logprobs(training, datums, cfg, shard, row_of, fresh_logprobs)
     return metrics
+
+
+def _forward_for_logprobs(training: TrainingClient, datums: list[Datum], cfg: Config, shard: tuple[int, int],
+                          row_of: dict[int, int], fresh_logprobs: dict[int, list[float]] | None) -> None:
+    """A step that ran no update still measures the training–inference mismatch: one forward (no gradient) of
+    this rank's share of the first minibatch. Under data parallelism every rank forwards its share (the ranks
+    that keep no log-probs too: an FSDP forward gathers the weights from all of them)."""
+    rank, world = shard
+    batches = minibatches(datums, cfg.rl.updates_per_batch) if datums else []
+    groups = group_rows(batches[0]) if batches else []
+    if len(groups) < world:
+        return
+    share = [d for g in groups[rank::world] for d in g]
+    try:
+        out = training.forward(share, "cross_entropy", temperature=cfg.rollout.temperature or 1.0).result()
+    except (LossInputError, HeteroRLError) as exc:
+        log.warning("could not measure the mismatch of a step without an update: %s", exc)
+        return
+    if fresh_logprobs is not None:
+        fresh_logprobs.update((row_of[id(d)], lp) for d, lp in zip(share, out.logprobs))

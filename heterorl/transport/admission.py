@@ -4,9 +4,9 @@ many permits each worker may hold unused, and the threads advised to workers on 
 Permits are leases, not gifts (docs/RELIABILITY.md, "Permits are leases"). A worker is *delivering* while it has
 completed a group within its lease (`lease_s`: four times its measured seconds between completed groups, within
 ``permit_lease_min_s`` … ``permit_lease_s``); only a delivering worker holds its share of ``ahead`` (by its
-speed, `permit_share`). Any other worker is *on probation*: it may hold one permit, granted from what the
-delivering workers leave (one is kept from them while a worker on probation waits), and at most
-``probation_permits`` probation permits are out at once. A probation permit neither used nor its
+speed, `permit_share`). Any other worker is *on probation*: it may hold one permit, granted beyond the cap
+while unused (so a peer that holds one takes nothing from the delivering workers; the group started on it is
+the cap's), and at most ``probation_permits`` probation permits are out at once. A probation permit neither used nor its
 group completed within ``permit_lease_s``, or spent on a group that is dropped, expires, and its worker waits a
 back-off (doubling) before the next. A worker that stops delivering gives back its unused permits. A heartbeat's
 claim of groups on their way is believed only up to what arrived + ``ahead``; a group beyond the start limit the
@@ -50,18 +50,20 @@ class Admission:
         self.cap: int | None = None  # total groups the fleet may start (None: no admission control)
         self.granted = 0
         self.refused = 0  # groups started on a permit and refused whole: they widen the admission cap
+        self.probation_unused = 0  # probation permits held unused: beyond the cap (a group started on one is its)
         self.ahead, self.local_threads = 1, 0  # permits a worker may hold; threads advised (0: none)
 
     def set(self, cap: int | None, ahead: int) -> None:
         self.cap, self.ahead = cap, max(1, ahead)
 
     def start_session(self, worker: WorkerInfo) -> None:
+        self._end_probation(worker)
         worker.groups_session = worker.starts_granted_session = worker.start_limit_told = 0
         worker.permits_voided = worker.permits_reusable = 0
         worker.busy_base, worker.starts_reported = worker.busy_s, -1
         worker.last_start_limit_sent = -2
         worker.groups_completed_session = worker.groups_dropped_session = 0
-        worker.probation_since, worker.probation_group = -1.0, ""
+        worker.first_permit_at = -1.0
 
     def first_limit(self) -> int:
         """The start limit a joining worker is told in ``ready`` (−1: no admission control)."""
@@ -74,12 +76,15 @@ class Admission:
     # -- leases -----------------------------------------------------------------------------------
     def lease_s(self, worker: WorkerInfo) -> float:
         """How long ``worker`` may go without completing a group and still be delivering: four times its mean
-        seconds between completed groups this session, within [``permit_lease_min_s``, ``permit_lease_s``]
-        (``permit_lease_s`` until two have completed)."""
+        seconds between completed groups this session (after its first, the seconds from its first permit to
+        it), within [``permit_lease_min_s``, ``permit_lease_s``]."""
         done = worker.groups_completed_session
-        if done < 2:
+        if done == 1 and worker.first_permit_at >= 0:
+            interval = worker.first_completed_at - worker.first_permit_at
+        elif done >= 2:
+            interval = (worker.last_completed_at - worker.first_completed_at) / (done - 1)
+        else:
             return self.config.permit_lease_s
-        interval = (worker.last_completed_at - worker.first_completed_at) / (done - 1)
         return min(self.config.permit_lease_s, max(self.config.permit_lease_min_s, 4 * interval))
 
     def delivering(self, worker: WorkerInfo, now: float) -> bool:
@@ -128,7 +133,8 @@ class Admission:
         worker.groups_session += 1
         worker.last_group_id = group_id
         if worker.probation_since >= 0 and not worker.probation_group:
-            worker.probation_group = group_id  # its probation permit is spent on this group
+            worker.probation_group = group_id  # its probation permit is spent on this group: the cap's from now
+            self.probation_unused -= 1
             return
         if self.cap is not None and worker.groups_session > self._held(worker):
             # started on a permit taken back since (the worker was thought dead, or stopped delivering): it counts
@@ -163,6 +169,9 @@ class Admission:
             self._void(worker, 1, reusable=worker.starts_reported < self._held(worker))
 
     def _end_probation(self, worker: WorkerInfo) -> None:
+        """``worker`` no longer holds a probation permit."""
+        if worker.probation_since >= 0 and not worker.probation_group:
+            self.probation_unused -= 1
         worker.probation_since, worker.probation_group = -1.0, ""
 
     def _expire_probation(self, worker: WorkerInfo, now: float, reason: str) -> None:
@@ -187,8 +196,8 @@ class Admission:
 
     # -- granting ---------------------------------------------------------------------------------
     def pool(self) -> int:
-        """Permits of the cap not yet granted."""
-        return self.cap + self.refused - self.granted
+        """Permits of the cap not yet granted (unused probation permits are beyond it)."""
+        return self.cap + self.refused + self.probation_unused - self.granted
 
     def permits_left(self, now: float) -> int | None:
         """Permits not yet granted plus those the delivering workers hold unused (None: no admission control)."""
@@ -205,12 +214,12 @@ class Admission:
 
     def grant_all(self, now: float, waits_on_learner: Callable[[WorkerInfo], bool]) -> None:
         """Top up every live worker's permits (its ``starts_granted_session``, the start limit its next ack
-        tells): delivering workers first, to their share (less one while a worker on probation waits for a
-        probation permit, so that a newcomer gets in even when they use the whole cap); then one each for
-        workers on probation, from what is left, ``probation_permits`` at most in all. A permit granted is never
-        taken back from a worker that may start on it (its start limit, cumulative, never falls): only unused
-        permits of workers that stopped delivering, and probation permits past their lease. Unused permits of a
-        worker no longer delivering, and probation permits past their lease, return first."""
+        tells): delivering workers first, to their share of the cap; then one each for workers on probation,
+        ``probation_permits`` at most in all, beyond the cap while unused: a newcomer gets in even when the fleet
+        uses the whole cap, and a peer holding a probation permit takes nothing from the delivering workers. A permit
+        granted is never taken back from a worker that may start on it (its start limit, cumulative, never falls):
+        only unused permits of workers that stopped delivering, and probation permits past their lease. Unused
+        permits of a worker no longer delivering, and probation permits past their lease, return first."""
         if self.cap is None:
             return
         live = [w for w in self.registry.workers.values() if w.alive]
@@ -232,22 +241,21 @@ class Admission:
                 self.reclaim_cap_permits(worker)
         fleet = self.fleet_rate(delivering)
         out = sum(w.probation_since >= 0 for w in live)
-        # while a worker on probation waits for one of the free probation permits, one permit of the cap is kept
-        # from the delivering workers: a newcomer gets in even when they use the whole cap
-        reserve = int(out < self.config.probation_permits and any(
-            w.probation_since < 0 and now >= w.permits_backoff_until for w in on_probation))
         for worker in delivering:
             if worker.probation_since >= 0 and not worker.probation_group:  # delivering now: the cap is its share
                 self.reclaim(worker)
             want = permit_share(worker.start_rate(), fleet, self.ahead) - self._unused(worker)
-            self._give(worker, min(want, self.pool() - reserve))
+            self._give(worker, min(want, self.pool()))
         for worker in on_probation:
             if out >= self.config.probation_permits:
                 break
             if (worker.probation_since < 0 and now >= worker.permits_backoff_until
-                    and self._held(worker) <= self._used(worker) and self.pool() > 0):
+                    and self._held(worker) <= self._used(worker)):
                 self._give(worker, 1)
                 worker.probation_since = now
+                if worker.first_permit_at < 0:
+                    worker.first_permit_at = now
+                self.probation_unused += 1
                 out += 1
 
     def _give(self, worker: WorkerInfo, count: int) -> None:

@@ -131,6 +131,7 @@ class WorkerInfo:
     permits_reusable: int = 0  # of those, the ones it never used (granted again without a new start limit)
     groups_completed_session: int = 0  # its groups completed this session (queued for the learner)
     groups_dropped_session: int = 0  # ... started and then refused or dropped
+    first_permit_at: float = -1.0  # when it was granted its first permit this session (-1: not yet)
     first_completed_at: float = 0.0  # when its first and latest groups completed (the learner's monotonic clock)
     last_completed_at: float = 0.0
     lease_from: float = 0.0  # its lease clock runs from here (`Admission.delivering`)

@@ -117,11 +117,15 @@ def test_sync_mode_trains_on_policy(tmp_path):
         assert found and found.group(1) == "1" and int(found.group(2)) >= 3, log[-2000:]
 
 
-def test_train_reports_a_crashed_worker_and_stops(tmp_path):
+def test_train_restarts_a_crashed_worker_gives_it_up_and_stops(tmp_path):
     config = write_config(tmp_path)
-    out = run_cli("train", "--config", str(config), "task.reward_fn=tests.crashing_reward:score")
+    out = run_cli("train", "--config", str(config), "task.reward_fn=tests.crashing_reward:score",
+                  "runtime.worker_restarts=1")
     assert out.returncode == 2, out.stdout + out.stderr
-    assert "worker-" in out.stderr and "failed" in out.stderr
+    # each worker crashes, is restarted once, crashes again and is given up; the last one given up stops the run
+    assert out.stderr.count(" restarted (pid ") == 2, out.stderr
+    assert "has used its 1 restart(s) of the last hour (runtime.worker_restarts): given up" in out.stderr
+    assert "every rollout worker has failed and been given up" in out.stderr
     assert "reward service unreachable" in out.stderr  # the crashed worker's log tail
 
 

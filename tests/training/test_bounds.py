@@ -17,7 +17,7 @@ from heterorl.policies import load_policy
 from heterorl.runs import MetricsLogger, json_text, read_metrics
 from heterorl.tasks import make_task_from
 from heterorl.training.session import AdamParams, TrainingClient
-from heterorl.training.step import BAD_BATCH, bounded, optimize_batch
+from heterorl.training.step import BAD_BATCH, NO_SIGNAL, bounded, minibatches, optimize_batch
 
 FLOOR = -49.99  # just above the contract's floor (MIN_LOGPROB = -50): every such trajectory is accepted
 
@@ -151,3 +151,23 @@ def test_a_bound_is_positive_or_null(name, bad):
         load_config(None, [f"rl.{name}={bad}"])
     assert getattr(load_config(None, [f"rl.{name}=null"]).rl, name) is None
     assert getattr(load_config(None).rl, name) == 10.0
+
+
+def test_a_step_without_signal_still_measures_the_learners_logprobs_of_its_rows(add3):
+    """The training–inference mismatch is measured every step: a batch in which every group scored alike runs no
+    update, and its first minibatch is forwarded (no gradient) for the learner's log-probs, which at the version
+    that sampled it equal the worker's."""
+    cfg, model, tok, version, datums = add3
+    uniform = copy.deepcopy(datums)
+    for d in uniform:
+        d.reward = 1.0
+    training = TrainingClient(copy.deepcopy(model), tok, seed=0)
+    training.version = version
+    fresh: dict = {}
+    metrics = optimize_batch(training, uniform, cfg, total_updates=1, fresh_logprobs=fresh)
+    assert metrics["optim/updates"] == 0 and metrics["optim/skip_reason"] == NO_SIGNAL
+    assert sorted(fresh) == list(range(len(minibatches(uniform, cfg.rl.updates_per_batch)[0])))
+    assert all(p.grad is None for p in training.model.parameters())
+    for row, logprobs in fresh.items():
+        assert len(logprobs) == len(uniform[row].behaviour_logprobs)
+        assert max(abs(a - b) for a, b in zip(logprobs, uniform[row].behaviour_logprobs)) < 1e-4

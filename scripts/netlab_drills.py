@@ -1,0 +1,166 @@
+"""Fault drills on the network lab (docs/NETLAB.md): a CURVE learner and two workers on separate hosts over WAN
+links (latency, jitter, loss, bandwidth), and, one after another while the run goes on, a partition of one
+worker, a partition of every worker, each healed after --partition-s. For each it measures, from the processes'
+own logs, how long the learner and the worker took to notice (against their heartbeat bounds), how long the
+worker took to rejoin after the heal, and the learner's steps during the cut; at the end, what was trained: no
+trajectory twice, every rollout accounted for (generated = trained + discarded by reason + left over).
+
+    sudo python scripts/netlab_drills.py --partition-s 30 --out runs/netlab
+
+Prints one table and writes OUT/drills.json; exit status 0 when every promise held. Needs root (`missing`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from heterorl.config import load_config, packaged, to_yaml
+from heterorl.netlab import LinkShape, NetLab, missing
+from heterorl.netlab.fleet import LabFleet
+
+HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S = 0.5, 3.0
+OVERRIDES = ["loss.name=gepo", "runtime.mode=async", "task.options.eval_size=8", "rollout.group_size=4",
+             "rl.prompts_per_step=4", "rl.eval_every=100000", "rl.steps=100000", "runtime.workers=2",
+             "runtime.groups_per_call=2", "runtime.checkpoint_every=5", "runtime.fleet_wait_s=300",
+             "delay.up.kind=none", "delay.down.kind=none", f"transport.heartbeat_interval_s={HEARTBEAT_INTERVAL_S}",
+             f"transport.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}", "logging.wandb_mode=disabled",
+             "logging.progress=false", "logging.save_policy=false"]
+
+
+def wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def partition(fleet: LabFleet, cut: list[int], seconds: float) -> dict:
+    """Cut the links of workers ``cut`` for ``seconds``, heal them, and measure (see the module)."""
+    lab = fleet.lab
+    step_before, cut_at = fleet.learner_step(), time.time()
+    for k in cut:
+        lab.cut(f"worker-{k}")
+    time.sleep(seconds)
+    steps_during = fleet.learner_step() - step_before
+    healed_at = time.time()
+    for k in cut:
+        lab.heal(f"worker-{k}")
+    seen = {}
+    for k in cut:
+        name = f"w{k}"
+
+        def rejoined(name=name):
+            times = [fleet.first_after("learner", f"worker {name} {event}", healed_at)
+                     for event in ("rejoined from", "is back", "joined from")]
+            times = [t for t in times if t is not None]
+            return min(times) if times else None
+
+        seen[name] = {
+            "learner_noticed_s": fleet.first_after("learner", f"worker {name} silent for", cut_at),
+            "worker_noticed_s": fleet.first_after(name, "learner silent for", cut_at),
+            "rejoined_after_heal_s": wait(rejoined, 120, f"{name} to rejoin"),
+        }
+    step_at_heal = fleet.learner_step()
+    wait(lambda: fleet.learner_step() > step_at_heal + 1, 120, "steps after the heal")
+    return {"cut": [f"w{k}" for k in cut], "seconds": seconds, "steps_during_cut": steps_during,
+            "steps_after_heal_s": time.time() - healed_at, "workers": seen}
+
+
+def run(args) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / "run.yaml"
+    config.write_text(to_yaml(load_config(packaged("maze_rl.yaml"), OVERRIDES + [f"logging.run_dir={out / 'run'}"])))
+    shape = LinkShape(delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, loss=args.loss, rate_mbit=args.rate_mbit)
+    report: dict = {"links": vars(shape), "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}
+    with NetLab(2, shape) as lab:
+        report["backend"] = lab.backend
+        fleet = LabFleet(lab, out, config)
+        fleet.start_learner()
+        for k in (1, 2):
+            fleet.start_worker(k)
+        wait(lambda: fleet.learner_step() >= 3, 300, "three steps")
+        report["partition_one"] = partition(fleet, [1], args.partition_s)
+        report["partition_all"] = partition(fleet, [1, 2], args.partition_s)
+        fleet.learner.send_signal(signal.SIGTERM)
+        report["learner_exit"] = fleet.learner.wait(120)
+        for k, worker in fleet.workers.items():
+            worker.send_signal(signal.SIGTERM)
+            report[f"w{k}_exit"] = worker.wait(60)
+            tally = [line for line in fleet.log(f"w{k}").read_text().splitlines() if "stopped by a signal" in line]
+            report[f"w{k}_tally"] = tally[-1].split(" after ", 1)[-1] if tally else None
+        report["wire"] = lab.wire_stats()
+    summary = json.loads((out / "run" / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rollouts = summary["rollouts"]
+    report["run"] = {"steps": summary["steps"], "stopped_by": summary.get("stopped_by"),
+                     "duplicates": records[-1].get("transport/duplicates"),
+                     "trained_twice_refused": records[-1].get("buffer/dropped_trained"), "rollouts": rollouts,
+                     "unaccounted": rollouts["generated"] - rollouts["trained"] - sum(rollouts["discarded"].values())
+                     - rollouts["left_over"]}
+    return report
+
+
+def broken(report: dict) -> list[str]:
+    found = []
+    bound = HEARTBEAT_TIMEOUT_S + 2 * HEARTBEAT_INTERVAL_S + 1.0  # the timeout, a beat each way, the log's grain
+    for drill in ("partition_one", "partition_all"):
+        seen = report[drill]
+        if drill == "partition_one" and seen["steps_during_cut"] <= 0:
+            found.append("the learner made no step while one worker was cut (it blocked on the cut link)")
+        for name, times in seen["workers"].items():
+            for side in ("learner_noticed_s", "worker_noticed_s"):
+                if times[side] is None or times[side] > bound:
+                    found.append(f"{drill}: {side.split('_')[0]} noticed {name}'s cut after {times[side]} s "
+                                 f"(bound {bound:.1f} s)")
+    run = report["run"]
+    if report["learner_exit"] != 0 or run["stopped_by"] != "SIGTERM":
+        found.append(f"the learner did not stop cleanly (exit {report['learner_exit']}, {run['stopped_by']})")
+    if run["duplicates"] or run["unaccounted"]:
+        found.append(f"rollouts: {run['duplicates']} duplicates, {run['unaccounted']} unaccounted")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--partition-s", type=float, default=30.0, help="seconds each partition lasts")
+    parser.add_argument("--delay-ms", type=float, default=50.0, help="one-way latency of every link")
+    parser.add_argument("--jitter-ms", type=float, default=10.0, help="± jitter (uniform)")
+    parser.add_argument("--loss", type=float, default=0.005, help="packet loss probability")
+    parser.add_argument("--rate-mbit", type=float, default=100.0, help="bandwidth of every link, each way")
+    parser.add_argument("--out", default="runs/netlab", help="output folder")
+    args = parser.parse_args(argv)
+    why = missing()
+    if why is not None:
+        print(f"cannot run the drills: {why}", file=sys.stderr)
+        return 2
+    report = run(args)
+    report["broken"] = broken(report)
+    (Path(args.out) / "drills.json").write_text(json.dumps(report, indent=2))
+    print(f"links: {args.delay_ms:g} ms ± {args.jitter_ms:g} ms, {args.loss:.1%} loss, {args.rate_mbit:g} Mbit/s "
+          f"({report['backend']}); heartbeat timeout {HEARTBEAT_TIMEOUT_S:g} s; partitions of {args.partition_s:g} s")
+    print(f"{'drill':15} {'worker':6} {'learner noticed s':>18} {'worker noticed s':>17} {'rejoined s':>11} "
+          f"{'steps during':>13}")
+    for drill in ("partition_one", "partition_all"):
+        seen = report[drill]
+        for name, times in seen["workers"].items():
+            print(f"{drill:15} {name:6} {times['learner_noticed_s'] or float('nan'):18.2f} "
+                  f"{times['worker_noticed_s'] or float('nan'):17.2f} {times['rejoined_after_heal_s']:11.2f} "
+                  f"{seen['steps_during_cut']:13d}")
+    run_ = report["run"]
+    print(f"run: {run_['steps']} steps; duplicates {run_['duplicates']}, re-sent after training and refused "
+          f"{run_['trained_twice_refused']}, unaccounted rollouts {run_['unaccounted']}")
+    print("every promise held" if not report["broken"] else "BROKEN: " + "; ".join(report["broken"]))
+    return 0 if not report["broken"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

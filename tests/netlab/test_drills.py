@@ -1,0 +1,31 @@
+"""The fault drills (scripts/netlab_drills.py) on the network lab, small: partitions of one worker and of every
+worker, healed; the learner keeps training while one worker is cut, both sides notice a cut within their
+heartbeat bounds, the workers rejoin, the learner stops cleanly, nothing is trained twice and every rollout is
+accounted for."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from heterorl.netlab import missing
+from tests.conftest import ENV, REPO
+
+WHY = missing()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
+
+
+@pytest.mark.slow
+def test_partitions_are_noticed_healed_and_lose_nothing(tmp_path):
+    done = subprocess.run([sys.executable, "scripts/netlab_drills.py", "--partition-s", "8", "--out", str(tmp_path)],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "every promise held" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "drills.json").read_text())
+    assert report["partition_one"]["steps_during_cut"] > 0  # the learner never blocked on the cut link
+    for drill in ("partition_one", "partition_all"):
+        for times in report[drill]["workers"].values():
+            assert times["learner_noticed_s"] is not None and times["worker_noticed_s"] is not None
+    run = report["run"]
+    assert run["stopped_by"] == "SIGTERM" and run["duplicates"] == 0 and run["unaccounted"] == 0
+    assert report["learner_exit"] == 0 and report["w1_exit"] == 0 and report["w2_exit"] == 0
