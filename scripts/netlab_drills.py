@@ -1,9 +1,12 @@
 """Fault drills on the network lab (docs/NETLAB.md): a CURVE learner and two workers on separate hosts over WAN
 links (latency, jitter, loss, bandwidth), and, one after another while the run goes on, a partition of one
-worker, a partition of every worker, each healed after --partition-s. For each it measures, from the processes'
-own logs, how long the learner and the worker took to notice (against their heartbeat bounds), how long the
-worker took to rejoin after the heal, and the learner's steps during the cut; at the end, what was trained: no
-trajectory twice, every rollout accounted for (generated = trained + discarded by reason + left over).
+worker, a partition of every worker, each healed after --partition-s; then 5 % loss and 20 ms jitter (packets
+reordered) on the weights links, and every link dropped to 10 Mbit/s, each for --phase-s. For each partition it
+measures, from the processes' own logs, how long the learner and the worker took to notice (against their
+heartbeat bounds), how long the worker took to rejoin after the heal, and the learner's steps during the cut;
+for the others the steps, staleness and waits before and during. At the end: no trajectory trained twice, every
+rollout accounted for (generated = trained + discarded by reason + left over); each worker's tally of versions
+taken (whole, as deltas), resyncs and checksum failures is printed.
 
     sudo python scripts/netlab_drills.py --partition-s 30 --out runs/netlab
 
@@ -17,6 +20,7 @@ import json
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from heterorl.config import load_config, packaged, to_yaml
@@ -74,6 +78,37 @@ def partition(fleet: LabFleet, cut: list[int], seconds: float) -> dict:
             "steps_after_heal_s": time.time() - healed_at, "workers": seen}
 
 
+def metrics_between(fleet: LabFleet, first: int, last: int) -> dict:
+    """Steps/s and mean staleness (versions, seconds) over the learner's steps ``first`` … ``last``."""
+    path = fleet.run_dir() / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = [r for r in records if first <= r.get("step", -1) <= last and "staleness/versions_mean" in r]
+
+    def mean(key: str) -> float | None:
+        values = [r[key] for r in steps if key in r]
+        return round(sum(values) / len(values), 2) if values else None
+
+    return {"steps": len(steps), "staleness_versions": mean("staleness/versions_mean"),
+            "staleness_s": mean("staleness/seconds_mean"), "learner_wait_s": mean("learner/wait_s")}
+
+
+def shaped(fleet: LabFleet, shape: LinkShape, direction: str, seconds: float, normal: LinkShape) -> dict:
+    """Every link set to ``shape`` in ``direction`` for ``seconds``, then back to ``normal``: the learner's steps,
+    staleness and waits in the same time before and during."""
+    lab = fleet.lab
+    start = fleet.learner_step()
+    time.sleep(seconds)
+    middle = fleet.learner_step()
+    for k in range(1, lab.workers + 1):
+        lab.shape(f"worker-{k}", shape, direction)
+    time.sleep(seconds)
+    end = fleet.learner_step()
+    for k in range(1, lab.workers + 1):
+        lab.shape(f"worker-{k}", normal, direction)
+    return {"shape": vars(shape), "direction": direction, "seconds": seconds,
+            "before": metrics_between(fleet, start + 1, middle), "during": metrics_between(fleet, middle + 1, end)}
+
+
 def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -90,6 +125,9 @@ def run(args) -> dict:
         wait(lambda: fleet.learner_step() >= 3, 300, "three steps")
         report["partition_one"] = partition(fleet, [1], args.partition_s)
         report["partition_all"] = partition(fleet, [1, 2], args.partition_s)
+        report["lossy_weights"] = shaped(fleet, replace(shape, loss=0.05, jitter_ms=max(shape.jitter_ms, 20.0)),
+                                         "down", args.phase_s, shape)
+        report["bandwidth_drop"] = shaped(fleet, replace(shape, rate_mbit=10.0), "both", args.phase_s, shape)
         fleet.learner.send_signal(signal.SIGTERM)
         report["learner_exit"] = fleet.learner.wait(120)
         for k, worker in fleet.workers.items():
@@ -121,6 +159,9 @@ def broken(report: dict) -> list[str]:
                 if times[side] is None or times[side] > bound:
                     found.append(f"{drill}: {side.split('_')[0]} noticed {name}'s cut after {times[side]} s "
                                  f"(bound {bound:.1f} s)")
+    for drill in ("lossy_weights", "bandwidth_drop"):
+        if report[drill]["during"]["steps"] <= 0:
+            found.append(f"{drill}: the learner made no step ({report[drill]})")
     run = report["run"]
     if report["learner_exit"] != 0 or run["stopped_by"] != "SIGTERM":
         found.append(f"the learner did not stop cleanly (exit {report['learner_exit']}, {run['stopped_by']})")
@@ -132,6 +173,8 @@ def broken(report: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--partition-s", type=float, default=30.0, help="seconds each partition lasts")
+    parser.add_argument("--phase-s", type=float, default=30.0,
+                        help="seconds before and during the lossy weights links and the bandwidth drop")
     parser.add_argument("--delay-ms", type=float, default=50.0, help="one-way latency of every link")
     parser.add_argument("--jitter-ms", type=float, default=10.0, help="± jitter (uniform)")
     parser.add_argument("--loss", type=float, default=0.005, help="packet loss probability")
@@ -155,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{drill:15} {name:6} {times['learner_noticed_s'] or float('nan'):18.2f} "
                   f"{times['worker_noticed_s'] or float('nan'):17.2f} {times['rejoined_after_heal_s']:11.2f} "
                   f"{seen['steps_during_cut']:13d}")
+    for drill in ("lossy_weights", "bandwidth_drop"):
+        seen = report[drill]
+        print(f"{drill}: {seen['direction']} links {seen['shape']}; before {seen['before']}; during {seen['during']}")
+    for k in (1, 2):
+        print(f"w{k}: {report[f'w{k}_tally']}")
     run_ = report["run"]
     print(f"run: {run_['steps']} steps; duplicates {run_['duplicates']}, re-sent after training and refused "
           f"{run_['trained_twice_refused']}, unaccounted rollouts {run_['unaccounted']}")

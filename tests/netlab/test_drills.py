@@ -1,7 +1,7 @@
 """The fault drills (scripts/netlab_drills.py) on the network lab, small: partitions of one worker and of every
 worker, healed; the learner keeps training while one worker is cut, both sides notice a cut within their
-heartbeat bounds, the workers rejoin, the learner stops cleanly, nothing is trained twice and every rollout is
-accounted for."""
+heartbeat bounds, the workers rejoin; lossy, reordering weights links and a bandwidth drop do not stop training;
+the learner stops cleanly, nothing is trained twice and every rollout is accounted for."""
 
 import json
 import subprocess
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
 
 @pytest.mark.slow
 def test_partitions_are_noticed_healed_and_lose_nothing(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/netlab_drills.py", "--partition-s", "8", "--out", str(tmp_path)],
-                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "scripts/netlab_drills.py", "--partition-s", "8", "--phase-s", "5",
+                           "--out", str(tmp_path)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "every promise held" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "drills.json").read_text())
     assert report["partition_one"]["steps_during_cut"] > 0  # the learner never blocked on the cut link
@@ -29,3 +29,5 @@ def test_partitions_are_noticed_healed_and_lose_nothing(tmp_path):
     run = report["run"]
     assert run["stopped_by"] == "SIGTERM" and run["duplicates"] == 0 and run["unaccounted"] == 0
     assert report["learner_exit"] == 0 and report["w1_exit"] == 0 and report["w2_exit"] == 0
+    # through 5 % loss and reordering on the weights links and a drop to 10 Mbit/s the learner kept stepping
+    assert report["lossy_weights"]["during"]["steps"] > 0 and report["bandwidth_drop"]["during"]["steps"] > 0

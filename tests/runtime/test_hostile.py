@@ -193,9 +193,11 @@ def test_a_batch_whose_loss_is_not_finite_is_skipped_and_kept_for_inspection(tmp
     def worker():
         client = WorkerClient(server.control_endpoint, "w", cfg.transport)
         client.wait_ready(30)
-        send(client, bad, stop)
-        for n in range(100):  # version 0 is never ahead of the learner
-            send(client, [member("w", f"w-{n}", j) for j in range(4)], stop)
+        groups = [bad] + [[member("w", f"w-{n}", j) for j in range(4)] for n in range(100)]  # version 0 is never
+        for group in groups:  # ahead of the learner; each group starts on an admission permit, as a worker's
+            while not stop.is_set() and not client.acquire_starts(1, timeout_s=0.2):
+                pass
+            send(client, group, stop)
         client.close()
 
     thread = threading.Thread(target=worker, daemon=True)

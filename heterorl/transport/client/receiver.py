@@ -35,6 +35,7 @@ class WeightsReceiver:
         self.fetched_version = version_held
         self.sock: zmq.Socket | None = None  # the weights channel, once a ready names its port
         self.fetch = WeightsFetch()
+        self.newer_offered = False  # a newer version was offered while a transfer was under way (`offer`)
         self.shards: ShardedFetch | None = None  # a sharded learner's other ranks (a ready names their ports)
         self._connect, self._poller, self._decode, self._deliver_to = connect, poller, decode, deliver_to
 
@@ -60,8 +61,13 @@ class WeightsReceiver:
 
     def offer(self, version: int, now: float) -> None:
         """The learner has ``version`` (its ready's newest, a notice): when that is newer than what this worker
-        has, ask for the newest version released to it."""
+        has, ask for the newest version released to it. A transfer under way is finished first, and the newest
+        asked for after it (`poll`): on a link slower than the learner's steps, a transfer restarted at every
+        notice would never finish, and the worker would sample with its first version for ever."""
         if version > self.fetched_version and self.sock is not None:
+            if self.fetch.active and self.fetch.header is not None:
+                self.newer_offered = True
+                return
             self.fetch.start(self.sock, self, now)
 
     def poll(self, events: dict, now: float) -> None:
@@ -71,6 +77,9 @@ class WeightsReceiver:
             receive_waiting(sock, lambda s, frames: self.on_frames(s, self.fetch, frames, now))
         if sock is not None:
             self.fetch.check_timeout(sock, self, now)
+            if self.newer_offered and not self.fetch.active:
+                self.newer_offered = False
+                self.fetch.start(sock, self, now)
         if self.shards is not None:
             self.shards.poll(self, events, now)
 
