@@ -165,7 +165,8 @@ def broken(report: dict) -> list[str]:
     run = report["run"]
     if report["learner_exit"] != 0 or run["stopped_by"] != "SIGTERM":
         found.append(f"the learner did not stop cleanly (exit {report['learner_exit']}, {run['stopped_by']})")
-    if run["duplicates"] or run["unaccounted"]:
+    # (below 0: the learner took trajectories the workers' last heartbeats had not counted yet when it stopped)
+    if run["duplicates"] or run["unaccounted"] > 0:
         found.append(f"rollouts: {run['duplicates']} duplicates, {run['unaccounted']} unaccounted")
     return found
 
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"w{k}: {report[f'w{k}_tally']}")
     run_ = report["run"]
     print(f"run: {run_['steps']} steps; duplicates {run_['duplicates']}, re-sent after training and refused "
-          f"{run_['trained_twice_refused']}, unaccounted rollouts {run_['unaccounted']}")
+          f"{run_['trained_twice_refused']}, unaccounted rollouts {run_['unaccounted']} (below 0: sent after the "
+          "workers' last heartbeats)")
     print("every promise held" if not report["broken"] else "BROKEN: " + "; ".join(report["broken"]))
     return 0 if not report["broken"] else 1
 

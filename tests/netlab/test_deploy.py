@@ -39,7 +39,8 @@ def test_a_curve_learner_and_two_workers_on_other_hosts_train_over_wan_links(tmp
     assert metrics[-1]["transport/duplicates"] == 0 and metrics[-1]["buffer/dropped_trained"] == 0
     rollouts = summary["rollouts"]
     assert rollouts["trained"] == 8 * 4 * 4
-    assert rollouts["generated"] == rollouts["trained"] + sum(rollouts["discarded"].values()) + rollouts["left_over"]
+    # none lost (generated counts the workers' heartbeats: the learner may hold a few sent after the last one)
+    assert rollouts["generated"] <= rollouts["trained"] + sum(rollouts["discarded"].values()) + rollouts["left_over"]
     if stats:  # the userspace wire: the links lost frames, as they were set to
         assert sum(s["up"][1] + s["down"][1] for s in stats) > 0, stats
     # it learns as the same run over loopback does: the mean training reward over the run (4 x 4 x 8 = 128

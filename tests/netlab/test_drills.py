@@ -27,7 +27,8 @@ def test_partitions_are_noticed_healed_and_lose_nothing(tmp_path):
         for times in report[drill]["workers"].values():
             assert times["learner_noticed_s"] is not None and times["worker_noticed_s"] is not None
     run = report["run"]
-    assert run["stopped_by"] == "SIGTERM" and run["duplicates"] == 0 and run["unaccounted"] == 0
+    # none lost: the workers' heartbeats count what they generated, so the learner may hold a few more when it stops
+    assert run["stopped_by"] == "SIGTERM" and run["duplicates"] == 0 and run["unaccounted"] <= 0
     assert report["learner_exit"] == 0 and report["w1_exit"] == 0 and report["w2_exit"] == 0
     # through 5 % loss and reordering on the weights links and a drop to 10 Mbit/s the learner kept stepping
     assert report["lossy_weights"]["during"]["steps"] > 0 and report["bandwidth_drop"]["during"]["steps"] > 0
