@@ -32,7 +32,7 @@ import zmq
 
 from heterorl.config import TransportConfig, load_config, packaged, to_yaml
 from heterorl.transport import TransportTimeout, WorkerClient
-from heterorl.transport.protocol import Hello, Trajectory, encode
+from heterorl.transport.protocol import Bye, Hello, Ready, Trajectory, decode, encode
 
 # the 5x5 maze from the shipped maze base (maze_rl.yaml; the poison below is sized for its tokenizer and context),
 # GEPO, asynchronous, small and quick, without delays
@@ -155,6 +155,14 @@ def drill_registry(endpoint: str, hellos: int, connections: int, report: dict) -
         socks.append(one)
         for i in range(hellos):
             one.send_multipart(encode(Hello(f"flood-{i}", "h", 1, -1, time.time())))
+        # every one of them answered before the crowd connects: the crowd filling the registry first would make
+        # these hellos refusals (busy) rather than replacements, which arrival order alone would decide
+        one_answers = Counter()
+        deadline = time.monotonic() + 60
+        while sum(one_answers.values()) < hellos and one.poll(max(0, int(1000 * (deadline - time.monotonic())))):
+            message = decode(one.recv_multipart(copy=False))
+            if isinstance(message, (Ready, Bye)):
+                one_answers["ready" if isinstance(message, Ready) else "bye"] += 1
         answers = Counter()
         for i in range(connections):
             sock = ctx.socket(zmq.DEALER)
@@ -166,7 +174,8 @@ def drill_registry(endpoint: str, hellos: int, connections: int, report: dict) -
         for sock in socks[1:]:
             if sock.poll(max(0, int(1000 * (deadline - time.monotonic())))):
                 answers["bye (busy)" if b"busy" in sock.recv_multipart()[0] else "ready"] += 1
-        report["registry"] = {"hellos_one_connection": hellos, "connections": connections, "answers": dict(answers)}
+        report["registry"] = {"hellos_one_connection": hellos, "one_connection_answers": dict(one_answers),
+                              "connections": connections, "answers": dict(answers)}
         # garbage frames of every size on a registered connection and an unregistered one
         rng = random.Random(0)
         for k in range(1000):
