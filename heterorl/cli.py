@@ -16,6 +16,7 @@
     heterorl bench lora                 LoRA vs full fine-tuning: learning, bytes and time per version, sampling
     heterorl bench sandbox              the code task's sandbox: start-up, tests/s (jail vs weak), a worker's samples/s
     heterorl bench serve-load           heterorl serve: OpenAI req/s batched vs not; honest p99 with an abuser
+    heterorl bench wan                  one run over the network lab's links vs loopback with delay.* set alike
     heterorl keys [make] --name NAME [--out D]   a CurveZMQ key pair for a learner or a remote worker
     heterorl keys revoke --name NAME --allow-keys D   refuse a worker's key (no restart)
     heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async)
@@ -235,7 +236,7 @@ def cmd_demo(args) -> int:
 BENCHMARKS = {"engine": "engine", "losses": "losses", "transport": "transport", "weights": "weights",
               "deltas": "deltas", "async": "async_modes", "simulate": "simulation", "service": "service",
               "reshard": "reshard", "lora": "lora", "sandbox": "sandbox",
-              "serve-load": "service_load"}
+              "serve-load": "service_load", "wan": "wan"}
 
 
 def cmd_bench(args) -> int:

@@ -213,6 +213,12 @@ class LinkDelayConfig:
     loss_prob: float = 0.0  # probability that a message is dropped
     bandwidth_bytes_per_s: Optional[float] = None  # None: unlimited; else size/bandwidth per message, queued FIFO
 
+    @property
+    def active(self) -> bool:
+        """Whether the link does anything: a delay, a loss or a bandwidth limit (kind none with a bandwidth limit
+        is a link of no latency that still queues messages behind one another)."""
+        return self.kind != "none" or self.loss_prob > 0 or self.bandwidth_bytes_per_s is not None
+
     def validate(self, key: str = "delay") -> None:
         """Raise DelayConfigError naming the first bad field (as ``{key}.field``) and the fix; reads the trace file."""
         _check_delay_fields(self, key)
@@ -483,9 +489,10 @@ class DelayConfig:
         if self.fixed_lag_steps is not None:
             if self.fixed_lag_steps < 0:
                 _fail(f"{key}.fixed_lag_steps", self.fixed_lag_steps, "must be >= 0 (0: on-policy), or null")
-            if self.up.kind != "none" or self.down.kind != "none":
+            if self.up.active or self.down.active:
                 _fail(f"{key}.fixed_lag_steps", self.fixed_lag_steps,
-                      f"sets the staleness itself: leave `{key}.up.kind` and `{key}.down.kind` at none")
+                      f"sets the staleness itself: leave `{key}.up` and `{key}.down` at kind none, with no loss and "
+                      "no bandwidth limit")
 
 
 @dataclass
@@ -498,6 +505,13 @@ class RuntimeConfig:
     workers: int = 2  # rollout worker processes `heterorl train` starts
     address: str = "tcp://127.0.0.1:0"  # learner control address (weights on port + 1); port 0 = pick free ports
     groups_per_call: int = 4  # groups a worker samples per engine call
+    # admission: a worker may hold this many calls' worth of unused permits; 2 lets the permits of its next call
+    # arrive while it samples this one, which on links whose round trip is near a call's time keeps it sampling
+    permit_calls: int = 1
+    # admission: a worker whose weights are more than this many versions older than the newest released to it gets
+    # no new permits until it has caught up, so a link too slow for the learner's pace slows the learner rather than
+    # letting the staleness grow without bound (None: no limit; a weights delay's versions are not counted until due)
+    max_weights_lag: Optional[int] = None
     throttle: List[float] = field(default_factory=list)  # slowdown factor of worker i = throttle[i % len]; 1 = full
     threads: int = 1  # torch threads per learner / worker / simulated process (`sft` and `rl` use torch's default)
     learner_threads: Optional[int] = None  # the learner's torch threads (None: runtime.threads)
@@ -539,6 +553,10 @@ class RuntimeConfig:
     # worker i gets worker_devices[i % len]; empty = every process sees what `heterorl train` sees
     learner_devices: str = ""
     worker_devices: List[str] = field(default_factory=list)
+    # `heterorl train`: a command each worker runs under, before its own (a restarted worker too), with {index}
+    # (0, 1, ...), {number} (1, 2, ...) and {name} (worker-0, ...) filled in, e.g. ["taskset", "-c", "{number}"]
+    # or ["ip", "netns", "exec", "site-{number}"] (a worker per network namespace); empty: none
+    worker_prefix: List[str] = field(default_factory=list)
 
     def validate(self, key: str = "runtime") -> None:
         _one_of(f"{key}.mode", self.mode, ("async", "sync"))
@@ -546,8 +564,9 @@ class RuntimeConfig:
         _one_of(f"{key}.thread_split", self.thread_split, ("adaptive", "fixed"))
         _one_of(f"{key}.learner_sharding", self.learner_sharding, ("ddp", "fsdp"))
         _one_of(f"{key}.weights_fanout", self.weights_fanout, ("reshard", "gather"))
-        _positive(self, key, "workers", "groups_per_call", "threads", "learner_ranks", "vllm_kv_cache_gib")
-        _optional_positive(self, key, "learner_threads", "worker_threads")
+        _positive(self, key, "workers", "groups_per_call", "permit_calls", "threads", "learner_ranks",
+                  "vllm_kv_cache_gib")
+        _optional_positive(self, key, "learner_threads", "worker_threads", "max_weights_lag")
         if self.worker_restarts < 0:
             _fail(f"{key}.worker_restarts", self.worker_restarts, "must be >= 0 (0: a failed worker is not restarted)")
         if any(f < 1 for f in self.throttle):
@@ -566,6 +585,18 @@ class RuntimeConfig:
                 ("worker_devices", d) for d in self.worker_devices]:
             if not isinstance(devices, str) or not re.fullmatch(r"\d+(,\d+)*", devices):
                 _fail(f"{key}.{name}", devices, 'give CUDA device indices as a string, e.g. "0" or "1,2"')
+        for word in self.worker_prefix:
+            try:
+                worker_command_word(word, 0)
+            except (KeyError, IndexError, ValueError, AttributeError) as exc:
+                _fail(f"{key}.worker_prefix", word, f"only {{index}}, {{number}} and {{name}} are filled in ({exc!r})")
+
+
+def worker_command_word(word: str, index: int) -> str:
+    """A word of `RuntimeConfig.worker_prefix` for worker ``index``."""
+    if not isinstance(word, str):
+        raise ValueError("each word of the prefix is a string")
+    return word.format(index=index, number=index + 1, name=f"worker-{index}")
 
 
 @dataclass

@@ -1,7 +1,10 @@
 """Fault drills on the network lab (docs/NETLAB.md): a CURVE learner and two workers on separate hosts over WAN
 links (latency, jitter, loss, bandwidth), and, one after another while the run goes on, a partition of one
 worker, a partition of every worker, each healed after --partition-s; then 5 % loss and 20 ms jitter (packets
-reordered) on the weights links, and every link dropped to 10 Mbit/s, each for --phase-s. For each partition it
+reordered) on the weights links, and every link dropped to 10 Mbit/s, each for --phase-s. The learner is then
+stopped (SIGTERM: the run's accounting is checked) and started again with --resume, and its host reboots behind
+lossy links (--reboot-loss): every process on it killed, down for --reboot-down-s, the learner resumed on the
+same address. For each partition it
 measures, from the processes' own logs, how long the learner and the worker took to notice (against their
 heartbeat bounds), how long the worker took to rejoin after the heal, and the learner's steps during the cut;
 for the others the steps, staleness and waits before and during. At the end: no trajectory trained twice, every
@@ -109,11 +112,50 @@ def shaped(fleet: LabFleet, shape: LinkShape, direction: str, seconds: float, no
             "before": metrics_between(fleet, start + 1, middle), "during": metrics_between(fleet, middle + 1, end)}
 
 
+def reboot(fleet: LabFleet, shape: LinkShape, down_s: float) -> dict:
+    """The learner's host reboots while the workers sit behind ``shape`` links: every process on it killed at
+    once (SIGKILL), the host down for ``down_s``, then the learner started again with ``--resume`` on the same
+    address. Measures when it listened again, when each worker joined it, and its steps after."""
+    lab = fleet.lab
+    for k in range(1, lab.workers + 1):
+        lab.shape(f"worker-{k}", shape)
+    step_before = fleet.learner_step()
+    killed_at = time.time()
+    lab.kill_host("learner")
+    fleet.learner.wait(30)
+    time.sleep(down_s)
+    started_at = time.time()
+    fleet.start_learner("--resume")
+    listening_s = time.time() - started_at
+    joined = {}
+    for k in range(1, lab.workers + 1):
+        name = f"w{k}"
+        joined[name] = wait(lambda name=name: fleet.first_after("learner", f"worker {name} joined from", started_at),
+                            120, f"{name} to join the resumed learner")
+    resumed_at = fleet.learner_step()
+    wait(lambda: fleet.learner_step() >= resumed_at + 3, 120, "steps after the resume")
+    return {"links": vars(shape), "down_s": down_s, "step_at_kill": step_before, "resumed_from_step": resumed_at,
+            "listening_after_start_s": listening_s, "joined_after_start_s": joined,
+            "worker_noticed_s": {f"w{k}": fleet.first_after(f"w{k}", "learner silent for", killed_at)
+                                 for k in range(1, lab.workers + 1)},
+            "steps_after_s": time.time() - started_at}
+
+
+def stop(fleet: LabFleet) -> tuple[int, dict]:
+    """SIGTERM to the learner: its exit code and its summary."""
+    fleet.learner.send_signal(signal.SIGTERM)
+    code = fleet.learner.wait(120)
+    return code, json.loads((fleet.run_dir() / "summary.json").read_text())
+
+
 def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = out / "run.yaml"
-    config.write_text(to_yaml(load_config(packaged("maze_rl.yaml"), OVERRIDES + [f"logging.run_dir={out / 'run'}"])))
+    overrides = [*OVERRIDES, f"logging.run_dir={out / 'run'}"]
+    if args.max_weights_lag is not None:
+        overrides.append(f"runtime.max_weights_lag={args.max_weights_lag}")
+    config.write_text(to_yaml(load_config(packaged("maze_rl.yaml"), overrides)))
     shape = LinkShape(delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, loss=args.loss, rate_mbit=args.rate_mbit)
     report: dict = {"links": vars(shape), "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}
     with NetLab(2, shape) as lab:
@@ -128,16 +170,26 @@ def run(args) -> dict:
         report["lossy_weights"] = shaped(fleet, replace(shape, loss=0.05, jitter_ms=max(shape.jitter_ms, 20.0)),
                                          "down", args.phase_s, shape)
         report["bandwidth_drop"] = shaped(fleet, replace(shape, rate_mbit=10.0), "both", args.phase_s, shape)
-        fleet.learner.send_signal(signal.SIGTERM)
-        report["learner_exit"] = fleet.learner.wait(120)
+        report["learner_exit"], summary = stop(fleet)
+        records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
+                   if line.strip()]
+        # the learner comes back (--resume), and then its host reboots, behind lossy links
+        lossy = replace(shape, loss=args.reboot_loss)
+        started_at = time.time()
+        fleet.start_learner("--resume")
+        wait(lambda: all(fleet.first_after("learner", f"worker w{k} joined from", started_at) is not None
+                         for k in (1, 2)), 120, "the workers to join the learner started again")
+        report["learner_reboot"] = reboot(fleet, lossy, args.reboot_down_s)
+        report["rebooted_exit"], rebooted = stop(fleet)
+        trained = json.loads((out / "run" / "checkpoints" / "learner_state.json").read_text())["trained_ids"]
+        report["learner_reboot"].update(steps=rebooted["steps"], stopped_by=rebooted.get("stopped_by"),
+                                        trained_ids=len(trained), trained_twice=len(trained) - len(set(trained)))
         for k, worker in fleet.workers.items():
             worker.send_signal(signal.SIGTERM)
             report[f"w{k}_exit"] = worker.wait(60)
             tally = [line for line in fleet.log(f"w{k}").read_text().splitlines() if "stopped by a signal" in line]
             report[f"w{k}_tally"] = tally[-1].split(" after ", 1)[-1] if tally else None
         report["wire"] = lab.wire_stats()
-    summary = json.loads((out / "run" / "summary.json").read_text())
-    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rollouts = summary["rollouts"]
     report["run"] = {"steps": summary["steps"], "stopped_by": summary.get("stopped_by"),
                      "duplicates": records[-1].get("transport/duplicates"),
@@ -162,6 +214,12 @@ def broken(report: dict) -> list[str]:
     for drill in ("lossy_weights", "bandwidth_drop"):
         if report[drill]["during"]["steps"] <= 0:
             found.append(f"{drill}: the learner made no step ({report[drill]})")
+    rebooted = report["learner_reboot"]
+    if report["rebooted_exit"] != 0 or rebooted["stopped_by"] != "SIGTERM":
+        found.append(f"the rebooted learner did not stop cleanly (exit {report['rebooted_exit']}, "
+                     f"{rebooted['stopped_by']})")
+    if rebooted["trained_twice"]:
+        found.append(f"{rebooted['trained_twice']} trajectories trained twice across the learner's lives")
     run = report["run"]
     if report["learner_exit"] != 0 or run["stopped_by"] != "SIGTERM":
         found.append(f"the learner did not stop cleanly (exit {report['learner_exit']}, {run['stopped_by']})")
@@ -180,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jitter-ms", type=float, default=10.0, help="± jitter (uniform)")
     parser.add_argument("--loss", type=float, default=0.005, help="packet loss probability")
     parser.add_argument("--rate-mbit", type=float, default=100.0, help="bandwidth of every link, each way")
+    parser.add_argument("--reboot-loss", type=float, default=0.02,
+                        help="packet loss of every link, each way, while the learner's host reboots")
+    parser.add_argument("--reboot-down-s", type=float, default=5.0, help="seconds the learner's host stays down")
+    parser.add_argument("--max-weights-lag", type=int, default=None,
+                        help="runtime.max_weights_lag: no permits for a worker this many versions behind")
     parser.add_argument("--out", default="runs/netlab", help="output folder")
     args = parser.parse_args(argv)
     why = missing()
@@ -202,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     for drill in ("lossy_weights", "bandwidth_drop"):
         seen = report[drill]
         print(f"{drill}: {seen['direction']} links {seen['shape']}; before {seen['before']}; during {seen['during']}")
+    rebooted = report["learner_reboot"]
+    print(f"learner reboot ({rebooted['links']['loss']:.0%} loss, down {rebooted['down_s']:g} s): listening "
+          f"{rebooted['listening_after_start_s']:.2f} s after its start, workers joined after "
+          f"{ {k: round(v, 2) for k, v in rebooted['joined_after_start_s'].items()} } s; resumed from step "
+          f"{rebooted['resumed_from_step']} (killed at {rebooted['step_at_kill']}), {rebooted['steps']} steps in all, "
+          f"{rebooted['trained_twice']} of {rebooted['trained_ids']} trained ids twice")
     for k in (1, 2):
         print(f"w{k}: {report[f'w{k}_tally']}")
     run_ = report["run"]

@@ -42,6 +42,9 @@ def test_round_trip_through_yaml(tmp_path):
     (["task.reward_timeout_s=-5"], "`task.reward_timeout_s` = -5.0"),
     (["task.reward_timeout_s=inf"], "`task.reward_timeout_s` = inf"),
     (["task.reward_timeout_s=nan"], "`task.reward_timeout_s` = nan"),
+    (["runtime.permit_calls=0"], "`runtime.permit_calls` = 0: must be > 0"),
+    (['runtime.worker_prefix=["ip", "netns", "exec", "{host}"]'], "only {index}, {number} and {name}"),
+    (["delay.fixed_lag_steps=2", "delay.down.bandwidth_bytes_per_s=1000"], "no bandwidth limit"),
 ])
 def test_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

@@ -119,11 +119,12 @@ def _kill_namespace(name: str) -> None:
 
 
 class NetLab:
-    """``workers`` worker hosts and the learner's host, each link shaped ``shape`` both ways (see the module).
+    """``workers`` worker hosts and the learner's host, each link shaped ``shape`` both ways (see the module);
+    ``sysctls`` set on every host (per network namespace, e.g. ``{"net.ipv4.tcp_slow_start_after_idle": "0"}``).
     Use as a context manager; `close` tears everything down."""
 
     def __init__(self, workers: int, shape: LinkShape = LinkShape(), *, backend: str = "auto",
-                 seed: int = 0) -> None:
+                 seed: int = 0, sysctls: dict[str, str] | None = None) -> None:
         if workers < 1 or workers > 250:
             raise ValueError(f"a lab has 1 to 250 worker hosts (got {workers})")
         if backend not in ("auto", "netem", "wire"):
@@ -136,6 +137,7 @@ class NetLab:
         self._wire: subprocess.Popen | None = None
         self._made: list[str] = []
         self._initial = shape
+        self.sysctls = dict(sysctls or {})
 
     # -- names ----------------------------------------------------------------------------------
     def namespace(self, host: str) -> str:
@@ -182,6 +184,8 @@ class NetLab:
             _run("ip", "netns", "add", name)
             self._made.append(name)
             self._ip(host, "link", "set", "lo", "up")
+            for key, value in self.sysctls.items():
+                _run("ip", "netns", "exec", name, "sysctl", "-q", "-w", f"{key}={value}")
         self._ip("learner", "addr", "add", f"{LEARNER_ADDRESS}/32", "dev", "lo")
         links = range(1, self.workers + 1)
         if self.backend == "wire":
@@ -261,6 +265,17 @@ class NetLab:
         if self._wire is None:
             return []
         return self._command({"stats": True})["stats"]
+
+    def wire_cpu_s(self) -> float:
+        """CPU seconds the userspace wire has used (0 with netem): a cost the real network does not put on
+        the hosts' cores, which on a small machine the lab's processes share with it."""
+        if self._wire is None:
+            return 0.0
+        try:
+            fields = Path(f"/proc/{self._wire.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
     @contextlib.contextmanager
     def inside(self, host: str):

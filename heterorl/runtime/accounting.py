@@ -51,13 +51,16 @@ def run_staleness(counts: dict[str, int], seconds_counts: dict[str, int], second
             "staleness_seconds_hist": seconds_histogram(seconds_counts, [])}
 
 
-def weights_summary(stats: Counter, dtype: str, deltas: bool, ranks: int = 1) -> dict:
+def weights_summary(stats: Counter, dtype: str, deltas: bool, ranks: int = 1, fleet: dict | None = None) -> dict:
     """The run's weights path from its counters (``weights/*``, kept by `LearnerServer` and the simulation):
     versions published, the bytes of one version in the wire dtype, the mean bytes of the step between two
-    versions and their ratio, and what the workers' links carried: transfers, bytes, versions skipped while a
-    bandwidth-limited link was busy. ``ranks`` > 1: a sharded learner whose every rank sends its own slices
-    (the bytes are rank 0's, one of ``ranks`` about equal shares)."""
+    versions and their ratio, the payload bytes the learner sent, and what the workers' delay-model links
+    carried: transfers, bytes, versions skipped while a bandwidth-limited link was busy. ``ranks`` > 1: a sharded
+    learner whose every rank sends its own slices (the bytes are rank 0's, one of ``ranks`` about equal shares).
+    ``fleet`` (a live learner's `fleet_totals`): the versions the workers had whole, timed from their publish,
+    and the mean and most of those seconds (by the hosts' wall clocks; NaN when none was timed)."""
     steps = stats.get("weights/steps_encoded", 0)
+    arrived = int((fleet or {}).get("weights_arrived", 0))
     step_mean = stats.get("weights/step_bytes", 0) / steps if steps else math.nan
     full = stats.get("weights/version_bytes", 0)
     return {
@@ -66,6 +69,9 @@ def weights_summary(stats: Counter, dtype: str, deltas: bool, ranks: int = 1) ->
         "encode_s_mean": stats.get("weights/encode_s", 0.0) / steps if steps else math.nan,
         "link_transfers": stats.get("weights/link_transfers", 0), "link_bytes": stats.get("weights/link_bytes", 0),
         "link_skipped": stats.get("weights/link_skipped", 0), "ranks": ranks,
+        "bytes_sent": stats.get("weights/bytes_sent", 0), "arrived": arrived,
+        "arrival_s_mean": fleet["weights_arrival_s"] / arrived if arrived else math.nan,
+        "arrival_s_max": fleet["weights_arrival_max_s"] if arrived else math.nan,
     }
 
 
@@ -85,6 +91,9 @@ def weights_line(weights: dict) -> str:
                  "transfers")
         if weights["link_skipped"]:
             line += f", {weights['link_skipped']} versions skipped while a link was busy"
+    if weights.get("arrived"):
+        line += (f"; a version reached a worker {weights['arrival_s_mean']:.2f} s after its publish on average "
+                 f"(at most {weights['arrival_s_max']:.2f} s)")
     return line
 
 

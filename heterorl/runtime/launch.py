@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from heterorl.config import Config, to_yaml
+from heterorl.config import Config, to_yaml, worker_command_word
 from heterorl.errors import HeteroRLError
 from heterorl.files import write_atomically
 from heterorl.runs import json_text, setup_run
@@ -274,7 +274,7 @@ def _learner_server(cfg: Config, addresses: tuple[str, str | None], training, *,
     bind, weights_address = addresses
     transport = _transport_config(cfg, allow_plaintext)
     weights_delay = None
-    if cfg.delay.down.kind != "none":
+    if cfg.delay.down.active:
         weights_delay = lambda worker_id: DelayLink(cfg.delay.down, name=f"{worker_id}/weights")  # noqa: E731
     contract = trajectory_contract(cfg, training.model)  # checked on every trajectory before it is buffered
     server = LearnerServer(bind, transport, curve=curve, weights_address=weights_address, weights_delay=weights_delay,
@@ -381,8 +381,11 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
         def start_worker(name: str) -> Child:
             i = int(name.rsplit("-", 1)[1])
             throttle, devices = _nth(cfg.runtime.throttle, i, 1.0), _nth(cfg.runtime.worker_devices, i, "")
+            prefix = [worker_command_word(word, i) for word in cfg.runtime.worker_prefix]
+            plaintext = ["--allow-plaintext"] if cfg.transport.allow_plaintext else []  # (its learner's, off loopback)
             return Child(name, ["rollout", "--connect", endpoint, "--worker-id", name, "--throttle", str(throttle),
-                                "--engine", engines[i]], logs / f"{name}.log", python=pythons[i], devices=devices)
+                                "--engine", engines[i], *plaintext], logs / f"{name}.log", python=pythons[i],
+                         devices=devices, prefix=prefix)
 
         fleet = WorkerFleet(start_worker, [f"worker-{i}" for i in range(len(engines))], cfg.runtime.worker_restarts)
         _follow_run(learner, fleet, metrics_path, seen, progress)

@@ -191,7 +191,9 @@ class Learner:
         cap = self.buffer.admission_limit(self.state.step, per_step, total_steps=steps, ahead_steps=self.pacer.ahead)
         if cap is not None:  # the server counts the groups started in this learner's life: the steps before it
             cap -= self._resumed_step * per_step  # consumed theirs, so the fleet stays as far ahead as ever
-        self.server.set_admission(cap, ahead=self.cfg.runtime.groups_per_call)
+        runtime = self.cfg.runtime
+        self.server.set_admission(cap, ahead=runtime.permit_calls * runtime.groups_per_call,
+                                  max_lag=runtime.max_weights_lag)
 
     def _await_fleet(self) -> None:
         """Wait up to ``runtime.fleet_wait_s`` until ``runtime.workers`` live workers hold weights (they said
@@ -317,7 +319,7 @@ class Learner:
             engines={name: t.summary(state.tally.elapsed_s) for name, t in sorted(self.engines.tallies.items())},
             rollouts=self._waste(fleet),
             weights=weights_summary(self.server.stats, self.server.weights_dtype, cfg.transport.weights_deltas,
-                                    self.ranks.world if self.publisher.reshard else 1),
+                                    self.ranks.world if self.publisher.reshard else 1, fleet),
             reward_outcomes=self.server.reward_outcomes())
 
     def _split_cores(self, train_s: float) -> None:

@@ -107,8 +107,8 @@ class Simulation:
             worker_id = f"worker-{i}"
             self.workers.append(_Worker(
                 worker_id=worker_id, throttle=throttles[i % len(throttles)], rng=shard_rng(cfg.seed, worker_id),
-                up=DelayLink(cfg.delay.up, f"{worker_id}/trajectories") if cfg.delay.up.kind != "none" else None,
-                down=DelayLink(cfg.delay.down, f"{worker_id}/weights") if cfg.delay.down.kind != "none" else None))
+                up=DelayLink(cfg.delay.up, f"{worker_id}/trajectories") if cfg.delay.up.active else None,
+                down=DelayLink(cfg.delay.down, f"{worker_id}/weights") if cfg.delay.down.active else None))
         self._by_id = {w.worker_id: w for w in self.workers}
         self._arrivals = DelayQueue()  # trajectories on their way to the learner
         self._weights: dict[int, dict] = {}  # version -> state dict, while some worker may still sample with it

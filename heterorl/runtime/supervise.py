@@ -23,10 +23,11 @@ STEADY_S = 60.0  # a worker that ran this long before it failed starts its back-
 
 
 class Child:
-    """One process of the run (`heterorl <argv>`), in its own session, its output appended to ``log_path``."""
+    """One process of the run (`heterorl <argv>`, under the command ``prefix`` when one is given), in its own
+    session, its output appended to ``log_path``."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, ranks: int = 1,
-                 python: str = sys.executable, devices: str = "") -> None:
+                 python: str = sys.executable, devices: str = "", prefix: list[str] | None = None) -> None:
         self.name, self.log_path = name, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("ab")
@@ -35,8 +36,9 @@ class Child:
             env["CUDA_VISIBLE_DEVICES"] = devices
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([python, *launcher, "-m", "heterorl.cli", *argv], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        command = [*(prefix or []), python, *launcher, "-m", "heterorl.cli", *argv]
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
 
     def tail(self, lines: int = 30) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()

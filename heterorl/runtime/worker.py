@@ -227,7 +227,7 @@ class RolloutWorker:
         self.learner_timeout_s = cfg.runtime.learner_timeout_s
         torch.set_num_threads(cfg.runtime.worker_threads or cfg.runtime.threads)
         clock = delay_clock(cfg)
-        if cfg.delay.up.kind != "none":
+        if cfg.delay.up.active:
             link = DelayLink(cfg.delay.up, name=f"{self.options.worker_id}/trajectories")
             self.client.set_trajectory_delay(link.schedule, clock)
         return cfg

@@ -43,7 +43,9 @@ def permit_share(rate: float | None, fleet: tuple[float, int] | None, ahead: int
 
 class Admission:
     """The fleet's permits: ``cap`` groups in all (None: no admission control), ``granted`` so far, ``refused``
-    (started on a permit of the cap, never to be trained), ``ahead`` unused ones per delivering worker at most."""
+    (started on a permit of the cap, never to be trained), ``ahead`` unused ones per delivering worker at most;
+    none for a worker whose weights are more than ``max_lag`` versions older than the newest released to it until
+    it has caught up."""
 
     def __init__(self, registry: WorkerRegistry, config: TransportConfig, stats: Counter) -> None:
         self.registry, self.config, self.stats = registry, config, stats
@@ -52,9 +54,26 @@ class Admission:
         self.refused = 0  # groups started on a permit and refused whole: they widen the admission cap
         self.probation_unused = 0  # probation permits held unused: beyond the cap (a group started on one is its)
         self.ahead, self.local_threads = 1, 0  # permits a worker may hold; threads advised (0: none)
+        self.max_lag: int | None = None  # versions a worker's weights may lag its newest and still get permits
 
-    def set(self, cap: int | None, ahead: int) -> None:
-        self.cap, self.ahead = cap, max(1, ahead)
+    def set(self, cap: int | None, ahead: int, max_lag: int | None = None) -> None:
+        self.cap, self.ahead, self.max_lag = cap, max(1, ahead), max_lag
+
+    def lagging(self, worker: WorkerInfo) -> bool:
+        """Whether ``worker``'s weights (as its heartbeats say) are more than ``max_lag`` versions behind the
+        newest released to it: it would sample groups that stale, so it gets no new permit until its weights catch
+        up. Counted from the version released to it, not the newest published: a version held back by a weights
+        delay (`heterorl.delay`) or whose notice was lost is not one it could have fetched, and the learner does
+        not wait on it."""
+        behind = worker.released_version - worker.version_held
+        lagging = self.max_lag is not None and worker.version_held >= 0 and behind > self.max_lag
+        if lagging and not worker.weights_lagging:
+            self.stats["permits_held_back/weights_lag"] += 1
+            self.registry.events("lagging", "worker %s holds weights %d versions behind the newest released to "
+                                 "it (runtime.max_weights_lag %d): no new permits until it catches up",
+                                 worker.worker_id, behind, self.max_lag)
+        worker.weights_lagging = lagging
+        return lagging
 
     def start_session(self, worker: WorkerInfo) -> None:
         self._end_probation(worker)
@@ -244,13 +263,15 @@ class Admission:
         for worker in delivering:
             if worker.probation_since >= 0 and not worker.probation_group:  # delivering now: the cap is its share
                 self.reclaim(worker)
+            if self.lagging(worker):
+                continue
             want = permit_share(worker.start_rate(), fleet, self.ahead) - self._unused(worker)
             self._give(worker, min(want, self.pool()))
         for worker in on_probation:
             if out >= self.config.probation_permits:
                 break
             if (worker.probation_since < 0 and now >= worker.permits_backoff_until
-                    and self._held(worker) <= self._used(worker)):
+                    and self._held(worker) <= self._used(worker) and not self.lagging(worker)):
                 self._give(worker, 1)
                 worker.probation_since = now
                 if worker.first_permit_at < 0:

@@ -50,6 +50,13 @@ class Membership:
         if worker is not None and not registry.owns(worker, user_id):
             self._reject("forged_id", f"worker id {hello.worker_id!r} belongs to another key")
             return refusal("worker id taken by another key")
+        if (worker is not None and worker.alive and worker.routing_id == routing_id and not worker.heard_in_session
+                and worker.pid == hello.pid):
+            # a hello sent again before the answer to the first arrived (a link slower than hello_interval_s, a
+            # connection still being set up): the same session's ready again, not a rejoin
+            registry.stats["hellos_repeated"] += 1
+            worker.last_seen = now
+            return self._ready(worker, settings, weights_port, now)
         previous = registry.by_routing.get(routing_id)
         if previous is not None and previous != hello.worker_id:
             self.evict(registry.workers[previous], f"its connection said hello as {hello.worker_id!r}", "replaced")
@@ -74,8 +81,12 @@ class Membership:
         worker = registry.join(hello, routing_id, user_id, now)
         self.admission.start_session(worker)
         self.release.start_session(worker)
+        return self._ready(worker, settings, weights_port, now)
+
+    def _ready(self, worker: WorkerInfo, settings: dict[str, Any], weights_port: int, now: float) -> Ready:
+        """The ``ready`` of ``worker``'s current session."""
         worker.last_credit_sent = self.intake.credit_limit(worker, now)
-        return Ready(worker_id=hello.worker_id, credits=worker.last_credit_sent,
+        return Ready(worker_id=worker.worker_id, credits=worker.last_credit_sent,
                      newest_version=worker.released_version, heartbeat_interval_s=self.config.heartbeat_interval_s,
                      settings={**settings, "weights_port": weights_port, "start_limit": self.admission.first_limit(),
                                **self.release.session_settings(worker),

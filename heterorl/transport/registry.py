@@ -31,7 +31,8 @@ from heterorl.transport.weights.reshard import DestLayout, layout_key
 log = logging.getLogger("heterorl.transport")
 
 HOST = pysocket.gethostname()  # a worker whose hello names this host shares the learner's machine
-_TOTALS = ("trajectories", "duplicates", "busy_s", "idle_s")  # per-worker counters `fleet_totals` sums
+# per-worker counters `fleet_totals` sums (and the most of ``weights_arrival_max_s``)
+_TOTALS = ("trajectories", "duplicates", "busy_s", "idle_s", "weights_arrived", "weights_arrival_s")
 _LIVE_ONLY = ("pending_notices", "acks", "rejects", "poisoned_groups", "outcomes_said")  # left out of a `snapshot`
 
 
@@ -108,6 +109,9 @@ class WorkerInfo:
     duplicates: int = 0
     buffered: int = 0  # accepted, not yet taken by the consumer
     received_session: int = 0  # trajectory messages received since its last hello
+    heard_in_session: bool = False  # it sent a heartbeat this session (its first message after ready): a hello
+    # from it now is a rejoin, not a hello repeated before its ready arrived
+    weights_lagging: bool = False  # its weights lag the newest by more than the admission's max_lag (no permits)
     released_version: int = -1  # newest weights version released to it (after the weights delay)
     noticed_version: int = -1  # the newest version whose notice was scheduled: its next costs the steps since
     waiting_version: int = -1  # the newest version published while its bandwidth-limited link was busy
@@ -123,6 +127,11 @@ class WorkerInfo:
     reward_outcomes: dict = field(default_factory=dict)  # its process's programs run by outcome (heartbeats; folded)
     outcomes_said: dict = field(default_factory=dict)  # ... as its latest heartbeat said them (at most 64 names)
     outcomes_before: Counter = field(default_factory=Counter)  # ... and its earlier processes' under this id
+    weights_arrived: int = 0  # versions its processes had whole, timed from their publish (heartbeats) ...
+    weights_arrival_s: float = 0.0  # ... the sum of those seconds, and the most
+    weights_arrival_max_s: float = 0.0
+    arrivals_said: tuple = (0, 0.0)  # (count, seconds) as its latest heartbeat said them (its process's own)
+    arrivals_before: tuple = (0, 0.0)  # ... and its earlier processes' under this id
     last_group_id: str = ""
     starts_granted_session: int = 0  # admission permits granted this session (cumulative)
     starts_reported: int = -1  # permits it has used this session, as its latest heartbeat said (-1: none said)
@@ -165,6 +174,7 @@ class WorkerRegistry:
         self.by_routing: dict[bytes, str] = {}
         self._departed: Counter = Counter()  # `_TOTALS` of the workers removed from the registry
         self._departed_outcomes: Counter = Counter()  # and their `reward_outcomes`
+        self._departed_arrival_max_s = 0.0  # and the most of their `weights_arrival_max_s`
         self.auth: ThreadAuthenticator | None = None
         self._allowed_dir = allowed_keys_dir
         self._allowed_keys: set[str] | None = None  # z85 public keys allowed in (CURVE only)
@@ -219,11 +229,11 @@ class WorkerRegistry:
         worker.last_seen, worker.alive, worker.version_held = now, True, hello.version_held
         worker.engine, worker.failed = hello.engine, False
         worker.layout, worker.layout_key = hello.layout, layout_key(DestLayout.from_dict(hello.layout))
-        worker.received_session = 0
+        worker.received_session, worker.heard_in_session = 0, False
         return worker
 
     def heartbeat(self, worker: WorkerInfo, beat: Heartbeat) -> None:
-        worker.version_held = beat.version_held
+        worker.version_held, worker.heard_in_session = beat.version_held, True
         if beat.busy_s < worker.busy_s:  # a new process under the same id: its clock starts at 0
             worker.busy_base = 0.0
         worker.busy_s, worker.idle_s = beat.busy_s, beat.idle_s
@@ -236,6 +246,13 @@ class WorkerRegistry:
             worker.outcomes_before.update(worker.reward_outcomes)
         worker.outcomes_said = said
         worker.reward_outcomes = self.outcome_names.fold(said, worker.worker_id)
+        arrived = (beat.weights_arrived, beat.weights_arrival_s)
+        if arrived[0] < worker.arrivals_said[0]:  # a new process under the same id: its counts start at 0
+            worker.arrivals_before = tuple(a + b for a, b in zip(worker.arrivals_before, worker.arrivals_said))
+        worker.arrivals_said = arrived
+        worker.weights_arrived = worker.arrivals_before[0] + arrived[0]
+        worker.weights_arrival_s = worker.arrivals_before[1] + arrived[1]
+        worker.weights_arrival_max_s = max(worker.weights_arrival_max_s, beat.weights_arrival_max_s)
 
     def mark_dead_if_silent(self, worker: WorkerInfo, now: float) -> bool:
         """Take a live worker silent for ``heartbeat_timeout_s`` for dead; True when it just died."""
@@ -256,6 +273,7 @@ class WorkerRegistry:
         key). Counted in ``stats["workers_removed/<reason>"]``."""
         for name in _TOTALS:
             self._departed[name] += getattr(worker, name)
+        self._departed_arrival_max_s = max(self._departed_arrival_max_s, worker.weights_arrival_max_s)
         self._departed_outcomes.update(worker.outcomes_before)
         self._departed_outcomes.update(worker.reward_outcomes)
         del self.workers[worker.worker_id]
@@ -315,4 +333,5 @@ class WorkerRegistry:
         for worker in self.workers.values():
             for name in _TOTALS:
                 totals[name] += getattr(worker, name)
-        return {name: totals[name] for name in _TOTALS}
+        arrival_max = max([self._departed_arrival_max_s, *(w.weights_arrival_max_s for w in self.workers.values())])
+        return {**{name: totals[name] for name in _TOTALS}, "weights_arrival_max_s": arrival_max}

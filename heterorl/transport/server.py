@@ -244,11 +244,11 @@ class LearnerServer(Endpoint):
         with self._lock:
             self._intake.contract = contract
 
-    def set_admission(self, cap: int | None, ahead: int = 1) -> None:
-        """Admission control: the fleet may start at most ``cap`` groups in total (None: no limit); each worker
-        holds at most ``ahead`` unused permits, so one fast worker cannot take every permit."""
+    def set_admission(self, cap: int | None, ahead: int = 1, max_lag: int | None = None) -> None:
+        """Admission control (`Admission`): at most ``cap`` groups started in all (None: no limit), ``ahead``
+        unused permits per worker, none while its weights lag by more than ``max_lag`` versions (None: any)."""
         with self._lock:
-            self._admission.set(cap, ahead)
+            self._admission.set(cap, ahead, max_lag)
 
     def advise_local_threads(self, threads: int) -> None:
         """Advise the workers on this machine (their hello named its host) to use ``threads`` torch threads, in
@@ -478,7 +478,7 @@ class LearnerServer(Endpoint):
                 if not worker.alive:
                     continue
                 if released:
-                    outgoing.append((worker.routing_id, WeightsNotice(worker.released_version)))
+                    outgoing.append((worker.routing_id, self._release.notice(worker)))
                 live.append(worker)
             self._admission.grant_all(now, self._intake.waits_on_learner)
             for worker in live:

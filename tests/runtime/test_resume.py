@@ -173,13 +173,13 @@ class _Publisher:
     """What `Learner._publish` and `_admit` need of a server: ``publish``, ``set_admission``."""
 
     def __init__(self) -> None:
-        self.published, self.admission = [], None
+        self.published, self.admission, self.ahead = [], None, None
 
     def publish(self, version: int, state: dict, dtype=None) -> None:
         self.published.append(version)
 
-    def set_admission(self, cap: int | None, ahead: int = 1) -> None:
-        self.admission = cap
+    def set_admission(self, cap: int | None, ahead: int = 1, max_lag: int | None = None) -> None:
+        self.admission, self.ahead, self.max_lag = cap, ahead, max_lag
 
 
 @pytest.fixture
@@ -199,6 +199,17 @@ def _train_once(training: TrainingClient) -> None:
     tokens = [5, 6, 7, 8, 9, 10]
     training.forward_backward([Datum(tokens=tokens, prompt_len=3)]).result()
     training.optim_step(AdamParams(learning_rate=1e-3)).result()
+
+
+def test_a_worker_may_hold_permits_for_runtime_permit_calls_calls_and_the_weights_lag_is_passed_on(tmp_path):
+    model, tokenizer = load_policy("maze-sft-base")
+    for calls in (1, 2):
+        cfg = load_config(text=resume_run(tmp_path / f"run{calls}", STEPS),
+                          overrides=[f"runtime.permit_calls={calls}", "runtime.max_weights_lag=5"])
+        learner = Learner(cfg, TrainingClient(model, tokenizer, seed=0), make_task_from(cfg.task), _Publisher(),
+                          tmp_path / f"run{calls}")
+        learner._admit()
+        assert learner.server.ahead == calls * cfg.runtime.groups_per_call and learner.server.max_lag == 5
 
 
 def test_a_resumed_learner_publishes_above_every_version_published_before(learner_parts, tmp_path):

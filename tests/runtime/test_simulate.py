@@ -165,3 +165,13 @@ def test_deltas_shrink_what_a_slow_weights_link_carries_and_the_staleness_in_sec
     for result in (off, on):  # the histograms count every group trained
         assert sum(result.staleness_hist) == sum(result.staleness_seconds_hist.values()) == 6 * 4
         assert result.samples_per_s > 0
+
+
+def test_a_bandwidth_limit_without_a_delay_still_holds_the_weights_back(tmp_path):
+    """``delay.down.kind: none`` with a bandwidth limit is a link of no latency whose versions still queue behind
+    one another (it was once taken for no link at all)."""
+    limited, _ = simulate(tmp_path, 4, "delay.down.kind=none", "delay.down.bandwidth_bytes_per_s=1000000",
+                          name="limited")
+    free, _ = simulate(tmp_path, 4, "delay.down.kind=none", name="free")
+    assert limited.weights["link_transfers"] > 0 and free.weights["link_transfers"] == 0
+    assert limited.staleness_seconds_mean > free.staleness_seconds_mean

@@ -91,3 +91,17 @@ def test_no_restarts_means_a_failed_worker_leaves_the_fleet_at_once(tmp_path):
     fleet.check(plan.now)  # worker-1 exited 0: finished, not failed
     assert len(plan.said) == 1 and "worker-0 failed (exit 3)" in plan.said[0] and "given up" in plan.said[0]
     assert plan.started == ["worker-0", "worker-1"] and fleet.restarts() == {}
+
+
+def test_a_child_runs_under_its_prefix_with_its_number_filled_in(tmp_path):
+    from heterorl.config import load_config, worker_command_word
+    from heterorl.runtime.supervise import Child
+
+    cfg = load_config(None, ['runtime.worker_prefix=["env", "HETERORL_SITE=site-{number}", "{name}-is-ignored=1"]'])
+    prefix = [worker_command_word(word, 2) for word in cfg.runtime.worker_prefix]
+    assert prefix == ["env", "HETERORL_SITE=site-3", "worker-2-is-ignored=1"]
+    # the prefix runs `heterorl` (here `env` sets a variable it does not read; its usage error still shows it ran)
+    child = Child("worker-2", ["no-such-command"], tmp_path / "w.log", prefix=prefix)
+    assert child.proc.wait(60) == 2
+    child.stop()
+    assert "invalid choice: 'no-such-command'" in (tmp_path / "w.log").read_text()

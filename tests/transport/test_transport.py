@@ -203,6 +203,34 @@ def test_weights_are_chunked_checksummed_and_late_joiners_get_the_newest(learner
     wait_until(lambda: (worker.latest_weights() or (0,))[0] == 3, 10, "version 3")  # the early worker catches up too
 
 
+def test_workers_time_each_version_from_its_publish_and_the_learner_sums_them_across_processes(learner):
+    first = WorkerClient(learner.control_endpoint, "w0", FAST)
+    try:
+        first.wait_ready(10)
+        before = time.time()
+        learner.publish(1, {"w": torch.zeros(10)})
+        assert first.wait_weights(-1, 10)[0] == 1
+        took = time.time() - before
+        # the notice said when the version was published; the worker timed it to its delivery and said so
+        assert first.arrivals.count == 1 and 0 <= first.arrivals.max_s <= took
+        wait_until(lambda: learner.fleet_totals()["weights_arrived"] == 1, 10, learner.fleet_totals)
+        learner.publish(2, {"w": torch.ones(10)})
+        assert first.wait_weights(1, 10)[0] == 2
+        wait_until(lambda: learner.fleet_totals()["weights_arrived"] == 2, 10, learner.fleet_totals)
+    finally:
+        first.close()
+    again = WorkerClient(learner.control_endpoint, "w0", FAST)  # a new process under the same id: its counts from 0
+    try:
+        again.wait_ready(10)  # (given version 2 as it joins: no notice, so not timed)
+        learner.publish(3, {"w": torch.full((10,), 3.0)})
+        wait_until(lambda: (again.latest_weights() or (0,))[0] == 3, 10, "version 3")
+        wait_until(lambda: learner.fleet_totals()["weights_arrived"] == 3, 10, learner.fleet_totals)
+        totals = learner.fleet_totals()
+        assert 0 <= totals["weights_arrival_s"] <= 3 * totals["weights_arrival_max_s"]
+    finally:
+        again.close()
+
+
 def test_a_weights_receive_buffer_is_reused_only_once_nothing_views_it():
     from heterorl.transport.client import _ReceiveBuffers
     from heterorl.transport.weights import pack_state_dict, unpack_state_dict
@@ -580,6 +608,22 @@ def test_a_permit_for_a_group_that_never_arrives_is_given_back(learner, worker):
     assert worker.acquire_starts(1, timeout_s=1) == 1
 
 
+def test_a_worker_whose_weights_lag_too_far_gets_no_permit_until_it_catches_up(learner, worker):
+    """``max_lag``: a worker holding weights more than that many versions older than the newest would sample
+    groups that stale; it is given no permit until its heartbeats say it holds a newer version."""
+    for version in range(4):
+        learner.publish(version, {"w": torch.full((4,), float(version))})
+    worker.set_version_held(0)  # 3 versions behind, as its heartbeats say (a permit granted is never taken back)
+    wait_until(lambda: [w.version_held for w in learner.workers()] == [0], 10, "the heartbeat")
+    learner.set_admission(cap=100, ahead=2, max_lag=2)
+    wait_until(lambda: learner.stats["permits_held_back/weights_lag"] == 1, 10, learner.stats)
+    wait_until(lambda: worker.start_limit == 0, 10, "the learner's start limit")  # (-1 until an ack says one)
+    assert worker.acquire_starts(1, timeout_s=1.0) == 0 and worker.start_limit == 0
+    worker.set_version_held(2)  # within 2 of the newest: permits again
+    assert worker.acquire_starts(1, timeout_s=10) == 1
+    assert learner.stats["permits_held_back/weights_lag"] == 1  # counted once per time it fell behind
+
+
 def test_permits_held_by_a_worker_that_leaves_go_back_to_the_fleet(learner):
     """Admission permits a departed worker never used must not stall the learner."""
     learner.set_admission(cap=3, ahead=2)
@@ -633,6 +677,60 @@ def test_the_programs_workers_rewards_ran_are_counted_across_their_processes():
         for client in clients:
             client.close()
         server.close()
+
+
+def test_a_hello_sent_again_before_its_answer_gets_the_same_session_and_a_rejoin_a_new_one(learner):
+    """Over a slow link (or while its connection is set up) a worker says hello again before the first answer
+    arrives: the learner answers both with the same session, so the worker's first session is not ended by its
+    own second hello. A hello after the worker was heard in its session is a rejoin: a new session."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(learner.control_endpoint)
+    try:
+        hello = encode(Hello("w0", "h", os.getpid(), -1, time.time()))
+        sock.send_multipart(hello)
+        sock.send_multipart(hello)
+
+        def ready() -> Ready:
+            while True:
+                assert sock.poll(10_000), "no answer"
+                message = decode(sock.recv_multipart())
+                if isinstance(message, Ready):
+                    return message
+
+        first, second = ready(), ready()
+        assert first.settings["weights_session"] == second.settings["weights_session"]
+        assert learner.stats["hellos_repeated"] == 1
+        sock.send_multipart(encode(Heartbeat("w0", -1, time.time())))  # heard in its session ...
+        wait_until(lambda: learner.stats["received"] >= 3, 10, "the heartbeat")
+        sock.send_multipart(hello)  # ... so a hello now begins a new one
+        assert ready().settings["weights_session"] != first.settings["weights_session"]
+        assert learner.stats["hellos_repeated"] == 1
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_a_worker_takes_a_repeated_ready_of_its_session_for_the_same_session():
+    ctx = zmq.Context()
+    router, weights = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)  # a learner that answers one hello twice
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    weights_port = weights.bind_to_random_port("tcp://127.0.0.1")
+    client = WorkerClient(f"tcp://127.0.0.1:{port}", "w0", FAST)
+    try:
+        assert router.poll(10_000)
+        routing_id = router.recv_multipart()[0]
+        ready = Ready("w0", 8, -1, 0.2, {"weights_port": weights_port, "weights_session": "s1"})
+        for _ in range(2):
+            router.send_multipart([routing_id, *encode(ready)])
+        client.wait_ready(10)
+        wait_until(lambda: client.stats["ready_repeated"] == 1, 10, client.stats)
+        assert client._receiver.fetch.session == "s1"
+    finally:
+        client.close()
+        router.close(0)
+        weights.close(0)
+        ctx.term()
 
 
 def test_closing_the_learner_tells_workers_the_run_is_over():

@@ -17,6 +17,7 @@ from heterorl.transport.client.fetch import REASK_S, WeightsFetch
 from heterorl.transport.client.receiver import WeightsReceiver
 from heterorl.transport.protocol import (
     Bye,
+    Heartbeat,
     Hello,
     ProtocolError,
     Ready,
@@ -82,7 +83,8 @@ def test_only_the_worker_s_current_session_fetches_in_its_name():
             server.publish(1, state_of(0.5))
             assert honest.wait_weights(-1, timeout_s=10)[0] == 1
             earlier, control = join(ctx, server, "raw")
-            control.send_multipart(encode(Hello("raw", "host", 1, -1, time.time())))  # a new session
+            control.send_multipart(encode(Heartbeat("raw", -1, time.time())))  # heard in its session, so ...
+            control.send_multipart(encode(Hello("raw", "host", 1, -1, time.time())))  # ... a hello is a new session
             current = answer_to_hello(control)
             assert isinstance(earlier, Ready) and isinstance(current, Ready)
             old, new = earlier.settings["weights_session"], current.settings["weights_session"]

@@ -9,6 +9,7 @@ trajectories wait in an `outbox.Outbox` until they are due and go out in batches
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket as pysocket
 import threading
@@ -85,8 +86,7 @@ class WorkerClient(Endpoint):
         self._start_limit = -1
         self._starts_said = 0  # the permits used as the latest heartbeat said
         self.advised_threads = 0  # torch threads the learner advises (a worker on its machine; 0: no advice)
-        self.busy_s = 0.0  # reported in heartbeats; the rollout loop adds to them
-        self.idle_s = 0.0
+        self.busy_s = self.idle_s = 0.0  # reported in heartbeats; the rollout loop adds to them
         # `Heartbeat.reward_outcomes`, told within 50 ms of a change: give it a new dict, never change it in place
         self.reward_outcomes = self._outcomes_said = {}
         self.finished = threading.Event()  # the learner said the run is over (or refused this worker: `refused`)
@@ -95,6 +95,8 @@ class WorkerClient(Endpoint):
         self._ready: Ready | None = None
         self._version_held = version_held
         self._latest: tuple[int, dict] | None = None  # the newest version delivered and not yet taken
+        self._published_at: dict[int, float] = {}  # version → when the learner published it (its notices said)
+        self.arrivals = WeightsArrivals()  # how long versions took from publish to delivered (heartbeats say it)
         self.learner_alive = False
         self.stats: Counter = Counter()
         self.rejections: deque[str] = deque(maxlen=100)
@@ -331,8 +333,9 @@ class WorkerClient(Endpoint):
                 (started != self._starts_said or outcomes is not self._outcomes_said)
                 and now - self._last_beat >= 0.05)):
             self._last_beat, self._starts_said, self._outcomes_said = now, started, outcomes
+            arrivals = self.arrivals
             beat = Heartbeat(self.worker_id, self._version_held, time.time(), self.busy_s, self.idle_s, started,
-                             outcomes)
+                             outcomes, arrivals.count, arrivals.total_s, arrivals.max_s)
             send_frames(control, encode(beat), self.stats, "heartbeat")
         return control
 
@@ -353,9 +356,13 @@ class WorkerClient(Endpoint):
             handler(message)
 
     def _on_ready(self, ready: Ready) -> None:
+        session = str(ready.settings.get("weights_session", ""))
+        if session and session == self._receiver.fetch.session and self.learner_alive:
+            self.stats["ready_repeated"] += 1  # the answer to a hello sent again before the first was answered:
+            return  # the session this worker is in already (`Membership.hello`)
         host = self.address.rsplit(":", 1)[0]
         self._receiver.join(host, ready.settings)
-        self._receiver.fetch.new_session(str(ready.settings.get("weights_session", "")))
+        self._receiver.fetch.new_session(session)
         with self._lock:
             first = self._ready is None
             self._ready = ready
@@ -381,6 +388,10 @@ class WorkerClient(Endpoint):
             log.warning("learner refused a trajectory: %s", reason)
 
     def _on_notice(self, notice: WeightsNotice) -> None:
+        if notice.published_at > 0:
+            self._published_at[notice.version] = notice.published_at
+            for version in sorted(self._published_at)[:-8]:  # (the newest few: only newer ones are fetched)
+                del self._published_at[version]
         self._receiver.offer(notice.version, self._now)
 
     def _on_bye(self, bye: Bye) -> None:
@@ -406,6 +417,24 @@ class WorkerClient(Endpoint):
             self._lock.notify_all()
 
     def _deliver_weights(self, version: int, state: dict) -> None:
+        published = self._published_at.pop(version, 0.0)
+        if published > 0:
+            self.arrivals.add(time.time() - published)
         with self._lock:
             self._latest = (version, state)
             self._lock.notify_all()
+
+
+class WeightsArrivals:
+    """The seconds from the learner's publish of a version until this worker had it whole and verified, over the
+    versions whose notice said when they were published (by the two hosts' wall clocks: their offset is in it)."""
+
+    def __init__(self) -> None:
+        self.count, self.total_s, self.max_s = 0, 0.0, 0.0
+
+    def add(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        self.count, self.total_s, self.max_s = self.count + 1, self.total_s + seconds, max(self.max_s, seconds)
+
+    def mean_s(self) -> float:
+        return self.total_s / self.count if self.count else math.nan

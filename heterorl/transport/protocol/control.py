@@ -90,6 +90,9 @@ class Ready(Message):
         )
 
 
+_ARRIVALS = ("weights_arrived", "weights_arrival_s", "weights_arrival_max_s")  # Heartbeat's, said once known
+
+
 @dataclass
 class Heartbeat(Message):
     """Either direction, every ``heartbeat_interval_s``: I am alive. From a worker also: the version it holds,
@@ -97,7 +100,10 @@ class Heartbeat(Message):
     admission permits it has used this session (``groups_started``; −1: not reported, as by a worker of an
     earlier version): groups started and still on their way count, which the learner cannot see. And
     ``reward_outcomes``: the programs its task's reward ran this session, by outcome (the code task's sandbox:
-    ok, wrong_answer, timeout, forbidden:socket, ...; empty for other tasks)."""
+    ok, wrong_answer, timeout, forbidden:socket, ...; empty for other tasks). And the weights versions its process
+    received whole and verified whose publish time their notice said (``weights_arrived``), the sum and the most
+    of the seconds each took from the learner's publish to that (``weights_arrival_s``, ``weights_arrival_max_s``;
+    the two hosts' wall clocks, so their offset is in it)."""
 
     kind: ClassVar[str] = "heartbeat"
     sender_id: str
@@ -107,12 +113,18 @@ class Heartbeat(Message):
     idle_s: float = 0.0
     groups_started: int = -1
     reward_outcomes: dict[str, int] = field(default_factory=dict)
-    optional_fields: ClassVar[frozenset] = frozenset({"groups_started", "reward_outcomes"})
+    weights_arrived: int = 0
+    weights_arrival_s: float = 0.0
+    weights_arrival_max_s: float = 0.0
+    optional_fields: ClassVar[frozenset] = frozenset({"groups_started", "reward_outcomes", *_ARRIVALS})
 
     def to_wire(self):
         body = super().to_wire()
         if not self.reward_outcomes:  # (left out when empty: a learner of an earlier version takes the beat)
             del body["reward_outcomes"]
+        if not self.weights_arrived:
+            for name in _ARRIVALS:
+                del body[name]
         return body
 
     @classmethod
@@ -125,6 +137,9 @@ class Heartbeat(Message):
             idle_s=check_float("idle_s", body["idle_s"], 1e9),
             groups_started=check_int("groups_started", body.get("groups_started", -1), -1, INT32_MAX),
             reward_outcomes=_counts("reward_outcomes", body.get("reward_outcomes", {})),
+            weights_arrived=check_int("weights_arrived", body.get("weights_arrived", 0), 0, INT32_MAX),
+            weights_arrival_s=check_float("weights_arrival_s", body.get("weights_arrival_s", 0.0), 1e12),
+            weights_arrival_max_s=check_float("weights_arrival_max_s", body.get("weights_arrival_max_s", 0.0), 1e9),
         )
 
 

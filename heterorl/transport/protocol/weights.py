@@ -33,14 +33,19 @@ TENSOR_DTYPES = {
 
 @dataclass
 class WeightsNotice(Message):
-    """Learner → worker (control channel): version ``version`` is available on the weights channel."""
+    """Learner → worker (control channel): version ``version`` is available on the weights channel; it was
+    published at ``published_at`` (the learner's wall clock, seconds since the epoch; 0: not said), from which the
+    worker measures how long its weights took to arrive."""
 
     kind: ClassVar[str] = "weights_notice"
     version: int
+    published_at: float = 0.0
+    optional_fields: ClassVar[frozenset] = frozenset({"published_at"})  # learners of earlier versions
 
     @classmethod
     def from_wire(cls, body, limits, data=()):
-        return cls(version=check_int("version", body["version"], 0, INT32_MAX))
+        return cls(version=check_int("version", body["version"], 0, INT32_MAX),
+                   published_at=check_float("published_at", body.get("published_at", 0.0), 1e12))
 
 
 @dataclass

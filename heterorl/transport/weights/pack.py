@@ -58,6 +58,7 @@ class PackedWeights:
     header: WeightsHeader
     buffer: np.ndarray  # uint8
     checksums: dict = field(default_factory=dict)  # chunk index → XXH3-64, computed on first request
+    published_at: float = 0.0  # when the learner published it (its wall clock; 0: not said)
 
     def chunk(self, index: int) -> memoryview:
         start = index * self.header.chunk_bytes

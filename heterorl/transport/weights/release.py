@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import hmac
 import secrets
+import time
 from collections import Counter
 from typing import Any, Callable
 
 from heterorl.config import TransportConfig
-from heterorl.transport.protocol import WeightsRequest
+from heterorl.transport.protocol import WeightsNotice, WeightsRequest
 from heterorl.transport.registry import WorkerInfo, WorkerRegistry
 from heterorl.transport.weights.inflight import BytesInFlight
 from heterorl.transport.weights.pack import PackedWeights
@@ -102,11 +103,17 @@ class WeightsRelease:
         self._delay_links.pop(worker_id, None)
         self._sessions.pop(worker_id, None)
 
+    def notice(self, worker: WorkerInfo) -> WeightsNotice:
+        """The notice of the version released to ``worker``, with when it was published."""
+        packed = self.store.versions.get(worker.released_version)
+        return WeightsNotice(worker.released_version, packed.published_at if packed is not None else 0.0)
+
     def layout_store(self, key: str) -> WeightsStore:
         return self.stores.setdefault(key, WeightsStore(self.config, Counter()))
 
     def add(self, version: int, packed: PackedWeights, step, now: float) -> None:
         """``version`` is packed (`WeightsStore.pack`): keep it and schedule every worker's notice of it."""
+        packed.published_at = time.time()  # said in its notices: a worker measures its weights' arrival from it
         self.store.add(version, packed, step)
         for worker in self.registry.workers.values():
             self.schedule_notice(worker, version, now, packed.header.total_bytes)
