@@ -21,7 +21,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from heterorl.config import Config, to_yaml, worker_command_word
 from heterorl.errors import HeteroRLError
 from heterorl.files import write_atomically
 from heterorl.runs import json_text, setup_run
+from heterorl.runtime.signals import signal_handlers
 from heterorl.runtime.supervise import Child, WorkerFleet
 
 log = logging.getLogger("heterorl.runtime.launch")
@@ -123,7 +123,8 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
     rank = _init_ranks(cfg)
     shard_server, shard_ports = bind_shard_channels(cfg, bind, curve, allow_plaintext)
     if rank > 0:
-        with _signals_ignored():  # rank 0 stops them (its "stop"), after its last step
+        # torchrun passes SIGTERM and SIGINT to every rank: rank 0 stops the others (its "stop") after its last step
+        with signal_handlers(signal.SIG_IGN):
             _follow_rank(cfg, resume, shard_server)
         return None
     checkpoint = read_checkpoint(run_dir, cfg.policy.device) if resume else None
@@ -159,9 +160,6 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
 def _stop_on_signals(learner):
     """SIGTERM and SIGINT end the learner's run after its step in progress, with a checkpoint (`Learner.request_stop`);
     a second one stops it at once. Outside the main thread (a learner run from a library) nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def stop(signum, _frame) -> None:
         if learner.stopped_by:
@@ -170,26 +168,8 @@ def _stop_on_signals(learner):
         log.warning("%s: stopping after the step in progress, with a checkpoint (send it again to stop at once)",
                     signal.Signals(signum).name)
 
-    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with signal_handlers(stop):
         yield
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-
-
-@contextlib.contextmanager
-def _signals_ignored():
-    """A learner rank > 0 outlives SIGTERM and SIGINT (torchrun passes them to every rank): it follows rank 0."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
 
 
 def learner_addresses(cfg: Config, bind: str, resume: bool) -> tuple[str, str | None]:

@@ -27,7 +27,6 @@ agent harness can generate with its current policy (`served_models`, docs/SERVIC
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -52,6 +51,7 @@ from heterorl.delay.links import DelayLink
 from heterorl.engines.base import SamplingParams
 from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy, policy_folder
+from heterorl.runtime.signals import signal_handlers
 from heterorl.tasks import make_task_from
 from heterorl.tasks.rewards import outcome_counts, score_all
 from heterorl.training import lora
@@ -478,7 +478,7 @@ def run_rollout_worker(options: WorkerOptions) -> int:
     worker = RolloutWorker(options)
     failure: Exception | None = None
     try:
-        with _sigterm_interrupts():
+        with signal_handlers(_interrupt, (signal.SIGTERM,)):  # as SIGINT does
             return worker.run()
     except KeyboardInterrupt:  # an interrupt is not a failure: that worker may well come back
         log.info("worker %s: stopped by a signal after %s", options.worker_id, worker.tally())
@@ -490,18 +490,5 @@ def run_rollout_worker(options: WorkerOptions) -> int:
         worker.close(failure)
 
 
-@contextlib.contextmanager
-def _sigterm_interrupts():
-    """SIGTERM raises KeyboardInterrupt in the main thread, as SIGINT does (elsewhere: nothing changes)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(_signum, _frame) -> None:
-        raise KeyboardInterrupt("SIGTERM")
-
-    before = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
+def _interrupt(_signum, _frame) -> None:
+    raise KeyboardInterrupt("SIGTERM")

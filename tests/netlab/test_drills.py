@@ -6,6 +6,7 @@ resumed and its host reboots behind lossy links: it resumes on its address, both
 trajectory is trained twice across its three lives."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -39,3 +40,6 @@ def test_partitions_are_noticed_healed_and_lose_nothing(tmp_path):
     assert report["rebooted_exit"] == 0 and reboot["stopped_by"] == "SIGTERM"
     assert set(reboot["joined_after_start_s"]) == {"w1", "w2"} and reboot["trained_twice"] == 0
     assert reboot["steps"] >= reboot["resumed_from_step"] + 3
+    # every version a worker took arrived exact, through the lossy and reordering links (TCP's checksums and ours)
+    for k in (1, 2):
+        assert re.search(r"\b0 checksum failures", report[f"w{k}_tally"]), report[f"w{k}_tally"]

@@ -62,7 +62,7 @@ def test_delay_presets_are_the_papers_settings():
 def test_a_fixed_lag_needs_the_simulation_and_no_delays():
     with pytest.raises(ConfigError, match="runtime.execution=simulated"):
         load_config(None, ["delay.fixed_lag_steps=4"])
-    with pytest.raises(ConfigError, match="leave `delay.up.kind` and `delay.down.kind` at none"):
+    with pytest.raises(ConfigError, match="leave `delay.up` and `delay.down` at kind none"):
         load_config(None, ["delay.fixed_lag_steps=4", "runtime.execution=simulated", "delay.down.kind=constant"])
     with pytest.raises(ConfigError, match=">= 0"):
         load_config(None, ["delay.fixed_lag_steps=-1", "runtime.execution=simulated"])

@@ -88,7 +88,10 @@ def test_arrays_are_little_endian_raw_buffers_and_decoded_as_views():
     Heartbeat("w0", 7, 2.0, 3.5, 0.25, groups_started=40, reward_outcomes={"ok": 3, "forbidden:socket": 1}),
     Ack(["a", "b"], ["c: bad"], 70, 12),
     Ack(["a"], [], 70, 12, threads=2),
+    Heartbeat("w0", 7, 2.0, 3.5, 0.25, groups_started=40, weights_arrived=3, weights_arrival_s=1.5,
+              weights_arrival_max_s=0.75),
     WeightsNotice(9),
+    WeightsNotice(9, published_at=1.7e9),
     WeightsRequest("w0", have_version=3, version=9, chunk=2),
     Bye("w0", "shutting down"),
 ])
@@ -103,6 +106,12 @@ def test_fields_added_since_the_schema_may_be_left_out_by_an_earlier_peer():
     rejects([msgpack.packb(beat | {"groups_started": -2})], "groups_started", "bounds")
     assert "reward_outcomes" not in beat  # none to tell: left out, so that a learner of an earlier version takes it
     assert decode([msgpack.packb(beat)]).reward_outcomes == {}
+    assert "weights_arrived" not in beat  # none timed yet: left out too
+    rejects([msgpack.packb(beat | {"weights_arrived": -1})], "weights_arrived", "bounds")
+    rejects([msgpack.packb(beat | {"weights_arrival_s": float("nan")})], "weights_arrival_s", "not_finite")
+    notice = header_of(WeightsNotice(4, published_at=1.7e9))
+    del notice["published_at"]  # a learner of an earlier version: the worker does not time that version
+    assert decode([msgpack.packb(notice)]).published_at == 0.0
     ack = header_of(Ack(["a"], [], 3, 4, threads=2))
     del ack["threads"]  # a learner of an earlier version advises nothing
     assert decode([msgpack.packb(ack)]).threads == 0

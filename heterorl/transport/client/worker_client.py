@@ -9,7 +9,6 @@ trajectories wait in an `outbox.Outbox` until they are due and go out in batches
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket as pysocket
 import threading
@@ -435,6 +434,3 @@ class WeightsArrivals:
     def add(self, seconds: float) -> None:
         seconds = max(0.0, seconds)
         self.count, self.total_s, self.max_s = self.count + 1, self.total_s + seconds, max(self.max_s, seconds)
-
-    def mean_s(self) -> float:
-        return self.total_s / self.count if self.count else math.nan
