@@ -19,10 +19,12 @@
     heterorl bench wan                  one run over the network lab's links vs loopback with delay.* set alike
     heterorl keys [make] --name NAME [--out D]   a CurveZMQ key pair for a learner or a remote worker
     heterorl keys revoke --name NAME --allow-keys D   refuse a worker's key (no restart)
-    heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async)
+    heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async;
+                                        --launcher ray: on a Ray cluster)
     heterorl learner --bind ADDR        the learner alone (remote workers connect to it)
     heterorl rollout --connect ADDR     one rollout worker (on any machine that reaches the learner; --engine vllm)
     heterorl serve [--bind HOST:PORT]   training sessions over HTTP, and an OpenAI-compatible endpoint
+    heterorl deploy slurm|k8s CONFIG    the files that launch a run on Slurm or Kubernetes, and the command
     heterorl sweep SWEEP.yaml [k=v..]   a delay sweep: losses x delays x seeds, resumable, K cells at once
     heterorl report SWEEP_DIR           tables, plots and a Markdown summary of a sweep
     heterorl compare --losses gepo,grpo --delay lag16 --seeds 0,1,2   losses side by side, online and at a delay
@@ -333,6 +335,8 @@ def cmd_train(args) -> int:
     from heterorl.config import to_yaml
     from heterorl.runtime.launch import refuse_busy_ports, train
 
+    if args.address and args.launcher != "ray":
+        raise HeteroRLError(f"--address {args.address} is the address of a Ray cluster: add --launcher ray")
     overrides = list(args.overrides)
     if args.mode:
         overrides.append(f"runtime.mode={args.mode}")
@@ -352,12 +356,17 @@ def cmd_train(args) -> int:
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return 0
-    if cfg.runtime.execution != "simulated":  # said here, in one line, rather than by the learner process
+    if cfg.runtime.execution != "simulated" and args.launcher == "local":  # said here, in one line
         refuse_busy_ports(cfg, cfg.runtime.address, bool(args.resume))
-    bar, update = _progress(cfg.rl.steps, f"train ({cfg.runtime.mode}, {cfg.runtime.workers} workers)",
-                            cfg.logging.progress)
+    bar, update = _progress(cfg.rl.steps, f"train ({cfg.runtime.mode}, {cfg.runtime.workers} workers"
+                            f"{', on Ray' if args.launcher == 'ray' else ''})", cfg.logging.progress)
     try:
-        code = train(cfg, resume=bool(args.resume), progress=update)
+        if args.launcher == "ray":
+            from heterorl.deploy.ray_launcher import train_on_ray
+
+            code = train_on_ray(cfg, address=args.address, resume=bool(args.resume), progress=update)
+        else:
+            code = train(cfg, resume=bool(args.resume), progress=update)
     finally:
         bar.close()
     run_dir = Path(cfg.logging.run_dir)
@@ -489,6 +498,12 @@ def cmd_compare(args) -> int:
     return _finish_sweep(sweep, failed)
 
 
+def cmd_deploy(args) -> int:
+    from heterorl.deploy.render import deploy_command
+
+    return deploy_command(args, _load(_config_path(args.config), args.overrides))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="heterorl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -506,14 +521,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=list(BENCHMARKS))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see --help after its name)")
     p.set_defaults(fn=cmd_bench)
-    p = sub.add_parser("train", help="learner + rollout workers as separate processes on this machine "
-                       "(runtime.execution=simulated: all in one process on a virtual clock)")
+    p = sub.add_parser("train", help="learner + rollout workers as separate processes on this machine, or on a Ray "
+                       "cluster (runtime.execution=simulated: all in one process on a virtual clock)")
     _add_config_args(p, DEMO_CONFIG)
     p.set_defaults(config=None)  # DEMO_CONFIG when not given; None tells a --config given with --resume apart
     p.add_argument("--mode", choices=["sync", "async"], help="sync: workers wait for every new version "
                    "(the on-policy baseline); async: they never wait (default: runtime.mode)")
     p.add_argument("--workers", type=_positive(int), help="rollout worker processes (default: runtime.workers)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument("--launcher", choices=["local", "ray"], default="local",
+                   help="local: processes of this machine (default); ray: Ray actors placed on a Ray cluster by "
+                   "their resources (the cluster section of the config; docs/DEPLOY.md)")
+    p.add_argument("--address", help="--launcher ray: the Ray cluster's address (auto, HOST:6379, ray://HOST:10001; "
+                   "default: cluster.ray.address, else $RAY_ADDRESS, else a local Ray started for the run)")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("learner", help="the learner alone: binds, waits for workers, trains, publishes weights")
     _add_config_args(p, DEMO_CONFIG)
@@ -612,6 +632,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="list the runs and check their configs, run nothing")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="run-config overrides, e.g. rl.steps=30")
     p.set_defaults(fn=cmd_compare)
+    p = sub.add_parser("deploy", help="render the files that launch a run on Slurm (one sbatch script) or "
+                       "Kubernetes (manifests), and print the command that launches them",
+                       description="Render a run config into the files that launch it on a cluster, write them into "
+                       "--out and print what to do once (make the CurveZMQ keys) and the one command that launches "
+                       "the run. slurm: an sbatch script (a heterogeneous job: the learner, then the workers) and "
+                       "the run config it reads; k8s: manifests.yaml (ConfigMap, PersistentVolumeClaim, Service, the "
+                       "learner's Deployment, the workers' Deployment or Job). The config's `cluster` section sets "
+                       "the resources, port, keys folder and the engine's own settings (docs/DEPLOY.md).")
+    p.add_argument("target", choices=["slurm", "k8s"], help="the cluster engine")
+    p.add_argument("config", help="the run config: a YAML file, or a packaged config's name (e.g. demo.yaml)")
+    p.add_argument("--out", metavar="DIR", help="folder for the files (default: runs/deploy/TARGET/NAME); its "
+                   "other files are left alone")
+    p.add_argument("--force", action="store_true", help="replace rendered files in --out that differ from these "
+                   "(hand edits included)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted config overrides, e.g. runtime.workers=8 cluster.worker.num_gpus=1")
+    p.set_defaults(fn=cmd_deploy)
     p = sub.add_parser("keys", help="make a CurveZMQ key pair (NAME.key public, NAME.key_secret secret), or "
                        "revoke a worker's key")
     p.add_argument("action", nargs="?", choices=["make", "revoke"], default="make",

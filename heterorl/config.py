@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import gepo
+from heterorl.deploy.settings import ClusterConfig
 from heterorl.errors import ConfigError, DelayConfigError, HeteroRLError
 
 log = logging.getLogger("heterorl.config")
@@ -642,6 +643,7 @@ class Config:
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # on a cluster engine (docs/DEPLOY.md)
 
     def validate(self) -> None:
         """Every section's own checks, then those that span sections; raises ConfigError naming the key."""

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import zmq
+from drill_support import wait
 
 from heterorl.config import TransportConfig, load_config, packaged, to_yaml
 from heterorl.transport import TransportTimeout, WorkerClient
@@ -97,7 +98,7 @@ def drill_poison(endpoint: str, rounds: int, report: dict) -> None:
         for group in poisons("hostile-poison", n).values():
             send(client, group)
             sent += len(group)
-    wait(lambda: sum(told(client).values()) >= sent, 60)
+    wait(lambda: sum(told(client).values()) >= sent, 60, "every group told")
     report["poison"] = {"sent": sent, "told": dict(told(client)), "accepted": client.stats["acked"]}
     client.close()
 
@@ -111,7 +112,7 @@ def drill_open_groups(endpoint: str, rounds: int, report: dict) -> None:
     for n in range(sent):
         send(client, [member("hostile-open", f"open-{n}", 0)])
     wait(lambda: client.stats["acked"] + sum(told(client).values()) >= sent
-         or any(r.startswith("throttled: ") for r in client.rejections), 60)
+         or any(r.startswith("throttled: ") for r in client.rejections), 60, "the open groups answered")
     report["open_groups"] = {"sent": sent, "held": client.stats["acked"], "told": dict(told(client))}
     client.close()
 
@@ -119,7 +120,7 @@ def drill_open_groups(endpoint: str, rounds: int, report: dict) -> None:
 def drill_replay(endpoint: str, run_dir: Path, report: dict) -> None:
     """The honest worker's trained ids (from the learner's checkpoint), sent again as this peer's own, and
     with its sampler id forged."""
-    state = wait(lambda: _trained_ids(run_dir), 120)
+    state = wait(lambda: _trained_ids(run_dir), 120, "a trained step")
     ids = [key.split("|", 1)[1] for key in state if key.startswith("honest|")][:16]
     client = peer(endpoint, "hostile-replay")
     groups = []
@@ -131,7 +132,8 @@ def drill_replay(endpoint: str, run_dir: Path, report: dict) -> None:
     if not groups:
         raise RuntimeError("the replaying peer got no admission permit before the run ended")
     send(client, [member("honest", groups[0], j) for j in range(GROUP)])  # forged: names the honest sampler
-    wait(lambda: client.stats["acked"] + sum(told(client).values()) >= GROUP * (len(groups) + 1), 60)
+    wait(lambda: client.stats["acked"] + sum(told(client).values()) >= GROUP * (len(groups) + 1), 60,
+         "the replayed groups answered")
     report["replay"] = {"groups": len(groups), "accepted": client.stats["acked"], "told": dict(told(client))}
     client.close()
 
@@ -188,16 +190,6 @@ def drill_registry(endpoint: str, hellos: int, connections: int, report: dict) -
         ctx.term()  # waits (up to the linger) until what was sent is out
 
 
-def wait(predicate, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out after {timeout_s} s")
-
-
 def peak_rss_mib(pid: int, stop: threading.Event, out: dict) -> None:
     while not stop.is_set():
         try:
@@ -226,7 +218,8 @@ def run(args) -> dict:
     workers, report, memory, stop = [], {}, {}, threading.Event()
     threading.Thread(target=peak_rss_mib, args=(learner.pid, stop, memory), daemon=True).start()
     try:
-        endpoint = wait(lambda: _endpoint(run_dir) or (learner.poll() is not None and "dead"), 300)
+        endpoint = wait(lambda: _endpoint(run_dir) or (learner.poll() is not None and "dead"), 300,
+                        "the learner's endpoint")
         if endpoint == "dead":
             raise RuntimeError(f"the learner exited early; see {out / 'learner.log'}")
         workers.append(cli("rollout", "--connect", endpoint, "--worker-id", "honest", log=out / "honest.log"))

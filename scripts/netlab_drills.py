@@ -26,6 +26,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from drill_support import wait
+
 from heterorl.config import load_config, packaged, to_yaml
 from heterorl.netlab import LinkShape, NetLab, missing
 from heterorl.netlab.fleet import LabFleet
@@ -37,16 +39,6 @@ OVERRIDES = ["loss.name=gepo", "runtime.mode=async", "task.options.eval_size=8",
              "delay.up.kind=none", "delay.down.kind=none", f"transport.heartbeat_interval_s={HEARTBEAT_INTERVAL_S}",
              f"transport.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}", "logging.wandb_mode=disabled",
              "logging.progress=false", "logging.save_policy=false"]
-
-
-def wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def partition(fleet: LabFleet, cut: list[int], seconds: float) -> dict:

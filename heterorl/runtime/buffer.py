@@ -48,6 +48,13 @@ class Group:
         return max(int(t.policy_versions.max()) for t in self.trajectories)
 
 
+def sampling_order(group: Group) -> tuple[str, int]:
+    """A group's place in a batch that does not depend on arrival: its sampler, then its number in that sampler's
+    life (group ids end in ``-{n}``, `heterorl.runtime.worker.stamp_groups`)."""
+    sampler, _, number = group.group_id.rpartition("-")
+    return group.trajectories[0].sampler_id, int(number) if number.isdigit() else -1
+
+
 class GroupBuffer:
     """Holds complete groups and hands out batches by ``config.policy``. Groups are assembled before they reach it
     (`heterorl.transport.groups.GroupAssembler`: in the live learner's transport, or the simulation's)."""

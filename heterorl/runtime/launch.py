@@ -146,7 +146,8 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
     finally:
         server.close(reason)
         logger.close()
-    counted = ("rejected", "dropped_groups", "dropped_trajectories", "duplicates", "workers_removed", "revoked")
+    counted = ("rejected", "dropped_groups", "dropped_trajectories", "duplicates", "workers_removed", "revoked",
+               "permits_expired", "permits_returned", "permits_reclaimed")
     finish_learner_run(cfg, task, training, run_dir, result,
                        {"execution": "live", "transport_rejected": server.stats["rejected"],
                         "stopped_by": learner.stopped_by or None,
@@ -289,7 +290,7 @@ def keep_metrics_until(path: Path, step: int) -> None:
     write_atomically(path, b"".join(kept))
 
 
-def _checkpoint_step(run_dir: Path) -> int | None:
+def checkpoint_step(run_dir: Path) -> int | None:
     """The step of the run dir's latest checkpoint, or None when its learner state cannot be read (the learner
     then says what is wrong). Read here without importing the learner (and torch) into the launcher."""
     try:
@@ -335,12 +336,8 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
 
         simulate_run(cfg, progress)
         return 0
-    if resume and not (run_dir / "checkpoints").is_dir():
-        raise HeteroRLError(f"nothing to resume in {run_dir}: no checkpoints folder")
-    if not resume and (run_dir / "checkpoints").is_dir():
-        raise HeteroRLError(f"{run_dir} already holds a run; pass --resume {run_dir} to continue it, "
-                            "or choose another logging.run_dir")
-    engines = [cfg.runtime.engines[i % len(cfg.runtime.engines)] for i in range(cfg.runtime.workers)]
+    check_run_dir(run_dir, resume)
+    engines = worker_engines(cfg)
     pythons = [worker_python(cfg, engine) for engine in engines]  # a missing vLLM venv fails before anything starts
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "train_config.yaml"
@@ -349,7 +346,7 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
     learner: Child | None = None
     fleet: WorkerFleet | None = None
     metrics_path = run_dir / METRICS
-    step = _checkpoint_step(run_dir) if resume else None
+    step = checkpoint_step(run_dir) if resume else None
     if step is not None:
         keep_metrics_until(metrics_path, step)  # as the learner will: the progress follows from what stays
     seen = metrics_path.stat().st_size if resume and metrics_path.exists() else 0
@@ -360,16 +357,13 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
 
         def start_worker(name: str) -> Child:
             i = int(name.rsplit("-", 1)[1])
-            throttle, devices = _nth(cfg.runtime.throttle, i, 1.0), _nth(cfg.runtime.worker_devices, i, "")
             prefix = [worker_command_word(word, i) for word in cfg.runtime.worker_prefix]
-            plaintext = ["--allow-plaintext"] if cfg.transport.allow_plaintext else []  # (its learner's, off loopback)
-            return Child(name, ["rollout", "--connect", endpoint, "--worker-id", name, "--throttle", str(throttle),
-                                "--engine", engines[i], *plaintext], logs / f"{name}.log", python=pythons[i],
-                         devices=devices, prefix=prefix)
+            return Child(name, worker_argv(cfg, i, endpoint, engines[i]), logs / f"{name}.log", python=pythons[i],
+                         devices=_nth(cfg.runtime.worker_devices, i, ""), prefix=prefix)
 
         fleet = WorkerFleet(start_worker, [f"worker-{i}" for i in range(len(engines))], cfg.runtime.worker_restarts)
         _follow_run(learner, fleet, metrics_path, seen, progress)
-        _record_restarts(run_dir, fleet.restarts())
+        record_restarts(run_dir, fleet.restarts())
         deadline = time.monotonic() + 30
         for child in fleet.children():
             try:
@@ -382,14 +376,45 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
             child.stop()
 
 
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """HeteroRLError unless ``run_dir`` holds a run to resume (``resume``) or none to overwrite."""
+    if resume and not (run_dir / "checkpoints").is_dir():
+        raise HeteroRLError(f"nothing to resume in {run_dir}: no checkpoints folder")
+    if not resume and (run_dir / "checkpoints").is_dir():
+        raise HeteroRLError(f"{run_dir} already holds a run; pass --resume {run_dir} to continue it, "
+                            "or choose another logging.run_dir")
+
+
+def worker_engine(cfg: Config, i: int) -> str:
+    """Rollout worker ``i``'s engine: ``runtime.engines[i % len]``."""
+    return cfg.runtime.engines[i % len(cfg.runtime.engines)]
+
+
+def worker_throttle(cfg: Config, i: int) -> float:
+    """Rollout worker ``i``'s slow-down factor: ``runtime.throttle[i % len]``, 1.0 when none is given."""
+    return float(_nth(cfg.runtime.throttle, i, 1.0))
+
+
+def worker_engines(cfg: Config) -> list[str]:
+    """The engine of each rollout worker (`worker_engine`)."""
+    return [worker_engine(cfg, i) for i in range(cfg.runtime.workers)]
+
+
+def worker_argv(cfg: Config, i: int, endpoint: str, engine: str) -> list[str]:
+    """Worker ``i``'s `heterorl rollout` command line (its keys apart), whoever starts it."""
+    plaintext = ["--allow-plaintext"] if cfg.transport.allow_plaintext else []  # (its learner's, off loopback)
+    return ["rollout", "--connect", endpoint, "--worker-id", f"worker-{i}", "--throttle",
+            str(worker_throttle(cfg, i)), "--engine", engine, *plaintext]
+
+
 def _follow_run(learner: Child, fleet: WorkerFleet, metrics_path: Path, seen: int, progress) -> None:
     """Until the learner exits: feed ``progress`` its metrics and supervise the workers (`WorkerFleet.check`).
     HeteroRLError when the learner fails or every worker has been given up."""
     while True:
-        seen = _follow(metrics_path, seen, progress)
+        seen = follow_metrics(metrics_path, seen, progress)
         status = learner.proc.poll()
         if status is not None:
-            _follow(metrics_path, seen, progress)
+            follow_metrics(metrics_path, seen, progress)
             if status != 0:
                 raise HeteroRLError(f"the learner failed (exit {status}); log {learner.log_path}:\n{learner.tail()}")
             return
@@ -397,13 +422,14 @@ def _follow_run(learner: Child, fleet: WorkerFleet, metrics_path: Path, seen: in
         time.sleep(0.5)
 
 
-def _record_restarts(run_dir: Path, restarts: dict[str, int]) -> None:
-    """Add the workers' restarts (`WorkerFleet.restarts`) to the learner's summary.json (``worker_restarts``)."""
+def record_restarts(run_dir: Path, restarts: dict[str, int], **more) -> None:
+    """Add the workers' restarts (`WorkerFleet.restarts`, or Ray's) to the learner's summary.json
+    (``worker_restarts``), with ``more`` keys from the launcher."""
     path = run_dir / "summary.json"
     if not path.is_file():
         return
     summary = json.loads(path.read_text())
-    summary["worker_restarts"] = restarts
+    summary.update(worker_restarts=restarts, **more)
     write_atomically(path, json_text(summary, indent=2).encode())
     if restarts:
         print(f"heterorl train: worker restarts: {', '.join(f'{k} {v}' for k, v in sorted(restarts.items()))}",
@@ -421,7 +447,7 @@ def _nth(values: list, i: int, default):
     return values[i % len(values)] if values else default
 
 
-def _follow(path: Path, offset: int, progress) -> int:
+def follow_metrics(path: Path, offset: int, progress) -> int:
     """Feed new metrics records to ``progress``; returns the new file offset."""
     if progress is None or not path.exists():
         return offset

@@ -35,7 +35,7 @@ from heterorl.config import Config, to_dict
 from heterorl.errors import HeteroRLError
 from heterorl.runs import StepRecorder, finish_run, idle_fraction
 from heterorl.runtime.accounting import LearnerResult, rollout_waste, step_metrics, weights_summary
-from heterorl.runtime.buffer import Group, GroupBuffer, Pacer
+from heterorl.runtime.buffer import Group, GroupBuffer, Pacer, sampling_order
 from heterorl.runtime.checkpoints import (
     CHECKPOINTS,
     LEARNER_STATE,
@@ -258,6 +258,8 @@ class Learner:
             while True:
                 groups = self.buffer.take(cfg.rl.prompts_per_step, version)
                 if groups is not None:
+                    if cfg.runtime.mode == "sync":  # one seed, one result: sums run in the same order every run
+                        groups.sort(key=sampling_order)
                     return groups
                 if self.stopped_by:
                     return None
@@ -516,7 +518,7 @@ def _config_for_workers(cfg: Config) -> str:
     timeout, a key of the learner's alone that they do not know, travels as ``buffer.partial_group_timeout_s``,
     the deprecated key that mirrors it; the bounds on one group's weight (``rl.max_log_ratio``,
     ``rl.max_abs_reward``) and on the ids of one key (``transport.max_ids_per_key``), the learner's alone too,
-    and the launcher's worker restarts stay home."""
+    and the launchers' settings (worker restarts, the ``cluster`` section) stay home."""
     data = to_dict(cfg)
     del data["transport"]["group_timeout_s"], data["transport"]["max_ids_per_key"]
     for key in ("group_deadline_min_s", "permit_lease_s", "permit_lease_min_s", "probation_permits",
@@ -527,4 +529,5 @@ def _config_for_workers(cfg: Config) -> str:
     for key in ("max_log_ratio", "max_abs_reward"):
         del data["rl"][key]
     del data["runtime"]["worker_restarts"]  # `heterorl train`'s alone
+    del data["cluster"]  # the cluster launchers' alone
     return yaml.safe_dump(data, sort_keys=False)

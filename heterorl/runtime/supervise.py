@@ -45,14 +45,21 @@ class Child:
         return "\n".join(text[-lines:])
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout_s)
         self._log.close()
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> int:
+    """SIGTERM to ``proc`` if it still runs (it checkpoints or says goodbye and leaves), SIGKILL after
+    ``timeout_s``; returns its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 @dataclass

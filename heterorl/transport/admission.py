@@ -212,6 +212,7 @@ class Admission:
         unused = self._held(worker) - worker.groups_session
         if unused > 0:
             self._void(worker, unused)
+            self.stats["permits_reclaimed"] += unused  # groups it was let start and never delivered
 
     # -- granting ---------------------------------------------------------------------------------
     def pool(self) -> int:

@@ -6,7 +6,7 @@ import pytest
 from heterorl.config import BufferConfig
 from heterorl.errors import ConfigError
 from heterorl.runtime.accounting import rollout_waste
-from heterorl.runtime.buffer import GroupBuffer, Pacer
+from heterorl.runtime.buffer import GroupBuffer, Pacer, sampling_order
 from heterorl.transport.groups import GroupAssembler
 from heterorl.transport.protocol import Trajectory
 from tests.conftest import trajectory
@@ -41,6 +41,17 @@ def test_what_never_arrived_whole_is_counted_by_reason():
     buffer.count_unassembled("partial", 3)  # a group of 4 that lost a member: its 3 expire
     assert (buffer.counters["inconsistent"], buffer.counters["dropped_partial"], len(buffer)) == (1, 1, 0)
     assert dict(buffer.discarded) == {"inconsistent": 1, "partial": 3}
+
+
+def test_sampling_order_does_not_depend_on_arrival():
+    """A sync batch is sorted by it: sampler, then the group's number in that sampler's life (10 after 9)."""
+    arrivals = [("w1-ab12-10", "w1"), ("w0-cd34-2", "w0"), ("w1-ab12-9", "w1"), ("w0-cd34-11", "w0")]
+    for order in (arrivals, arrivals[::-1]):
+        buffer = GroupBuffer()
+        for gid, sampler in order:
+            buffer.add_group([member(gid, j, 0, sampler=sampler) for j in range(2)], 0.0)
+        assert ids(sorted(buffer.take(4, 0), key=sampling_order)) == ["w0-cd34-2", "w0-cd34-11", "w1-ab12-9",
+                                                                      "w1-ab12-10"]
 
 
 def test_window_discards_stale_groups_takes_the_newest_and_blocks_when_none_is_fresh():
