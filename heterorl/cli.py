@@ -23,7 +23,7 @@
                                         --launcher ray: on a Ray cluster)
     heterorl learner --bind ADDR        the learner alone (remote workers connect to it)
     heterorl rollout --connect ADDR     one rollout worker (on any machine that reaches the learner; --engine vllm)
-    heterorl serve [--bind HOST:PORT]   training sessions over HTTP, and an OpenAI-compatible endpoint
+    heterorl serve [--bind HOST:PORT]   training sessions over HTTP, an OpenAI-compatible endpoint, Tinker's API
     heterorl deploy slurm|k8s CONFIG    the files that launch a run on Slurm or Kubernetes, and the command
     heterorl sweep SWEEP.yaml [k=v..]   a delay sweep: losses x delays x seeds, resumable, K cells at once
     heterorl report SWEEP_DIR           tables, plots and a Markdown summary of a sweep
@@ -421,7 +421,8 @@ def cmd_serve(args) -> int:
     budget = "none" if service.budget.budget_bytes is None else f"{service.budget.budget_bytes / 2**20:,.0f} MB"
 
     def listening(url: str) -> None:
-        print(f"serving training sessions on {url} (API: /api/v1, OpenAI-compatible: /v1; "
+        print(f"serving training sessions on {url} (API: /api/v1, OpenAI-compatible: /v1, Tinker's SDK: "
+              f"{url}/tinker; "
               f"{'a bearer token' if api_key else 'no key: loopback only'}; memory budget: {budget})", flush=True)
 
     stopped_by = None
@@ -568,7 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "another only on a network you trust)")
     p.set_defaults(fn=cmd_rollout)
     p = sub.add_parser("serve", help="training sessions over HTTP (the session primitives, remote: "
-                       "heterorl.service.client.connect) and an OpenAI-compatible endpoint over their sampling clients")
+                       "heterorl.service.client.connect), an OpenAI-compatible endpoint over their sampling clients, "
+                       "and Tinker's REST API under /tinker (TINKER_BASE_URL=http://HOST:PORT/tinker)")
     p.add_argument("--bind", default="127.0.0.1:8765", help="HOST:PORT to listen on (default 127.0.0.1:8765; port 0: "
                    "a free one, printed at start; any address other than loopback needs --api-key-file)")
     p.add_argument("--api-key-file", help="a file holding the bearer token every request must carry")

@@ -32,7 +32,8 @@ from heterorl.transport import TransportTimeout, WorkerClient
 from heterorl.transport.protocol import Heartbeat, Hello, TrajectoryBatch, WeightsRequest, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hostile_fleet import OVERRIDES, PEER, _endpoint, cli, member, wait  # noqa: E402 (the drill's sibling)
+from drill_support import wait  # noqa: E402
+from hostile_fleet import OVERRIDES, PEER, _endpoint, cli, member  # noqa: E402 (the drill's sibling)
 
 ATTACKS = ("open_groups", "silent_and_claiming", "flood", "held_members", "extreme_logprobs", "invented_names",
            "weights_readers")
@@ -48,7 +49,8 @@ class Learner:
             *OVERRIDES, "runtime.workers=1", f"rl.steps={steps}", "runtime.checkpoint_every=1000000",
             f"logging.run_dir={self.run_dir}"])))
         self.process = cli("learner", "--config", str(config), "--bind", "tcp://127.0.0.1:0", log=out / "learner.log")
-        self.endpoint = wait(lambda: _endpoint(self.run_dir) or (self.process.poll() is not None and "dead"), 300)
+        self.endpoint = wait(lambda: _endpoint(self.run_dir) or (self.process.poll() is not None and "dead"), 300,
+                             "the learner's endpoint")
         if self.endpoint == "dead":
             raise RuntimeError(f"the learner exited early; see {out / 'learner.log'}")
 
@@ -207,7 +209,7 @@ def run(args) -> dict:
     honest = cli("rollout", "--connect", learner.endpoint, "--worker-id", "honest", log=out / "honest.log")
     ctx, report = zmq.Context(), {"attacks": {}}
     try:
-        wait(lambda: learner.steps() >= 5, 300)
+        wait(lambda: learner.steps() >= 5, 300, "five quiet steps")
         report["quiet_steps_per_s"] = quiet = measure(learner, args.window_s)
         base_rss = report["rss_before_mib"] = learner.rss_mib()
         for name in args.attacks:
@@ -220,7 +222,8 @@ def run(args) -> dict:
             attack.join(30)
             ended, before = time.monotonic(), learner.steps()
             try:
-                wait(lambda: learner.steps() > before or learner.process.poll() is not None, args.give_up_s)
+                wait(lambda: learner.steps() > before or learner.process.poll() is not None, args.give_up_s,
+                     "a step after the attack")
                 resumed = round(time.monotonic() - ended, 2)
             except TimeoutError:
                 resumed = float("inf")  # (reported as Infinity: no step within --give-up-s)

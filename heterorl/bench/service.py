@@ -2,10 +2,16 @@
 HTTP on loopback) against the same calls local, side by side in one run; and the OpenAI-compatible endpoint's
 requests/s under concurrent clients.
 
-Workloads on the shipped ``add3-sft-base``: ``forward_backward`` + ``optim_step`` of a batch of ``--batch`` datums
-(groups of 8 completions of 3-digit sums, GEPO), and ``sample`` of ``--prompts`` prompts × ``--group-size``.
+Workloads on the shipped ``add3-sft-base`` (``--base``): ``forward_backward`` + ``optim_step`` of a batch of
+``--batch`` datums (groups of 8 completions of 3-digit sums, GEPO), and ``sample`` of ``--prompts`` prompts ×
+``--group-size``.
 Rounds alternate local / remote; each figure is the median of ``--repeats`` after a warm-up. The service runs
 with the same torch threads as this process (``--threads``). Goal: remote / local ≤ 1.15×.
+
+With Tinker's SDK installed (``--tinker``, the default then), the same work also goes through it to the same
+service (docs/SERVICE.md, "From Tinker"): the same sequences as Tinker datums (every position scored, no prompt
+shared) with ``importance_sampling``, against the same datums and loss run locally as the service runs them; and
+the samples as ``--prompts`` concurrent requests of ``--group-size``, as the SDK sends them.
 """
 
 from __future__ import annotations
@@ -100,6 +106,55 @@ def _completions_rate(url: str, model: str, clients: int, seconds: float, max_to
     return sum(done) / (time.perf_counter() - start)
 
 
+def _tinker_times(url: str, datums: list, prompts: list[list[int]], args) -> dict[str, list[float]]:
+    """Seconds per round through Tinker's SDK against the service at ``url``, and of the same Tinker datums run
+    locally as the service runs them: {"step", "local step", "sample"}."""
+    import numpy as np
+    import tinker
+    from tinker import types
+
+    from heterorl.policies import load_policy
+    from heterorl.service.tinker import losses, protobuf
+    from heterorl.training.session import AdamParams, TrainingClient
+
+    rows = []  # (tokens, targets, sampler log-probs, advantages) per datum: every position
+    for d in datums:
+        pad = d.prompt_len - 1
+        rows.append((d.tokens[:-1], np.array(d.tokens[1:], dtype=np.int64),
+                     np.array([0.0] * pad + d.behaviour_logprobs, dtype=np.float32),
+                     np.array([0.0] * pad + [d.reward - 0.5] * d.completion_len, dtype=np.float32)))
+    sdk_data = [types.Datum(model_input=types.ModelInput.from_ints(t), loss_fn_inputs={
+        "target_tokens": y, "logprobs": q, "advantages": a}) for t, y, q, a in rows]
+    sdk = tinker.ServiceClient(base_url=f"{url}/tinker", api_key="tml-bench")
+    training = sdk.create_lora_training_client(base_model=args.base, rank=8, seed=0).result()
+    model, tokenizer = load_policy(args.base)
+    from heterorl.service.client import lora_spec
+
+    local = TrainingClient(model, tokenizer, seed=0, lora=lora_spec(8))
+    built = losses.build([protobuf.Datum(t, {"target_tokens": y, "logprobs": q, "advantages": a})
+                          for t, y, q, a in rows], "importance_sampling", {})
+    adam = types.AdamParams(learning_rate=1e-5)
+    sampler = training.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
+
+    def sample() -> None:
+        futures = [sampler.sample(types.ModelInput.from_ints(p), args.group_size, params) for p in prompts]
+        for future in futures:
+            future.result()
+
+    times: dict[str, list[float]] = {}
+    for _ in range(2):
+        times.setdefault("step", []).extend(_time(lambda: (training.forward_backward(sdk_data, "importance_sampling")
+                                                           .result(), training.optim_step(adam).result()),
+                                                  args.repeats))
+        times.setdefault("local step", []).extend(_time(lambda: (local.forward_backward(*built).result(),
+                                                                 local.optim_step(AdamParams(learning_rate=1e-5))
+                                                                 .result()), args.repeats))
+        times.setdefault("sample", []).extend(_time(sample, args.repeats))
+    sdk.close("success").result()
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="heterorl bench service", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,7 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in the service (default 1)")
     parser.add_argument("--clients", type=int, default=8, help="concurrent /v1/completions clients (default 8)")
     parser.add_argument("--seconds", type=float, default=10.0, help="how long they run (default 10)")
+    parser.add_argument("--base", default=BASE, help=f"the base model, a name heterorl serve loads (default {BASE})")
+    parser.add_argument("--tinker", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the same calls through Tinker's SDK (default: when it is installed)")
     args = parser.parse_args(argv)
+    if args.tinker is None:
+        import importlib.util
+
+        args.tinker = importlib.util.find_spec("tinker") is not None
     import torch
 
     from heterorl.engines.base import SamplingParams
@@ -124,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     process, url = start_service("--threads", str(args.threads))
     try:
         service = connect(url)
-        model, tokenizer = load_policy(BASE)
+        model, tokenizer = load_policy(args.base)
         clients = {"local": TrainingClient(model, tokenizer, seed=0), "remote": service.create_training_client(
-            BASE, seed=0)}
+            args.base, seed=0)}
         datums = _datums(tokenizer, args.batch)
         samplers = {name: c.save_weights_and_get_sampling_client() for name, c in clients.items()}
         prompts = [tokenizer.encode(f"{random.Random(i).randint(100, 999)}+{i + 100}=") for i in range(args.prompts)]
@@ -140,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
                                args.repeats)
                 results[name].setdefault("step", []).extend(step)
                 results[name].setdefault("sample", []).extend(sample)
+        if args.tinker:
+            tinker_times = _tinker_times(url, datums, prompts, args)
         rate = _completions_rate(url, samplers["remote"].model, args.clients, args.seconds, args.max_tokens)
-        print(f"{BASE}: forward_backward + optim_step of {args.batch} datums (GEPO); sample of {args.prompts} x "
+        print(f"{args.base}: forward_backward + optim_step of {args.batch} datums (GEPO); sample of {args.prompts} x "
               f"{args.group_size}, {args.max_tokens} new tokens; {args.threads} torch thread(s) on each side; "
               f"median of {2 * args.repeats}")
         for what, label in (("step", "forward_backward + optim_step"), ("sample", "sample")):
@@ -149,6 +213,14 @@ def main(argv: list[str] | None = None) -> int:
             ratio = remote / local
             print(f"  {label:<30} local {local * 1e3:8.1f} ms | remote {remote * 1e3:8.1f} ms | remote / local "
                   f"{ratio:.3f}x (goal <= {GOAL}x: {'met' if ratio <= GOAL else 'NOT met'})")
+        if args.tinker:
+            step, local_step, sample = (statistics.median(tinker_times[k]) for k in ("step", "local step", "sample"))
+            print(f"  Tinker SDK: forward_backward + optim_step (importance_sampling on the same sequences as Tinker "
+                  f"datums) local {local_step * 1e3:8.1f} ms | SDK {step * 1e3:8.1f} ms | SDK / local "
+                  f"{step / local_step:.3f}x")
+            local_sample = statistics.median(results["local"]["sample"])
+            print(f"  Tinker SDK: sample as {args.prompts} concurrent requests of {args.group_size}: SDK "
+                  f"{sample * 1e3:8.1f} ms | SDK / local (one call) {sample / local_sample:.3f}x")
         print(f"  /v1/completions, {args.clients} concurrent clients, {args.max_tokens} tokens each: "
               f"{rate:.1f} requests/s")
         service.close()

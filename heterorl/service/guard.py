@@ -14,17 +14,23 @@ class BodyTooLarge(Exception):
     pass
 
 
-KEY_MISSING = ("missing or wrong API key: send 'Authorization: Bearer KEY' with the key in the service's "
-               "--api-key-file")
+KEY_MISSING = ("missing or wrong API key: send 'Authorization: Bearer KEY' (or 'X-API-Key: KEY', as Tinker's SDK "
+               "does, where TINKER_API_KEY=tml-KEY) with the key in the service's --api-key-file")
 OPEN_PATHS = ("/health",)  # the only route answered without the key
 HEADER_TIMEOUT_S = 10.0  # a connection's request headers must be complete this long after it opens or a request
 # begins (a client that sends them slowly, or never, is closed: it would hold a connection, and a descriptor)
 BODY_IDLE_TIMEOUT_S = 10.0  # once the headers are in, a body that sends nothing for this long is closed as well
 
 
-def key_matches(authorization: str | None, api_key: str) -> bool:
+def key_matches(authorization: str | None, api_key: str, x_api_key: str | None = None) -> bool:
+    """The request carries the key: ``Authorization: Bearer KEY``, or ``X-API-Key: KEY`` or ``X-API-Key: tml-KEY``
+    (Tinker's SDK sends its key so, and takes only keys that start with ``tml-``)."""
     scheme, _, token = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), api_key.encode())
+    if scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), api_key.encode()):
+        return True
+    given = (x_api_key or "").encode()
+    return bool(given) and (secrets.compare_digest(given, api_key.encode())
+                            or secrets.compare_digest(given, b"tml-" + api_key.encode()))
 
 
 class Guard:
@@ -41,7 +47,7 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if self.api_key is not None and scope["path"] not in OPEN_PATHS and \
-                not key_matches(headers.get("authorization"), self.api_key):
+                not key_matches(headers.get("authorization"), self.api_key, headers.get("x-api-key")):
             return await _refuse(send, 401, KEY_MISSING, {"www-authenticate": "Bearer"})
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:

@@ -15,6 +15,7 @@ Routes (all under a bearer token when the service has one; docs/SERVICE.md):
     GET    /api/v1/memory                       {budget_bytes, used_bytes, sessions, samplers}: bytes held
     GET    /health                              no token needed
     /v1/models, /v1/completions, /v1/chat/completions (heterorl.service.openai_api)
+    /tinker/api/v1/...                   Tinker's REST API, for its SDK and cookbook (heterorl.service.tinker)
 
 Bodies are JSON, or msgpack with ``Content-Type: application/msgpack`` (token arrays travel smaller); answers
 follow ``Accept``. A malformed body is a 422 naming the field, an unknown id a 404 naming it, a call the session
@@ -79,15 +80,17 @@ class SamplerCall(TrainingCall):
 
 
 def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = 64 * 2**20,
-               openai: bool = True, docs: bool = False, batching: bool = True) -> FastAPI:
+               openai: bool = True, docs: bool = False, batching: bool = True, tinker: bool = True) -> FastAPI:
     """The service's FastAPI app. ``api_key``: the bearer token every route but /health requires (None: none).
     ``docs``: serve /docs, /redoc and /openapi.json (behind the key, like every route). ``batching``: concurrent
-    OpenAI requests to one model share engine calls where they can."""
+    OpenAI requests to one model share engine calls where they can. ``tinker``: serve Tinker's REST API under
+    /tinker (`heterorl.service.tinker.routes`)."""
     app = FastAPI(title="heterorl training sessions", version="1", docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
 
-    def authorize(authorization: str | None = Header(default=None)) -> None:
-        if api_key is not None and not key_matches(authorization, api_key):  # (`Guard` checked it first)
+    def authorize(authorization: str | None = Header(default=None),
+                  x_api_key: str | None = Header(default=None)) -> None:
+        if api_key is not None and not key_matches(authorization, api_key, x_api_key):  # (`Guard` checked it first)
             raise HTTPException(401, KEY_MISSING, headers={"WWW-Authenticate": "Bearer"})
 
     _error_handlers(app)
@@ -98,6 +101,10 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
         return {"ok": True}
 
     app.include_router(_api_router(service, max_body_bytes), dependencies=[Depends(authorize)])
+    if tinker:
+        from heterorl.service.tinker.routes import tinker_router
+
+        app.include_router(tinker_router(service, max_body_bytes), dependencies=[Depends(authorize)])
     if openai:
         from heterorl.service.openai_api import openai_router
 

@@ -1,6 +1,7 @@
 """Smoke tests of the benchmarks: each runs small and prints its ratios against its baseline. They assert that
 it ran and what it printed, never the ratios' values (these machines are shared and noisy)."""
 
+import importlib.util
 import json
 
 import pytest
@@ -98,6 +99,9 @@ def test_bench_service_times_remote_against_local_and_loads_the_openai_endpoint(
         line = next(line for line in out.stdout.splitlines() if line.strip().startswith(label))
         assert float(line.split("remote / local")[1].split("x")[0]) > 0, line
     assert float(out.stdout.split("each: ")[1].split(" requests/s")[0]) > 0
+    if importlib.util.find_spec("tinker") is not None:  # (installed by [dev]): the same calls through its SDK
+        assert float(out.stdout.split("SDK / local ")[1].split("x")[0]) > 0, out.stdout
+        assert float(out.stdout.split("SDK / local (one call) ")[1].split("x")[0]) > 0, out.stdout
 
 
 def test_bench_async_runs_every_mode_and_prints_ratio_waste_and_bound():
