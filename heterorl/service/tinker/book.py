@@ -164,32 +164,36 @@ class TinkerBook:
         model = self.model(model_id)
         return self.service.session(model.session_id)
 
-    def resolve_base(self, base_model: str) -> tuple[str, str | None]:
-        """(heterorl's name, its folder) of a base model named as the SDK names it: a name `heterorl serve` loads
-        (``--model NAME=PATH``, the shipped policies) or the absolute path of one of their folders."""
-        from heterorl.policies import policy_folder
-
+    def resolve_base(self, base_model: str) -> str:
+        """heterorl's name of a base model named as the SDK names it: a name `heterorl serve` loads (``--model
+        NAME=PATH``, the shipped policies) or the absolute path of one of their folders. (A name is answered
+        without looking at any folder: SmolLM2's is made on its first load, which may take minutes.)"""
         names = [m["name"] for m in self.service.list_base_models()]
-        folders = {}
-        for name in names:
-            try:
-                folder = Path(self.service.models[name]) if name in self.service.models else policy_folder(name)
-                folders[str(folder.resolve())] = name
-            except (HeteroRLError, OSError):
-                continue
         if base_model in names:
-            folder = next((f for f, n in folders.items() if n == base_model), None)
-            return base_model, folder
-        if base_model.startswith("/") and str(Path(base_model).resolve()) in folders:
-            return folders[str(Path(base_model).resolve())], str(Path(base_model).resolve())
+            return base_model
+        if base_model.startswith("/"):
+            wanted = str(Path(base_model).resolve())
+            for name in sorted(names, key=lambda n: n == "smollm2"):  # (SmolLM2's folder is made when first asked)
+                if self.base_folder(name) == wanted:
+                    return name
         raise BadRequest(f"base_model {base_model[:200]!r} is not served here: give one of {', '.join(names)}, or "
                          "the absolute path of its folder (a server adds folders with --model NAME=PATH)")
+
+    def base_folder(self, name: str) -> str | None:
+        """The folder a base model loads from (what the SDK loads its tokenizer from); None when it has none."""
+        from heterorl.policies import policy_folder
+
+        try:
+            folder = Path(self.service.models[name]) if name in self.service.models else policy_folder(name)
+            return str(folder.resolve())
+        except (HeteroRLError, OSError):
+            return None
 
     def create_model(self, session_id: str, seq: int, base_model: str, lora_config: dict | None,
                      user_metadata: dict | None) -> str:
         """Submit the load of a model (a heterorl session) as a call; its id."""
         self.session(session_id)
-        name, _ = self.resolve_base(base_model)
+        name = self.resolve_base(base_model)
         spec = lora_spec(lora_config)
         model_id = f"{session_id}:train:{int(seq)}"
 
@@ -216,7 +220,7 @@ class TinkerBook:
 
     def info(self, model_id: str) -> dict:
         model = self.model(model_id)
-        _, folder = self.resolve_base(model.base_model)
+        folder = self.base_folder(self.resolve_base(model.base_model))
         data = {"model_name": model.base_model, "arch": type(self.training(model_id).training.model).__name__}
         if folder is not None:
             data["tokenizer_id"] = folder
@@ -317,7 +321,7 @@ class TinkerBook:
         self.session(session_id)
         source, _, _, path = self.store.checkpoint(tinker_path)
         meta = self.store.run_meta(source)
-        name, _ = self.resolve_base(meta["base_model"])
+        name = self.resolve_base(meta["base_model"])
         model_id = f"{session_id}:train:{int(seq)}"
 
         def load() -> dict:
@@ -367,7 +371,7 @@ class TinkerBook:
             base, lora, path = base_model, None, None
         else:
             raise BadRequest("give model_path (a tinker:// checkpoint) or base_model")
-        name, _ = self.resolve_base(base)
+        name = self.resolve_base(base)
         with self._host_lock:  # (one load into a host at a time: its weights are the checkpoint's until snapshot)
             session = self._host(name, lora, base_only=path is None)
             training = session.training
