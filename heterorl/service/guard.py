@@ -33,6 +33,16 @@ def key_matches(authorization: str | None, api_key: str, x_api_key: str | None =
                             or secrets.compare_digest(given, b"tml-" + api_key.encode()))
 
 
+async def read_body(request, limit: int) -> bytes:
+    """A route's whole request body, `BodyTooLarge` as soon as it passes ``limit`` bytes (the rest is never read)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge(f"the body exceeds this service's limit of {limit:,} bytes (--max-body-mb)")
+    return bytes(body)
+
+
 class Guard:
     """ASGI middleware that bounds a request before any route reads it: the key is checked on the headers
     (401 before one byte of the body is read), a declared body over ``max_body_bytes`` is refused (413), and a
@@ -172,4 +182,4 @@ def guard(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
 
 
 __all__ = ["BODY_IDLE_TIMEOUT_S", "BodyTooLarge", "Guard", "HEADER_TIMEOUT_S", "KEY_MISSING", "OPEN_PATHS", "guard",
-           "header_timeout_protocol", "key_matches"]
+           "header_timeout_protocol", "key_matches", "read_body"]

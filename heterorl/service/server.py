@@ -48,10 +48,10 @@ from heterorl.service.guard import (
     BODY_IDLE_TIMEOUT_S,
     HEADER_TIMEOUT_S,
     KEY_MISSING,
-    BodyTooLarge,
     guard,
     header_timeout_protocol,
     key_matches,
+    read_body,
 )
 from heterorl.service.memory import OverMemoryBudget
 from heterorl.service.sessions import Service, tokenizer_zip
@@ -150,13 +150,9 @@ def _error_handlers(app: FastAPI) -> None:
 
 async def _body(request: Request, model: type[BaseModel], limit: int):
     """The request's body (JSON or msgpack) validated against ``model``: 422 naming the field otherwise."""
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise BodyTooLarge(f"the body exceeds this service's limit of {limit:,} bytes (--max-body-mb)")
+    body = await read_body(request, limit)
     try:
-        data = wire.unpack(bytes(body), request.headers.get("content-type"))
+        data = wire.unpack(body, request.headers.get("content-type"))
     except Exception as exc:  # not JSON / msgpack at all
         raise RequestValidationError([{"loc": ("body",), "msg": f"cannot be decoded: {exc}", "type": "decode"}]
                                      ) from None

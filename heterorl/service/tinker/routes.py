@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from heterorl.errors import HeteroRLError
 from heterorl.runs import finite_or_null
 from heterorl.service.calls import BadRequest, NotFound, TooBusy
-from heterorl.service.guard import BodyTooLarge
+from heterorl.service.guard import read_body
 from heterorl.service.memory import OverMemoryBudget
 from heterorl.service.sessions import Service
 from heterorl.service.tinker import book as tinker_book
@@ -132,19 +132,10 @@ class WeightsInfo(_Body):
     tinker_path: str = Field(max_length=500)
 
 
-async def _read(request: Request, limit: int) -> bytes:
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise BodyTooLarge(f"the body exceeds this service's limit of {limit:,} bytes (--max-body-mb)")
-    return bytes(body)
-
-
 async def _json(request: Request, model: type[BaseModel], limit: int):
     import json
 
-    raw = await _read(request, limit)
+    raw = await read_body(request, limit)
     try:
         data = json.loads(raw) if raw else {}
     except ValueError as exc:
@@ -179,7 +170,7 @@ def tinker_router(service: Service, limit: int) -> APIRouter:
     # -- client set-up, sessions, telemetry --------------------------------------------------------------------
     @api.post("/client/config")
     async def client_config(request: Request) -> dict:
-        await _read(request, limit)
+        await read_body(request, limit)
         return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "parallel_fwdbwd_chunks": False,
                 "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False,
                 "sample_join_sampling_session": False, "custom_loss_server_side": False,
@@ -188,7 +179,7 @@ def tinker_router(service: Service, limit: int) -> APIRouter:
 
     @api.post("/client/dynamic_config")
     async def dynamic_config(request: Request) -> dict:
-        await _read(request, limit)
+        await read_body(request, limit)
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
     @api.post("/create_session")
@@ -205,12 +196,12 @@ def tinker_router(service: Service, limit: int) -> APIRouter:
 
     @api.post("/telemetry")
     async def telemetry(request: Request) -> dict:
-        await _read(request, limit)  # (read within the bound, and not kept)
+        await read_body(request, limit)  # (read within the bound, and not kept)
         return {"status": "accepted"}
 
     @api.post("/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request):
-        await _read(request, limit)
+        await read_body(request, limit)
         result = await guarded("finish", book.finish, session_id)
         return result if isinstance(result, Response) else {}
 
@@ -250,7 +241,7 @@ def tinker_router(service: Service, limit: int) -> APIRouter:
 
     @api.post("/forward_backward")
     async def forward_backward(request: Request):
-        raw = await _read(request, limit)
+        raw = await read_body(request, limit)
         if request.headers.get("content-encoding"):
             return JSONResponse({"detail": "forward_backward: compressed bodies are not taken (this service tells "
                                            "the SDK proto_compress_fwdbwd=false)"}, status_code=415)
