@@ -49,5 +49,8 @@ def test_the_math_rl_recipe_runs_unchanged_and_its_reward_rises(tmp_path):
     assert "final" in saved and any(name != "final" for name in saved)  # periodic and final checkpoints
     reward = [s["env/all/reward/total"] for s in steps]
     print("reward per step:", [round(r, 3) for r in reward])
-    first, last = sum(reward[:4]) / 4, sum(reward[-4:]) / 4
-    assert last > first + 0.05, reward  # measured here: see docs/SERVICE.md, "From Tinker"
+    # the baseline: steps 0 and 1, sampled before the policy had learned the answer format (it does within a few
+    # steps); against it, the mean of the second half (256 samples), which a policy that learned nothing matches
+    # within ~0.03. Measured (docs/RESULTS.md): 0.32 and 0.14 in two runs whose curves differ a lot.
+    first, last = sum(reward[:2]) / 2, sum(reward[STEPS // 2:]) / (STEPS - STEPS // 2)
+    assert last > first + 0.05, reward
