@@ -25,6 +25,7 @@
     heterorl rollout --connect ADDR     one rollout worker (on any machine that reaches the learner; --engine vllm)
     heterorl serve [--bind HOST:PORT]   training sessions over HTTP, an OpenAI-compatible endpoint, Tinker's API
     heterorl deploy slurm|k8s CONFIG    the files that launch a run on Slurm or Kubernetes, and the command
+    heterorl tasks [--show NAME]        the tasks a run can name (heterorl's, reasoning-gym's datasets), options
     heterorl sweep SWEEP.yaml [k=v..]   a delay sweep: losses x delays x seeds, resumable, K cells at once
     heterorl report SWEEP_DIR           tables, plots and a Markdown summary of a sweep
     heterorl compare --losses gepo,grpo --delay lag16 --seeds 0,1,2   losses side by side, online and at a delay
@@ -505,6 +506,12 @@ def cmd_deploy(args) -> int:
     return deploy_command(args, _load(_config_path(args.config), args.overrides))
 
 
+def cmd_tasks(args) -> int:
+    from heterorl.tasks.catalog import tasks_command
+
+    return tasks_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="heterorl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -651,6 +658,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted config overrides, e.g. runtime.workers=8 cluster.worker.num_gpus=1")
     p.set_defaults(fn=cmd_deploy)
+    p = sub.add_parser("tasks", help="list the tasks a run can name: heterorl's own with their options, and "
+                       "reasoning-gym's datasets (task.name=reasoning_gym)")
+    p.add_argument("--show", metavar="NAME", help="one task's options, or one reasoning-gym dataset's with an "
+                   "example problem")
+    p.add_argument("--json", action="store_true", help="the whole list as JSON")
+    p.set_defaults(fn=cmd_tasks)
     p = sub.add_parser("keys", help="make a CurveZMQ key pair (NAME.key public, NAME.key_secret secret), or "
                        "revoke a worker's key")
     p.add_argument("action", nargs="?", choices=["make", "revoke"], default="make",

@@ -297,7 +297,7 @@ def load_trace(path: str | Path | None, key: str = "delay") -> np.ndarray:
 
 @dataclass
 class TaskConfig:
-    name: str = "maze"  # maze | arithmetic | jsonl
+    name: str = "maze"  # maze | arithmetic | jsonl | code | reasoning_gym | verifiers (`heterorl tasks`)
     options: Dict[str, Any] = field(default_factory=dict)  # fields of the task's config dataclass
     # "my_pkg.rewards:score" replaces the task's reward; several, comma-separated, are summed with reward_weights
     reward_fn: Optional[str] = None

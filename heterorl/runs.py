@@ -198,10 +198,11 @@ class StepRecorder:
     log the step's metrics, advance the progress bar, keep the eval history and count the steps that ran no
     update; at the end, the `RunResult`.
 
-    ``evaluate()`` returns the held-out success of the current weights. ``history`` and
-    ``steps_without_update`` carry a resumed run's record on."""
+    ``evaluate()`` returns the held-out success of the current weights, a number or an `EvalResult` (whose
+    success per group, a mixture's datasets, is logged as ``eval/success/GROUP`` and kept in the history).
+    ``history`` and ``steps_without_update`` carry a resumed run's record on."""
 
-    def __init__(self, cfg: Config, evaluate: Callable[[], float], logger=None, progress=None, *,
+    def __init__(self, cfg: Config, evaluate: Callable[[], Any], logger=None, progress=None, *,
                  history: list[dict] | None = None, steps_without_update: int = 0) -> None:
         self.eval_every, self.steps = cfg.rl.eval_every, cfg.rl.steps
         self.evaluate, self.logger, self.progress = evaluate, logger, progress
@@ -211,19 +212,28 @@ class StepRecorder:
     def start(self) -> None:
         """Evaluate and log the starting weights as step 0 (unless a resumed record has them)."""
         if not self.history:
-            self.history.append({"step": 0, "eval/success": self.evaluate(), "time_s": 0.0})
-            if self.history[0]["eval/success"] == 0:
+            measured = self._measure()
+            self.history.append({"step": 0, **measured, "time_s": 0.0})
+            if measured["eval/success"] == 0:
                 log.warning(NOTHING_SOLVED)
             if self.logger:
-                self.logger.log(0, {"eval/success": self.history[0]["eval/success"]})
+                self.logger.log(0, measured)
+
+    def _measure(self) -> dict[str, float]:
+        """``eval/success`` of the current weights, and ``eval/success/GROUP`` for each group when it has groups."""
+        result = self.evaluate()
+        if isinstance(result, (int, float)):
+            return {"eval/success": float(result)}
+        return {"eval/success": result.success, **{f"eval/success/{g}": s for g, s in result.by_group.items()}}
 
     def record(self, step: int, metrics: dict, time_s: float) -> None:
         """End step ``step``: ``metrics`` gains ``eval/success`` when it is an eval step; ``time_s`` is the run's
         time at its end (wall or virtual), kept with each eval."""
         self.steps_without_update += metrics.get("optim/updates", 1) == 0
         if step % self.eval_every == 0 or step == self.steps:
-            metrics["eval/success"] = self.evaluate()
-            self.history.append({"step": step, "eval/success": metrics["eval/success"], "time_s": time_s})
+            measured = self._measure()
+            metrics.update(measured)
+            self.history.append({"step": step, **measured, "time_s": time_s})
         if self.logger:
             self.logger.log(step, metrics)
         if self.progress:
@@ -241,9 +251,10 @@ def idle_fraction(idle_s: float, busy_s: float) -> float:
 
 
 def outcomes_line(outcomes: dict[str, int]) -> str:
-    """One line on the programs the training rewards ran, by outcome, the most frequent first."""
+    """One line on the training rewards' outcomes (the programs the code task ran, a scoring library's calls), the
+    most frequent first."""
     ranked = sorted(outcomes.items(), key=lambda item: (-item[1], item[0]))
-    return (f"programs the rewards ran: {sum(outcomes.values())} (" + ", ".join(f"{name} {n}" for name, n in ranked)
+    return (f"reward outcomes: {sum(outcomes.values())} (" + ", ".join(f"{name} {n}" for name, n in ranked)
             + ")")
 
 

@@ -56,9 +56,11 @@ def run_sft(cfg: Config, training: TrainingClient, task: Task, logger=None, prog
         metrics = {"sft/loss": out.loss, "optim/lr": lr}
         if step % cfg.sft.eval_every == 0 or step == cfg.sft.steps:
             sampler = training.save_weights_and_get_sampling_client()
-            success = evaluate(sampler, task, eval_problems, cfg.rollout.max_tokens,
-                               chat_template=cfg.task.chat_template).success
+            result = evaluate(sampler, task, eval_problems, cfg.rollout.max_tokens,
+                              chat_template=cfg.task.chat_template)
+            success = result.success
             metrics["eval/success"] = success
+            metrics.update({f"eval/success/{group}": s for group, s in result.by_group.items()})
             history.append({"step": step, "eval/success": success, "time_s": time.time() - start})
         if logger:
             logger.log(step, metrics)

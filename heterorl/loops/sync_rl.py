@@ -62,7 +62,7 @@ def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, 
     start = time.time()
     sampler = training.save_weights_and_get_sampling_client()
     recorder = StepRecorder(cfg, lambda: evaluate(sampler, task, eval_problems, eval_tokens,
-                                                  chat_template=cfg.task.chat_template).success, logger, progress)
+                                                  chat_template=cfg.task.chat_template), logger, progress)
     recorder.start()
     total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
     outcomes = Counter()  # the programs the training rewards ran, by outcome (evaluation's left out)

@@ -47,7 +47,7 @@ from heterorl.runtime.cores import PROBE_STEPS, Split, decide_split, machine_cor
 from heterorl.runtime.engine_stats import EngineTally, FleetEngines, tallies_to_json
 from heterorl.runtime.publishing import Publisher
 from heterorl.tasks.base import Task
-from heterorl.training.evaluation import evaluate
+from heterorl.training.evaluation import EvalResult, evaluate
 from heterorl.training.session import Datum, SamplingClient, TrainingClient
 from heterorl.training.step import SkippedUpdate, optimize_batch
 from heterorl.transport import LearnerServer
@@ -92,10 +92,10 @@ def group_datums(groups: list[Group]) -> list[Datum]:
     return datums
 
 
-def held_out_success(cfg: Config, sampler: SamplingClient, task: Task) -> float:
-    """Greedy success of ``sampler``'s weights on the task's held-out problems."""
+def held_out_success(cfg: Config, sampler: SamplingClient, task: Task) -> EvalResult:
+    """Greedy success of ``sampler``'s weights on the task's held-out problems (per group of a mixture too)."""
     tokens = cfg.rl.eval_max_tokens or cfg.rollout.max_tokens
-    return evaluate(sampler, task, task.eval_problems(), tokens, chat_template=cfg.task.chat_template).success
+    return evaluate(sampler, task, task.eval_problems(), tokens, chat_template=cfg.task.chat_template)
 
 
 class Learner:
@@ -170,7 +170,7 @@ class Learner:
                  checkpoint.newest_published + 1)
 
     # -- helpers ------------------------------------------------------------------------------------
-    def _evaluate(self) -> float:
+    def _evaluate(self) -> EvalResult:
         if self.publisher.reshard:  # rank 0's whole copy is refreshed only here: every rank gathers into it
             self.ranks.share(("gather",))
             self.training.refresh_full_model().result()

@@ -44,6 +44,7 @@ from heterorl.runtime.learner import finish_learner_run, group_datums, held_out_
 from heterorl.runtime.worker import sampling_params, shard_rng, stamp_groups
 from heterorl.tasks import Task
 from heterorl.tasks.rewards import outcome_counts
+from heterorl.training.evaluation import EvalResult
 from heterorl.training.session import SamplingClient, TrainingClient
 from heterorl.training.step import optimize_batch
 from heterorl.training.textcodec import encode_prompt
@@ -219,7 +220,7 @@ class Simulation:
             if w.waiting_for == "credit" and w.in_transit < self.cfg.transport.credits_per_worker:
                 w.wake(now)  # credit back (a no-op unless it waits; it rechecks what it waits for)
 
-    def _evaluate(self) -> float:
+    def _evaluate(self) -> EvalResult:
         before = outcome_counts(self.task)
         success = held_out_success(self.cfg, self._eval, self.task)
         self._eval_outcomes.update(outcome_counts(self.task) - before)

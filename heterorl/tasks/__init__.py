@@ -16,13 +16,17 @@ from heterorl.tasks.base import Problem, Task
 from heterorl.tasks.code import CodeConfig, CodeTask
 from heterorl.tasks.jsonl import JsonlConfig, JsonlTask
 from heterorl.tasks.maze import MazeConfig, MazeTask
+from heterorl.tasks.reasoning_gym import ReasoningGymConfig, ReasoningGymTask
 from heterorl.tasks.rewards import CustomRewardTask, load_reward_fn
+from heterorl.tasks.verifiers_env import VerifiersConfig, VerifiersTask
 
 TASKS: dict[str, tuple[type, type]] = {
     "maze": (MazeTask, MazeConfig),
     "arithmetic": (ArithmeticTask, ArithmeticConfig),
     "jsonl": (JsonlTask, JsonlConfig),
     "code": (CodeTask, CodeConfig),
+    "reasoning_gym": (ReasoningGymTask, ReasoningGymConfig),
+    "verifiers": (VerifiersTask, VerifiersConfig),
 }
 
 
@@ -33,7 +37,8 @@ def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str |
 
     When ``reward_fn`` (``"package.module:function"``, or several comma-separated, summed with
     ``reward_weights``) is given, the task is wrapped in :class:`CustomRewardTask` and scored by those
-    functions, each call limited to ``reward_timeout_s`` seconds (None: no limit). Raises
+    functions, each call limited to ``reward_timeout_s`` seconds (None: no limit); a task scored by a library
+    (its class's ``scored_by_library``) is given the same limit for the library's calls (`GuardedScore`). Raises
     TaskError for an unknown task name, an unknown or missing option, or a
     bad reward function path.
     """
@@ -53,7 +58,10 @@ def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str |
     missing = [key for key in required if key not in options]
     if missing:
         raise TaskError(f"task {name!r} needs option(s) {', '.join(missing)}")
-    task = task_cls(config_cls(**options))
+    if getattr(task_cls, "scored_by_library", False):  # its scorer is a library's call, bounded and counted
+        task = task_cls(config_cls(**options), reward_timeout_s=reward_timeout_s)
+    else:
+        task = task_cls(config_cls(**options))
     if reward_fn is not None:
         fns = [load_reward_fn(spec.strip()) for spec in reward_fn.split(",")]
         task = CustomRewardTask(task, fns, reward_timeout_s, reward_weights)

@@ -91,3 +91,22 @@ class GeneratedTask:
         raise TaskError(
             f"{MAX_EVAL_REDRAWS} {self.name} draws in a row were all in the eval set; {self.redraw_hint}"
         )
+
+
+class FixedRows:
+    """Shared by tasks read from a fixed set of rows (a file, a verifiers taskset): subclasses fill ``_train``,
+    ``_eval`` (disjoint in prompt) and ``_alphabet``."""
+
+    _train: list[Problem]
+    _eval: list[Problem]
+    _alphabet: str
+
+    def alphabet(self) -> str:
+        return self._alphabet
+
+    def sample_train(self, rng: random.Random) -> Problem:
+        """A uniformly drawn training row (never one whose prompt is in the eval set)."""
+        return rng.choice(self._train)
+
+    def eval_problems(self) -> list[Problem]:
+        return list(self._eval)

@@ -3,7 +3,8 @@ file or a folder written by ``datasets``' ``save_to_disk`` with the same columns
 
 The answer is given as ``#### <answer>`` (GSM8K style, extractor ``"hash"``)
 or ``\\boxed{<answer>}`` (extractor ``"boxed"``) and scored with
-:func:`heterorl.tasks.answers.answers_match`.
+:func:`heterorl.tasks.answers.answers_match`, or given as ``\\boxed{<answer>}`` and checked by math-verify
+(extractor ``"math_verify"``: `heterorl.tasks.math_answers`, each call bounded by ``task.reward_timeout_s``).
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ import hashlib
 import json
 import logging
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from heterorl.config import TaskConfig
 from heterorl.errors import TaskError
 from heterorl.tasks.answers import answers_match, extract_boxed_answer, extract_hash_answer
-from heterorl.tasks.base import Problem
+from heterorl.tasks.base import FixedRows, Problem
+from heterorl.tasks.math_answers import MathVerifyScorer
 
-EXTRACTORS = {"hash": extract_hash_answer, "boxed": extract_boxed_answer}
+# what reads a completion's answer for `answers_match` (None: math-verify reads the answer and compares)
+EXTRACTORS = {"hash": extract_hash_answer, "boxed": extract_boxed_answer, "math_verify": None}
 log = logging.getLogger("heterorl.tasks.jsonl")
 
 
@@ -144,14 +149,19 @@ def _parse_row(where: str, row: object, prompt_key: str = "prompt",
     return prompt, answer, extra
 
 
-class JsonlTask:
-    """Question/answer rows read once from a JSONL file and split into train and eval."""
+class JsonlTask(FixedRows):
+    """Question/answer rows read once from a JSONL file and split into train and eval. With extractor
+    ``math_verify`` each reward is a `MathVerifyScorer` call limited to ``reward_timeout_s`` seconds (None: no
+    limit), counted by outcome in ``stats``."""
 
     name = "jsonl"
+    scored_by_library = True  # `make_task` passes task.reward_timeout_s
 
-    def __init__(self, config: JsonlConfig) -> None:
+    def __init__(self, config: JsonlConfig, reward_timeout_s: float | None = TaskConfig.reward_timeout_s) -> None:
         self.config = config
         self._extract = EXTRACTORS[config.extractor]
+        self._math_verify = MathVerifyScorer(reward_timeout_s) if config.extractor == "math_verify" else None
+        self._load_checks = Counter()  # its outcomes scoring every row's demonstration, not rewards of the run
         rows = self._load(str(config.path))
         problems = [p for _, p in rows]
         if config.eval_path is not None:
@@ -183,6 +193,7 @@ class JsonlTask:
                             "an eval file that does not repeat the training rows")
         chars = {ch for p in problems + self._eval for ch in p.prompt + self.demonstration(p)}
         self._alphabet = "".join(sorted(chars))
+        self._load_checks = self.stats
 
     held_out_rows: list[int] | None = None  # the lines (JSONL) or rows of ``path`` held out (None: an eval file)
 
@@ -201,28 +212,29 @@ class JsonlTask:
                 raise TaskError(
                     f"{where}: answer {answer!r} cannot be read back by the "
                     f"{self.config.extractor!r} extractor from {self.demonstration(problem)!r}; "
-                    "simplify the answer or use the other extractor"
+                    f"simplify the answer or use another extractor ({', '.join(EXTRACTORS)})"
                 )
             problems.append((number, problem))
         if not problems:
             raise TaskError(f"task file {path} is empty; add rows like {{\"prompt\": ..., \"answer\": ...}}")
         return problems
 
-    def alphabet(self) -> str:
-        return self._alphabet
-
-    def sample_train(self, rng: random.Random) -> Problem:
-        """A uniformly drawn training row (rows whose prompt is also in the eval set are never drawn)."""
-        return rng.choice(self._train)
-
-    def eval_problems(self) -> list[Problem]:
-        return list(self._eval)
-
     def demonstration(self, problem: Problem) -> str:
         if self.config.extractor == "hash":
             return f"#### {problem.answer}"
         return f"\\boxed{{{problem.answer}}}"
 
+    @property
+    def stats(self) -> Counter:
+        """The rewards math-verify scored since the rows were loaded, by outcome (`MathVerifyScorer.stats`: ok,
+        too_long, timeout, error:TYPE); empty for the other extractors."""
+        if self._math_verify is None:
+            return Counter()
+        return self._math_verify.stats - self._load_checks
+
     def reward(self, problem: Problem, completion: str) -> float:
+        if self._math_verify is not None:
+            return self._math_verify(completion, problem.answer,
+                                     where=f"problem {problem.problem_id!r}, completion {completion[:60]!r}")
         predicted = self._extract(completion)
         return 1.0 if predicted is not None and answers_match(predicted, problem.answer) else 0.0

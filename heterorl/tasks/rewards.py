@@ -250,6 +250,17 @@ class CustomRewardTask:
     def demonstration(self, problem: Problem) -> str:
         return self.base.demonstration(problem)
 
+    @property
+    def stats(self) -> Counter:
+        """The outcomes its reward functions count (a function with an ``outcomes()`` attribute, such as
+        `heterorl.tasks.math_answers.math_verify_reward`), summed: what the run reports as reward_outcomes."""
+        total = Counter()
+        for scorer in self.scorers:
+            outcomes = getattr(scorer.fn, "outcomes", None)
+            if callable(outcomes):
+                total.update(outcomes())
+        return total
+
     def reward(self, problem: Problem, completion: str) -> float:
         """The functions' score of a text alone (no token ids or stop reason: see `reward_with_facts`)."""
         return self.reward_with_facts(problem, completion)

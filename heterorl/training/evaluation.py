@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from heterorl.engines.base import SamplingParams
@@ -16,11 +17,18 @@ class EvalResult:
     success: float  # mean reward
     mean_length: float  # completion tokens
     truncated: float  # fraction that hit max_tokens
+    by_group: dict[str, float] = field(default_factory=dict)  # mean reward per group of a mixed task (`group_of`)
+
+
+def group_of(task: Task):
+    """The task's ``group_of(problem) -> str`` (a mixture's dataset), through a reward wrapper; None without one."""
+    return getattr(task, "group_of", None) or getattr(getattr(task, "base", None), "group_of", None)
 
 
 def evaluate(sampling_client, task: Task, problems: Sequence[Problem], max_tokens: int,
              temperature: float = 0.0, seed: int = 0, chat_template: bool = False) -> EvalResult:
-    """Mean reward of one completion per problem (greedy by default)."""
+    """Mean reward of one completion per problem (greedy by default); for a task that groups its problems
+    (`group_of`) into more than one group, the mean of each group too."""
     tokenizer = sampling_client.tokenizer
     prompts = [encode_prompt(tokenizer, p.prompt, chat_template) for p in problems]
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
@@ -31,4 +39,10 @@ def evaluate(sampling_client, task: Task, problems: Sequence[Problem], max_token
         lengths.append(len(sample.tokens))
         truncated.append(sample.stop_reason == "length")
     n = len(problems)
-    return EvalResult(sum(rewards) / n, sum(lengths) / n, sum(truncated) / n)
+    by_group: dict[str, list[float]] = defaultdict(list)
+    grouping = group_of(task)
+    if grouping is not None:
+        for problem, reward in zip(problems, rewards):
+            by_group[grouping(problem)].append(reward)
+    means = {name: sum(r) / len(r) for name, r in sorted(by_group.items())} if len(by_group) > 1 else {}
+    return EvalResult(sum(rewards) / n, sum(lengths) / n, sum(truncated) / n, means)

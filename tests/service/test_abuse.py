@@ -338,6 +338,8 @@ def test_a_sampling_call_its_client_cancels_stops_between_decode_steps_and_a_wai
         while not call.future.running():
             assert time.monotonic() < deadline, "the first call never started"
             time.sleep(0.01)
+        ended = {name: f.exception() for name, f in (("waiting", waiting), ("running", running)) if f.done()}
+        assert not ended, f"a call ended before it was cancelled: {ended}"  # (its error says why: the service's)
         assert waiting.cancel() and running.cancel()
         assert service.get_call(waiting.future_id).future.cancelled()  # never ran
         error = call.future.exception(timeout=60)

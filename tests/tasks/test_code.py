@@ -126,7 +126,7 @@ def test_every_run_reports_the_programs_its_training_rewards_ran_by_outcome(tmp_
         outcomes = json.loads((run / "summary.json").read_text())["reward_outcomes"]
         assert all(reason in known or reason.startswith(f"{FORBIDDEN}:") for reason in outcomes), outcomes
         ran = sum(outcomes.values())
-        assert f"programs the rewards ran: {ran} (" in out.stdout, out.stdout
+        assert f"reward outcomes: {ran} (" in out.stdout, out.stdout
         if name == "live":  # as the worker's heartbeats said: at least the first step's, told long before the end
             assert ran >= 4, outcomes
         else:  # one program per completion, 2 steps x 2 prompts x 2

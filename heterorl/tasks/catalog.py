@@ -1,0 +1,108 @@
+"""`heterorl tasks`: every task a run can name — heterorl's own (`TASKS`) with their options, and the datasets of
+reasoning-gym (``task.name=reasoning_gym``) — and ``--show NAME`` for one of them, with an example problem."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+import sys
+import textwrap
+from typing import Any, TextIO
+
+from heterorl.errors import TaskError
+from heterorl.tasks import TASKS, make_task
+from heterorl.tasks.reasoning_gym import INSTALL_HINT, dataset_options, datasets_available
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return "(required)"
+
+
+def task_options(name: str) -> dict[str, Any]:
+    """A heterorl task's options and their defaults (its config dataclass's fields)."""
+    return {f.name: _default(f) for f in dataclasses.fields(TASKS[name][1])}
+
+
+def summary_line(cls: type) -> str:
+    """The first sentence of a class's docstring."""
+    doc = " ".join((cls.__doc__ or "").replace("`", "").split())
+    return doc.split(". ")[0].rstrip(".") if doc else ""
+
+
+def reasoning_gym_names() -> list[str] | None:
+    """reasoning-gym's dataset names, sorted; None when it is not installed."""
+    try:
+        return sorted(datasets_available())
+    except TaskError:
+        return None
+
+
+def catalog() -> dict[str, Any]:
+    """What `heterorl tasks --json` prints: heterorl's tasks (summary, options) and reasoning-gym's datasets."""
+    return {"tasks": {name: {"summary": summary_line(cls), "options": task_options(name)}
+                      for name, (cls, _) in TASKS.items()},
+            "reasoning_gym": reasoning_gym_names()}
+
+
+def _columns(names: list[str], width: int) -> str:
+    cell = max(len(n) for n in names) + 2
+    per_line = max(1, (width - 2) // cell)
+    lines = [names[i:i + per_line] for i in range(0, len(names), per_line)]
+    return "\n".join("  " + "".join(n.ljust(cell) for n in line).rstrip() for line in lines)
+
+
+def print_catalog(out: TextIO = sys.stdout) -> None:
+    width = min(120, shutil.get_terminal_size((100, 20)).columns)
+    print("heterorl's tasks (task.name=NAME, task.options.OPTION=VALUE; `heterorl tasks --show NAME`):", file=out)
+    for name, (cls, _) in TASKS.items():
+        print(f"  {name:<14} {summary_line(cls)}", file=out)
+        options = ", ".join(f"{k}={json.dumps(v, default=str)}" for k, v in task_options(name).items())
+        print(textwrap.fill(options, width, initial_indent=" " * 17, subsequent_indent=" " * 17), file=out)
+    names = reasoning_gym_names()
+    print(file=out)
+    if names is None:
+        print(f"reasoning-gym's datasets: not installed ({INSTALL_HINT})", file=out)
+        return
+    print(f"reasoning-gym's datasets ({len(names)}; task.name=reasoning_gym task.options.dataset=NAME, or a mixture "
+          "task.options.datasets={NAME: WEIGHT, ...}):", file=out)
+    print(_columns(names, width), file=out)
+
+
+def show(name: str, out: TextIO = sys.stdout) -> None:
+    """One task's options, or one reasoning-gym dataset's, with an example problem and its demonstration."""
+    if name in TASKS:
+        cls, _ = TASKS[name]
+        print(f"{name}: {summary_line(cls)}", file=out)
+        print("options (defaults):", file=out)
+        for key, value in task_options(name).items():
+            print(f"  {key}: {json.dumps(value, default=str)}", file=out)
+        return
+    names = reasoning_gym_names()
+    if names is None:
+        raise TaskError(f"no heterorl task {name!r} (known: {', '.join(TASKS)}); reasoning-gym, which may have it "
+                        f"as a dataset, is not installed ({INSTALL_HINT})")
+    options = dataset_options(name)  # TaskError naming close matches when there is no such dataset
+    print(f"reasoning-gym dataset {name} (task.name=reasoning_gym task.options.dataset={name})", file=out)
+    print("options (task.options.config; defaults):", file=out)
+    for key, value in options.items():
+        print(f"  {key}: {json.dumps(value, default=str)}", file=out)
+    task = make_task("reasoning_gym", {"dataset": name, "eval_size": 1, "size": 1000})
+    problem = task.sample_train(random.Random(0))
+    print("an example (answer_format answer_tag):", file=out)
+    print(textwrap.indent(f"prompt: {problem.prompt}\ndemonstration: {task.demonstration(problem)}", "  "), file=out)
+
+
+def tasks_command(args) -> int:
+    if args.json:
+        print(json.dumps(catalog(), indent=2, default=str))
+    elif args.show:
+        show(args.show)
+    else:
+        print_catalog()
+    return 0
