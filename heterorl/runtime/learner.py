@@ -92,7 +92,7 @@ def group_datums(groups: list[Group]) -> list[Datum]:
     return datums
 
 
-def held_out_success(cfg: Config, sampler: SamplingClient, task: Task) -> EvalResult:
+def held_out_eval(cfg: Config, sampler: SamplingClient, task: Task) -> EvalResult:
     """Greedy success of ``sampler``'s weights on the task's held-out problems (per group of a mixture too)."""
     tokens = cfg.rl.eval_max_tokens or cfg.rollout.max_tokens
     return evaluate(sampler, task, task.eval_problems(), tokens, chat_template=cfg.task.chat_template)
@@ -174,7 +174,7 @@ class Learner:
         if self.publisher.reshard:  # rank 0's whole copy is refreshed only here: every rank gathers into it
             self.ranks.share(("gather",))
             self.training.refresh_full_model().result()
-        return held_out_success(self.cfg, self._eval_sampler, self.task)
+        return held_out_eval(self.cfg, self._eval_sampler, self.task)
 
     def _publish(self) -> int:
         return self.publisher.publish(self.state.publish_wall_s)

@@ -40,7 +40,7 @@ from heterorl.errors import HeteroRLError
 from heterorl.runs import StepRecorder, idle_fraction, setup_run
 from heterorl.runtime.accounting import LearnerResult, RunTally, rollout_waste, step_metrics, weights_summary
 from heterorl.runtime.buffer import Group, GroupBuffer, Pacer
-from heterorl.runtime.learner import finish_learner_run, group_datums, held_out_success
+from heterorl.runtime.learner import finish_learner_run, group_datums, held_out_eval
 from heterorl.runtime.worker import sampling_params, shard_rng, stamp_groups
 from heterorl.tasks import Task
 from heterorl.tasks.rewards import outcome_counts
@@ -222,9 +222,9 @@ class Simulation:
 
     def _evaluate(self) -> EvalResult:
         before = outcome_counts(self.task)
-        success = held_out_success(self.cfg, self._eval, self.task)
+        result = held_out_eval(self.cfg, self._eval, self.task)
         self._eval_outcomes.update(outcome_counts(self.task) - before)
-        return success
+        return result
 
     # -- the worker side --------------------------------------------------------------------------
     def _run_workers(self, until: float, before: bool = False) -> None:

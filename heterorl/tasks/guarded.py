@@ -27,14 +27,6 @@ MAX_ABANDONED_CALLS = 8  # timed-out calls (each leaves a stuck thread) before t
 MAX_OUTCOME_NAME = 48  # characters of an outcome's name (an exception's type name, say)
 
 
-def merge_stats(*counters: Counter) -> Counter:
-    """The outcomes of several guarded calls together (a task with more than one library call)."""
-    total = Counter()
-    for counter in counters:
-        total.update(counter)
-    return total
-
-
 class GuardedScore:
     """``fn(*args)`` as a reward in [0, 1]: a finite real number, clipped; 0 for a call that raises, returns
     something else, or has not returned within ``timeout_s`` seconds (None: no limit, and the call runs in the

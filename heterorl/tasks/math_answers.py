@@ -34,7 +34,7 @@ from collections import Counter
 
 from heterorl.errors import TaskError
 from heterorl.tasks.answers import extract_boxed_answer
-from heterorl.tasks.guarded import GuardedScore, merge_stats
+from heterorl.tasks.guarded import GuardedScore
 
 log = logging.getLogger("heterorl.tasks.math_answers")
 MAX_VERIFY_CHARS = 4096  # characters of a reference or of a completion's parsed text; longer ones score 0
@@ -180,7 +180,7 @@ class MathVerifyScorer:
     @property
     def stats(self) -> Counter:
         with self._lock:
-            return merge_stats(self._guard.stats, self._skipped)
+            return self._guard.stats + self._skipped
 
     def __call__(self, completion: str, reference: str, where: str = "") -> float:
         texts = _texts(completion, reference)
