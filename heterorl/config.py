@@ -374,12 +374,22 @@ class RolloutConfig:
     temperature: float = 1.0  # the learner scores log-probs at the same temperature (0: greedy, scored at 1)
     top_p: float = 1.0  # truncation the learner cannot reproduce: importance weights then drift from 1
     top_k: int = 0
-    max_tokens: int = 32
+    max_tokens: int = 32  # per generation: a multi-turn task's per policy turn
+    # multi-turn tasks (heterorl.envs, docs/ENVIRONMENTS.md): at most max_turns policy turns an episode; its
+    # completion, the environment's answers included, at most max_episode_tokens (null: what the context
+    # leaves); an environment call that has not returned after env_step_timeout_s ends its episode with reward 0
+    max_turns: int = 16
+    max_episode_tokens: Optional[int] = None
+    env_step_timeout_s: Optional[float] = 30.0
 
     def validate(self, key: str = "rollout") -> None:
-        _positive(self, key, "group_size", "max_tokens")
+        _positive(self, key, "group_size", "max_tokens", "max_turns")
         if self.temperature < 0:
             _fail(f"{key}.temperature", self.temperature, "must be >= 0")
+        _optional_positive(self, key, "max_episode_tokens")
+        timeout = self.env_step_timeout_s
+        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+            _fail(f"{key}.env_step_timeout_s", timeout, "must be a finite number of seconds > 0, or null for no limit")
 
 
 @dataclass

@@ -42,6 +42,9 @@ def test_round_trip_through_yaml(tmp_path):
     (["task.reward_timeout_s=-5"], "`task.reward_timeout_s` = -5.0"),
     (["task.reward_timeout_s=inf"], "`task.reward_timeout_s` = inf"),
     (["task.reward_timeout_s=nan"], "`task.reward_timeout_s` = nan"),
+    (["rollout.max_turns=0"], "`rollout.max_turns` = 0: must be > 0"),
+    (["rollout.max_episode_tokens=0"], "`rollout.max_episode_tokens` = 0: must be > 0"),
+    (["rollout.env_step_timeout_s=0"], "`rollout.env_step_timeout_s` = 0.0: must be a finite number of seconds"),
     (["runtime.permit_calls=0"], "`runtime.permit_calls` = 0: must be > 0"),
     (['runtime.worker_prefix=["ip", "netns", "exec", "{host}"]'], "only {index}, {number} and {name}"),
     (["delay.fixed_lag_steps=2", "delay.down.bandwidth_bytes_per_s=1000"], "no bandwidth limit"),
@@ -168,4 +171,5 @@ def test_the_config_a_learner_sends_its_workers_is_in_the_form_the_previous_rele
                 "max_refusals_per_s", "throttle_s", "throttles_before_disconnect", "max_layouts",
                 "weights_bytes_in_flight", "weights_bytes_in_flight_per_worker"} & set(data["transport"])
     assert not {"max_log_ratio", "max_abs_reward"} & set(data["rl"]) and "worker_restarts" not in data["runtime"]
+    assert not {"max_turns", "max_episode_tokens", "env_step_timeout_s"} & set(data["rollout"])  # (at defaults)
     assert to_yaml(load_config(text=sent)) == to_yaml(cfg)

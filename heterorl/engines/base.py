@@ -53,13 +53,20 @@ class SamplingParams:
 class SampleOutput:
     """One completion: its tokens (the stop token included), their log-probs, and the stop reason. ``versions``:
     the policy version that sampled each token, when the generation took in-flight weight updates
-    (`WeightUpdates`); None when one set of weights sampled it all."""
+    (`WeightUpdates`); None when one set of weights sampled it all.
+
+    A multi-turn episode (heterorl.envs.episodes) is one completion too: its tokens are the policy's turns and the
+    environment's answers back to back, ``env_spans`` marks the answers (heterorl.envs.spans; their log-probs are
+    0), ``versions`` is given when its turns were drawn by more than one version, and ``reward`` is the episode's
+    reward, from its environment."""
 
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str
     text: str = field(default="", compare=False)
     versions: list[int] | None = field(default=None, compare=False)
+    env_spans: tuple[int, ...] = field(default=(), compare=False)
+    reward: float | None = field(default=None, compare=False)
 
 
 class WeightUpdates:

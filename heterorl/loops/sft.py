@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from heterorl.config import Config
+from heterorl.envs.base import is_multi_turn
+from heterorl.envs.episodes import EpisodeLimits, demonstration_episode
+from heterorl.envs.spans import policy_token_weights
 from heterorl.tasks.base import Task
 from heterorl.training.evaluation import evaluate
 from heterorl.training.lr_schedule import learning_rate
@@ -32,10 +35,16 @@ class SFTResult:
 def demonstration_datums(task: Task, tokenizer, rng: random.Random, batch_size: int,
                          chat_template: bool = False) -> list[Datum]:
     """``batch_size`` fresh training problems with their demonstrations (+ EOS) as datums, the prompts encoded
-    as everywhere else (`encode_prompt`)."""
+    as everywhere else (`encode_prompt`); a multi-turn task's demonstrations are whole episodes
+    (`demonstration_episode`)."""
     datums = []
     for _ in range(batch_size):
         problem = task.sample_train(rng)
+        if is_multi_turn(task):  # the expert's turns are trained on, the environment's answers are not
+            prompt, completion, spans, _ = demonstration_episode(task, problem, tokenizer, chat_template)
+            datums.append(Datum(tokens=prompt + completion, prompt_len=len(prompt),
+                                weights=policy_token_weights(spans, len(completion))))
+            continue
         prompt = encode_prompt(tokenizer, problem.prompt, chat_template)
         completion = encode_text(tokenizer, task.demonstration(problem), "demonstration") + [tokenizer.eos_token_id]
         datums.append(Datum(tokens=prompt + completion, prompt_len=len(prompt)))
@@ -57,7 +66,8 @@ def run_sft(cfg: Config, training: TrainingClient, task: Task, logger=None, prog
         if step % cfg.sft.eval_every == 0 or step == cfg.sft.steps:
             sampler = training.save_weights_and_get_sampling_client()
             result = evaluate(sampler, task, eval_problems, cfg.rollout.max_tokens,
-                              chat_template=cfg.task.chat_template)
+                              chat_template=cfg.task.chat_template,
+                              limits=EpisodeLimits.of(cfg.rollout, sampler.engine.max_positions))
             success = result.success
             metrics["eval/success"] = success
             metrics.update({f"eval/success/{group}": s for group, s in result.by_group.items()})

@@ -17,22 +17,23 @@ import torch
 
 from heterorl.config import Config
 from heterorl.engines.base import SamplingParams
+from heterorl.envs.episodes import EpisodeLimits, rollout_groups
+from heterorl.envs.spans import policy_token_weights, turn_metrics
 from heterorl.runs import RunResult, StepRecorder
 from heterorl.tasks.base import Task
 from heterorl.tasks.rewards import outcome_counts, score_all
 from heterorl.training.evaluation import evaluate
 from heterorl.training.session import Datum, TrainingClient
 from heterorl.training.step import group_rows, has_signal, optimize_batch
-from heterorl.training.textcodec import encode_prompt
 
 
 def rollout_datums(sampler, task: Task, problems, cfg: Config, seed: int) -> tuple[list[Datum], dict]:
     """Sample a group per problem, score it, and turn it into datums with rewards and group ids."""
-    tokenizer = sampler.tokenizer
-    prompts = [encode_prompt(tokenizer, p.prompt, cfg.task.chat_template) for p in problems]
     params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, seed=seed)
-    groups = sampler.sample(prompts, cfg.rollout.group_size, params).result()
+    prompts, groups = rollout_groups(sampler, task, problems, cfg.rollout.group_size, params,
+                                     chat_template=cfg.task.chat_template,
+                                     limits=EpisodeLimits.of(cfg.rollout, sampler.engine.max_positions))
     flat = [(gid, problem, prompt, s) for gid, (problem, prompt, group) in enumerate(zip(problems, prompts, groups))
             for s in group]
     scores = score_all(task, [problem for _, problem, _, _ in flat], [s for *_, s in flat])
@@ -40,8 +41,9 @@ def rollout_datums(sampler, task: Task, problems, cfg: Config, seed: int) -> tup
     rewards = torch.tensor([r for *_, r in rows])
     datums = [
         Datum(tokens=prompt + s.tokens, prompt_len=len(prompt), reward=r, group_id=gid,
-              behaviour_logprobs=s.logprobs, policy_versions=[sampler.version] * len(s.tokens))
-        for gid, prompt, s, r in rows
+              behaviour_logprobs=s.logprobs, policy_versions=[sampler.version] * len(s.tokens),
+              weights=policy_token_weights(s.env_spans, len(s.tokens)))
+        for gid, prompt, s, r in rows if s.tokens
     ]
     lengths = torch.tensor([len(s.tokens) for _, _, s, _ in rows], dtype=torch.float)
     stats = {
@@ -50,6 +52,7 @@ def rollout_datums(sampler, task: Task, problems, cfg: Config, seed: int) -> tup
         "rollout/completion_len": float(lengths.mean()),
         "rollout/truncated_frac": sum(s.stop_reason == "length" for _, _, s, _ in rows) / len(rows),
         "rollout/mixed_groups_frac": sum(has_signal([g]) for g in group_rows(datums)) / len(problems),
+        **turn_metrics((s.env_spans, len(s.tokens)) for _, _, s, _ in rows),
     }
     return datums, stats
 
@@ -61,8 +64,10 @@ def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, 
     eval_tokens = cfg.rl.eval_max_tokens or cfg.rollout.max_tokens
     start = time.time()
     sampler = training.save_weights_and_get_sampling_client()
+    limits = EpisodeLimits.of(cfg.rollout, sampler.engine.max_positions)
     recorder = StepRecorder(cfg, lambda: evaluate(sampler, task, eval_problems, eval_tokens,
-                                                  chat_template=cfg.task.chat_template), logger, progress)
+                                                  chat_template=cfg.task.chat_template, limits=limits),
+                            logger, progress)
     recorder.start()
     total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
     outcomes = Counter()  # the programs the training rewards ran, by outcome (evaluation's left out)

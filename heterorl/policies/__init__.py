@@ -10,7 +10,8 @@ from heterorl.policies.hf_folder import load_hf_folder, validate_hf_folder
 from heterorl.policies.tiny import build_char_tokenizer, build_tiny_policy, save_policy
 
 # policy folders inside the package (heterorl/assets/NAME)
-SHIPPED = ("maze-sft-base", "maze4-sft-base", "add3-sft-base", "arith-hash-sft-base", "rg-arith-sft-base")
+SHIPPED = ("maze-sft-base", "maze4-sft-base", "add3-sft-base", "arith-hash-sft-base", "rg-arith-sft-base",
+           "maze-walk-sft-base", "calculator-sft-base")
 
 
 def shipped_policy(name: str) -> Path:
@@ -31,7 +32,8 @@ def load_policy(model: str, *, alphabet: str | None = None, tiny: TinyModelConfi
     """``(model, tokenizer)`` for ``model`` = "tiny" (fresh, needs ``alphabet``), "smollm2", a shipped policy
     (``maze-sft-base``: 5x5 mazes; ``maze4-sft-base``: 4x4; ``add3-sft-base``: 3-digit addition, digits;
     ``arith-hash-sft-base``: 3-digit addition, ``####`` answers; ``rg-arith-sft-base``: reasoning-gym's
-    basic_arithmetic, two 2-digit numbers), or a local
+    basic_arithmetic, two 2-digit numbers; ``maze-walk-sft-base``, ``calculator-sft-base``: the multi-turn
+    environments of heterorl.envs), or a local
     Hugging Face folder. Thread-safe: loads in one process run one at a time (`LOAD_LOCK`)."""
     with LOAD_LOCK:
         return _load_policy(model, alphabet, tiny, device)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
+from heterorl.envs.spans import turn_metrics
 from heterorl.runs import RunResult, format_table, idle_fraction, outcomes_line, without_update_note
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class RunTally:
 
     groups_trained: int = 0
     trajectories_trained: int = 0
-    tokens_trained: int = 0  # completion tokens
+    tokens_trained: int = 0  # the policy's completion tokens (an episode's environment tokens are not trained)
     staleness_sum: float = 0.0
     staleness_max: int = 0
     staleness_counts: dict[str, int] = field(default_factory=dict)  # staleness in versions → groups trained
@@ -139,7 +140,7 @@ class RunTally:
 
     def add_batch(self, groups: list[Group], staleness: list[int], staleness_s: list[float]) -> None:
         """Count one trained batch of whole ``groups`` with their staleness in versions and in seconds."""
-        self.tokens_trained += sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
+        self.tokens_trained += sum(t.policy_token_count for g in groups for t in g.trajectories)
         self.groups_trained += len(groups)
         self.trajectories_trained += sum(len(g.trajectories) for g in groups)
         self.staleness_sum += sum(staleness)
@@ -183,8 +184,15 @@ def step_metrics(groups: list[Group], staleness: list[int], staleness_s: list[fl
     fractions and trained-token throughput (per second of the run's clock, from ``tally``)."""
     rewards = [t.reward for g in groups for t in g.trajectories]
     tokens = sum(len(t.completion_tokens) for g in groups for t in g.trajectories)
-    stamps = [t.policy_versions for g in groups for t in g.trajectories if len(t.policy_versions)]
+    trajectories = [t for g in groups for t in g.trajectories]
+    # the versions of the policy's tokens (an episode's environment tokens carry their turn's version, not drawn)
+    stamps = [t.policy_versions[t.policy_mask()] if t.env_spans else t.policy_versions for t in trajectories]
+    stamps = [s for s in stamps if len(s)]
     token_gaps = version - 1 - np.concatenate(stamps) if stamps else np.zeros(1)
+    episodes = turn_metrics((t.env_spans, len(t.completion_tokens)) for t in trajectories)
+    if episodes:  # multi-turn: per episode, its oldest policy token's staleness and the versions its turns spanned
+        episodes.update({"staleness/episode_versions_mean": float(np.mean([version - 1 - s.min() for s in stamps])),
+                         "staleness/episode_versions_span_mean": float(np.mean([s.max() - s.min() for s in stamps]))})
     return {
         "rollout/reward_mean": float(np.mean(rewards)),
         "rollout/reward_std": float(np.std(rewards)),
@@ -203,6 +211,7 @@ def step_metrics(groups: list[Group], staleness: list[int], staleness_s: list[fl
         "learner/idle_frac": tally.idle_s / max(tally.elapsed_s, 1e-9),
         "workers/idle_frac": idle_fraction(workers_idle_s, workers_busy_s),
         "throughput/tokens_per_s": tally.tokens_trained / max(tally.elapsed_s, 1e-9),
+        **episodes,
     }
 
 

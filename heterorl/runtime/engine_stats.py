@@ -164,10 +164,11 @@ class FleetEngines:
                 engine, tally = self.engine(t.sampler_id), self.tally(t.sampler_id)
                 engines.add(engine)
                 tally.trained += 1
-                tally.tokens_trained += len(t.completion_tokens)
+                tally.tokens_trained += t.policy_token_count
                 metrics[f"engine/{engine}/trajectories"] = metrics.get(f"engine/{engine}/trajectories", 0) + 1
                 if row in fresh and bool((t.policy_versions == version).all()):
                     delta = np.asarray(fresh[row], np.float64) - t.behaviour_logprobs.astype(np.float64)
+                    delta = delta[t.policy_mask()] if t.env_spans else delta  # (environment tokens: no log-prob)
                     tally.add_mismatch(delta)
                     deltas.setdefault(engine, []).append(delta)
                 row += 1

@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from heterorl.config import Config, to_dict
+from heterorl.config import Config, RolloutConfig, to_dict
+from heterorl.envs.episodes import EpisodeLimits
+from heterorl.envs.spans import policy_token_weights
 from heterorl.errors import HeteroRLError
 from heterorl.runs import StepRecorder, finish_run, idle_fraction
 from heterorl.runtime.accounting import LearnerResult, rollout_waste, step_metrics, weights_summary
@@ -79,7 +81,7 @@ class Ranks:
 
 
 def group_datums(groups: list[Group]) -> list[Datum]:
-    """The datums of whole groups; group ids become batch-local indices."""
+    """The datums of whole groups; group ids become batch-local indices; an episode's environment tokens weigh 0."""
     datums = []
     for index, group in enumerate(groups):
         for t in group.trajectories:
@@ -88,6 +90,7 @@ def group_datums(groups: list[Group]) -> list[Datum]:
                 tokens=prompt + t.completion_tokens.tolist(), prompt_len=len(prompt), reward=t.reward,
                 group_id=index, behaviour_logprobs=t.behaviour_logprobs.tolist(),
                 policy_versions=t.policy_versions.tolist(),
+                weights=policy_token_weights(t.env_spans, len(t.completion_tokens)),  # 0: an environment's token
             ))
     return datums
 
@@ -95,7 +98,8 @@ def group_datums(groups: list[Group]) -> list[Datum]:
 def held_out_eval(cfg: Config, sampler: SamplingClient, task: Task) -> EvalResult:
     """Greedy success of ``sampler``'s weights on the task's held-out problems (per group of a mixture too)."""
     tokens = cfg.rl.eval_max_tokens or cfg.rollout.max_tokens
-    return evaluate(sampler, task, task.eval_problems(), tokens, chat_template=cfg.task.chat_template)
+    limits = EpisodeLimits.of(cfg.rollout, sampler.engine.max_positions)
+    return evaluate(sampler, task, task.eval_problems(), tokens, chat_template=cfg.task.chat_template, limits=limits)
 
 
 class Learner:
@@ -518,7 +522,8 @@ def _config_for_workers(cfg: Config) -> str:
     timeout, a key of the learner's alone that they do not know, travels as ``buffer.partial_group_timeout_s``,
     the deprecated key that mirrors it; the bounds on one group's weight (``rl.max_log_ratio``,
     ``rl.max_abs_reward``) and on the ids of one key (``transport.max_ids_per_key``), the learner's alone too,
-    and the launchers' settings (worker restarts, the ``cluster`` section) stay home."""
+    and the launchers' settings (worker restarts, the ``cluster`` section) stay home; the bounds of multi-turn
+    episodes (new in this release) travel only when they differ from their defaults."""
     data = to_dict(cfg)
     del data["transport"]["group_timeout_s"], data["transport"]["max_ids_per_key"]
     for key in ("group_deadline_min_s", "permit_lease_s", "permit_lease_min_s", "probation_permits",
@@ -530,4 +535,8 @@ def _config_for_workers(cfg: Config) -> str:
         del data["rl"][key]
     del data["runtime"]["worker_restarts"]  # `heterorl train`'s alone
     del data["cluster"]  # the cluster launchers' alone
+    defaults = RolloutConfig()
+    for key in ("max_turns", "max_episode_tokens", "env_step_timeout_s"):  # multi-turn bounds: sent when set
+        if data["rollout"][key] == getattr(defaults, key):
+            del data["rollout"][key]
     return yaml.safe_dump(data, sort_keys=False)

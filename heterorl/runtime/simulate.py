@@ -36,18 +36,18 @@ from pathlib import Path
 from heterorl.config import Config
 from heterorl.delay.links import DelayLink
 from heterorl.delay.queue import DelayQueue
+from heterorl.envs.episodes import EpisodeLimits, rollout_groups
 from heterorl.errors import HeteroRLError
 from heterorl.runs import StepRecorder, idle_fraction, setup_run
 from heterorl.runtime.accounting import LearnerResult, RunTally, rollout_waste, step_metrics, weights_summary
 from heterorl.runtime.buffer import Group, GroupBuffer, Pacer
-from heterorl.runtime.learner import finish_learner_run, group_datums, held_out_eval
+from heterorl.runtime.learner import finish_learner_run, group_datums, held_out_eval, trajectory_contract
 from heterorl.runtime.worker import sampling_params, shard_rng, stamp_groups
 from heterorl.tasks import Task
 from heterorl.tasks.rewards import outcome_counts
 from heterorl.training.evaluation import EvalResult
 from heterorl.training.session import SamplingClient, TrainingClient
 from heterorl.training.step import optimize_batch
-from heterorl.training.textcodec import encode_prompt
 from heterorl.transport.groups import GroupAssembler
 from heterorl.transport.weights import dtype_name, unpack_state_dict, wire_dtype_for
 from heterorl.transport.weights.store import WeightsStore
@@ -132,6 +132,7 @@ class Simulation:
         self._sampler = SamplingClient.for_model(training.frozen_copy().to(self._wire_dtype), training.tokenizer,
                                                  device=cfg.policy.device)
         self._eval = training.live_sampling_client()
+        self._limits = EpisodeLimits.of(cfg.rollout, trajectory_contract(cfg, training.model).max_sequence_len)
 
     # -- the learner side -------------------------------------------------------------------------
     def _publish(self, now: float) -> int:
@@ -260,11 +261,11 @@ class Simulation:
                 return
         self._started += n
         problems = [self.task.sample_train(w.rng) for _ in range(n)]
-        prompts = [encode_prompt(self._sampler.tokenizer, p.prompt, self.cfg.task.chat_template) for p in problems]
         if self._sampler.version != w.version:
             self._sampler.load_weights(w.version, self._weights[w.version])
-        groups = self._sampler.sample(prompts, cfg.rollout.group_size,
-                                      sampling_params(cfg, w.worker_id, w.groups_sent)).result()
+        prompts, groups = rollout_groups(self._sampler, self.task, problems, cfg.rollout.group_size,
+                                         sampling_params(cfg, w.worker_id, w.groups_sent),
+                                         chat_template=cfg.task.chat_template, limits=self._limits)
         end = now + n * self.group_s * w.throttle
         stamped = stamp_groups(self.task, w.worker_id, w.groups_sent, w.version, problems, prompts, groups, now, end)
         w.groups_sent += n
@@ -366,9 +367,9 @@ class Simulation:
         for i, w in enumerate(self.workers):
             n = share + (i < cfg.rl.prompts_per_step % len(self.workers))
             problems = [self.task.sample_train(w.rng) for _ in range(n)]
-            prompts = [encode_prompt(self._sampler.tokenizer, p.prompt, self.cfg.task.chat_template) for p in problems]
-            sampled = self._sampler.sample(prompts, cfg.rollout.group_size,
-                                           sampling_params(cfg, w.worker_id, w.groups_sent)).result()
+            prompts, sampled = rollout_groups(self._sampler, self.task, problems, cfg.rollout.group_size,
+                                              sampling_params(cfg, w.worker_id, w.groups_sent),
+                                              chat_template=cfg.task.chat_template, limits=self._limits)
             stamped = stamp_groups(self.task, w.worker_id, w.groups_sent, source, problems, prompts, sampled,
                                    self._now, self._now)
             w.groups_sent += n

@@ -27,7 +27,6 @@ agent harness can generate with its current policy (`served_models`, docs/SERVIC
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import random
@@ -49,6 +48,7 @@ from heterorl.config import ENGINES, Config, TransportConfig, load_config
 from heterorl.delay.clock import delay_clock
 from heterorl.delay.links import DelayLink
 from heterorl.engines.base import SamplingParams
+from heterorl.envs.episodes import EpisodeLimits, rollout_groups
 from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy, policy_folder
 from heterorl.runtime.signals import signal_handlers
@@ -56,7 +56,6 @@ from heterorl.tasks import make_task_from
 from heterorl.tasks.rewards import outcome_counts, score_all
 from heterorl.training import lora
 from heterorl.training.session import SamplingClient
-from heterorl.training.textcodec import encode_prompt
 from heterorl.transport import CurveConfig, TransportTimeout, WorkerClient
 from heterorl.transport.client import AdapterWeights
 from heterorl.transport.protocol import BYE_WORKER_FAILED, MIN_LOGPROB, Trajectory, TrajectoryContract
@@ -125,6 +124,7 @@ def stamp_groups(task, worker_id: str, first_index: int, version: int, problems,
                              else np.asarray(sample.versions, dtype=np.int32)),
             reward=next(rewards),
             generation_start=start_wall, generation_end=end_wall, stop_reason=sample.stop_reason,
+            env_spans=sample.env_spans,
         ) for j, sample in enumerate(group)])
     return stamped
 
@@ -283,6 +283,12 @@ class RolloutWorker:
             return got[0], self._for_engine(got[1])
         return got
 
+    def _take_newer_weights(self) -> None:
+        """Between two turns of a batch of episodes (in-flight updates): load the newest version received."""
+        got = self.client.latest_weights()
+        if got is not None:
+            self._apply(got)
+
     def _wait(self, fn, *args):
         start = time.monotonic()
         try:
@@ -305,7 +311,8 @@ class RolloutWorker:
                  task.name, cfg.runtime.mode)
         if cfg.runtime.inflight_updates and not self.sampler.engine.supports_inflight_updates:
             log.warning("worker %s: runtime.inflight_updates is on, but the %s engine takes new weights only "
-                        "between generations; this worker does so", worker_id, self.options.engine)
+                        "between generations (and between the turns of episodes); this worker does so", worker_id,
+                        self.options.engine)
         rng = shard_rng(cfg.seed, worker_id)
         sync = cfg.runtime.mode == "sync"
         share = cfg.rl.prompts_per_step // cfg.runtime.workers
@@ -398,29 +405,17 @@ class RolloutWorker:
                                 f"{self.contract.vocab_size}: its trajectories would be rejected; start the worker "
                                 "with the learner's policy (or a --policy with the same tokenizer)")
 
-    def _sampling_params(self, cfg: Config, prompts: list[list[int]]):
-        """`sampling_params`, with ``max_tokens`` capped so that prompt + completion fit the learner's
-        ``max_sequence_len``; HeteroRLError when a prompt alone leaves no room."""
-        params = sampling_params(cfg, self.options.worker_id, self.groups_sent)
-        if self.contract is None:
-            return params
-        longest = max(map(len, prompts))
-        room = self.contract.max_sequence_len - longest
-        if room < 1:
-            raise HeteroRLError(f"a prompt of {longest} tokens leaves no room for a completion in the learner's "
-                                f"max_sequence_len ({self.contract.max_sequence_len}, its model's context): use "
-                                "shorter prompts (task.options) or a model with a longer context")
-        return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
-
     def _generate_and_send(self, cfg: Config, task, problems) -> None:
         worker_id = self.options.worker_id
-        prompts = [encode_prompt(self.sampler.tokenizer, p.prompt, cfg.task.chat_template) for p in problems]
-        params = self._sampling_params(cfg, prompts)
+        params = sampling_params(cfg, worker_id, self.groups_sent)
+        limits = EpisodeLimits.of(cfg.rollout, self.contract.max_sequence_len if self.contract is not None else None)
         start_wall, start, version = time.time(), time.monotonic(), self.version
-        inflight = (cfg.runtime.inflight_updates and cfg.runtime.mode == "async"
-                    and self.sampler.engine.supports_inflight_updates)
-        groups = self.sampler.sample(prompts, cfg.rollout.group_size, params,
-                                     weight_updates=self._inflight_weights if inflight else None).result()
+        inflight = cfg.runtime.inflight_updates and cfg.runtime.mode == "async"
+        within_turns = inflight and self.sampler.engine.supports_inflight_updates
+        prompts, groups = rollout_groups(
+            self.sampler, task, problems, cfg.rollout.group_size, params, chat_template=cfg.task.chat_template,
+            limits=limits, weight_updates=self._inflight_weights if within_turns else None,
+            between_turns=self._take_newer_weights if inflight else None)
         elapsed = time.monotonic() - start
         if self.options.throttle > 1:
             time.sleep((self.options.throttle - 1) * elapsed)  # a slower device: counted as busy time

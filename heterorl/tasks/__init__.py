@@ -1,7 +1,11 @@
 """Tasks by name: ``make_task("maze", {"size": 6})`` builds a configured task.
 
 ``TASKS`` maps each name to its (task class, config class); options are the
-config dataclass's fields.
+config dataclass's fields. The multi-turn tasks (``maze_walk``, ``calculator``)
+live in ``heterorl.envs`` and join ``TASKS`` on its first use: their modules
+import ``heterorl.tasks.base``, which runs this ``__init__`` first, so importing
+them here at the top would be an import circle whenever ``heterorl.envs`` is
+imported before ``heterorl.tasks``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from heterorl.tasks.reasoning_gym import ReasoningGymConfig, ReasoningGymTask
 from heterorl.tasks.rewards import CustomRewardTask, load_reward_fn
 from heterorl.tasks.verifiers_env import VerifiersConfig, VerifiersTask
 
-TASKS: dict[str, tuple[type, type]] = {
+_TASKS: dict[str, tuple[type, type]] = {
     "maze": (MazeTask, MazeConfig),
     "arithmetic": (ArithmeticTask, ArithmeticConfig),
     "jsonl": (JsonlTask, JsonlConfig),
@@ -28,6 +32,26 @@ TASKS: dict[str, tuple[type, type]] = {
     "reasoning_gym": (ReasoningGymTask, ReasoningGymConfig),
     "verifiers": (VerifiersTask, VerifiersConfig),
 }
+
+
+def _tasks() -> dict[str, tuple[type, type]]:
+    """``TASKS``: the tasks above and, added on the first call, the multi-turn tasks of ``heterorl.envs``."""
+    if "maze_walk" not in _TASKS:
+        from heterorl.envs.calculator import CalculatorConfig, CalculatorTask
+        from heterorl.envs.cookbook_env import CookbookEnvConfig, CookbookEnvTask
+        from heterorl.envs.maze_walk import MazeWalkConfig, MazeWalkTask
+        from heterorl.envs.verifiers_multiturn import VerifiersMultiTurnConfig, VerifiersMultiTurnTask
+
+        _TASKS.update({"maze_walk": (MazeWalkTask, MazeWalkConfig), "calculator": (CalculatorTask, CalculatorConfig)})
+        _TASKS.update({"cookbook_env": (CookbookEnvTask, CookbookEnvConfig),
+                       "verifiers_multiturn": (VerifiersMultiTurnTask, VerifiersMultiTurnConfig)})
+    return _TASKS
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TASKS":  # `from heterorl.tasks import TASKS` and `heterorl.tasks.TASKS`
+        return _tasks()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str | None = None,
@@ -42,9 +66,10 @@ def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str |
     TaskError for an unknown task name, an unknown or missing option, or a
     bad reward function path.
     """
-    if name not in TASKS:
-        raise TaskError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
-    task_cls, config_cls = TASKS[name]
+    tasks = _tasks()
+    if name not in tasks:
+        raise TaskError(f"unknown task {name!r}; known tasks: {', '.join(sorted(tasks))}")
+    task_cls, config_cls = tasks[name]
     options = dict(options or {})
     fields = [f.name for f in dataclasses.fields(config_cls)]
     for key in options:

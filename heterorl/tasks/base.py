@@ -110,3 +110,37 @@ class FixedRows:
 
     def eval_problems(self) -> list[Problem]:
         return list(self._eval)
+
+
+def check_split_options(task: str, config, counts: tuple[str, ...] = ("eval_size",)) -> None:
+    """The held-out split's options of a task read from fixed rows (`held_out_split`): ``eval_fraction`` in
+    (0, 1), each of ``counts`` an integer >= 1 or null, ``split_seed`` an integer; TaskError naming the option."""
+    fraction = config.eval_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise TaskError(f"{task} option eval_fraction={fraction!r} must be a number in (0, 1)")
+    for key in counts:
+        value = getattr(config, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise TaskError(f"{task} option {key}={value!r} must be an integer >= 1 or null")
+    if isinstance(config.split_seed, bool) or not isinstance(config.split_seed, int):
+        raise TaskError(f"{task} option split_seed={config.split_seed!r} must be an integer")
+
+
+def held_out_split(problems: list[Problem], eval_size: int | None, eval_fraction: float, seed: int, what: str,
+                   instead: str, by_prompt: bool = True) -> tuple[list[Problem], list[Problem]]:
+    """(train, eval): ``eval_size`` problems (else ``eval_fraction`` of them, at least one) held out by a shuffle
+    with ``random.Random(seed)``, and the rest; with ``by_prompt``, training rows whose prompt repeats a held-out
+    one are dropped too (without: rows are told apart by their ids, as environments whose episodes differ behind
+    one prompt are). TaskError naming ``what`` (and ``instead``, what else to give) when nothing would be left."""
+    order = list(range(len(problems)))
+    random.Random(seed).shuffle(order)
+    n_eval = eval_size or max(1, int(eval_fraction * len(problems)))
+    if n_eval >= len(problems):
+        raise TaskError(f"{what}: an eval set of {n_eval} leaves no training rows of {len(problems)}; lower "
+                        f"eval_size or eval_fraction, or {instead}")
+    held_out = [problems[i] for i in order[:n_eval]]
+    prompts = {p.prompt for p in held_out} if by_prompt else set()
+    train = [problems[i] for i in order[n_eval:] if problems[i].prompt not in prompts]
+    if not train:
+        raise TaskError(f"{what}: every training row repeats a held-out prompt")
+    return train, held_out

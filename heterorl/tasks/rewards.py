@@ -58,7 +58,10 @@ def score(task: Task, problem: Problem, sample) -> float:
 
 def score_all(task: Task, problems: Sequence[Problem], samples: Sequence) -> list[float]:
     """`score` of each (problem, sample): through the task's ``reward_batch`` when it has one (a task whose
-    rewards run programs runs them in parallel), else one by one."""
+    rewards run programs runs them in parallel), else one by one. Episodes of a multi-turn task come scored by
+    their environment (a sample's ``reward``)."""
+    if samples and all(s.reward is not None for s in samples):
+        return [float(s.reward) for s in samples]
     batch = getattr(task, "reward_batch", None)
     if batch is not None and getattr(task, "reward_with_facts", None) is None:
         return [float(r) for r in batch(list(problems), [s.text for s in samples])]
@@ -67,8 +70,10 @@ def score_all(task: Task, problems: Sequence[Problem], samples: Sequence) -> lis
 
 def outcome_counts(task: Task) -> Counter:
     """The programs ``task``'s reward has run so far, by outcome (the code task's `Sandbox.stats`: ok,
-    wrong_answer, timeout, forbidden:socket, ...); empty for a task whose reward runs none."""
-    return Counter(getattr(task, "stats", None) or {})
+    wrong_answer, timeout, forbidden:socket, ...), and how a multi-turn task's episodes ended
+    (``episode_outcomes``, counted by heterorl.envs.episodes: done, max_turns, budget, timeout, error:TYPE,
+    bad_observation); empty for a task that counts neither."""
+    return Counter(getattr(task, "stats", None) or {}) + Counter(getattr(task, "episode_outcomes", None) or {})
 
 
 def _describe(fn: object) -> str:

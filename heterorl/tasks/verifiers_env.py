@@ -21,7 +21,6 @@ import importlib
 import inspect
 import itertools
 import logging
-import random
 import threading
 from collections import Counter
 from collections.abc import Mapping
@@ -29,7 +28,7 @@ from dataclasses import dataclass, field
 
 from heterorl.config import TaskConfig
 from heterorl.errors import TaskError
-from heterorl.tasks.base import FixedRows, Problem
+from heterorl.tasks.base import FixedRows, Problem, check_split_options, held_out_split
 from heterorl.tasks.guarded import GuardedScore
 
 log = logging.getLogger("heterorl.tasks.verifiers_env")
@@ -70,15 +69,7 @@ class VerifiersConfig:
                 continue
             if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
                 raise TaskError(f"verifiers option {key}={value!r} must be a mapping of argument names to values")
-        fraction = self.eval_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-            raise TaskError(f"verifiers option eval_fraction={fraction!r} must be a number in (0, 1)")
-        for key in ("eval_size", "max_tasks"):
-            value = getattr(self, key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise TaskError(f"verifiers option {key}={value!r} must be an integer >= 1 or null")
-        if isinstance(self.split_seed, bool) or not isinstance(self.split_seed, int):
-            raise TaskError(f"verifiers option split_seed={self.split_seed!r} must be an integer")
+        check_split_options("verifiers", self, ("eval_size", "max_tasks"))
         if not isinstance(self.answer_field, str) or not self.answer_field:
             raise TaskError(f"verifiers option answer_field={self.answer_field!r} must be a non-empty string")
 
@@ -202,15 +193,9 @@ class VerifiersTask(FixedRows):
             held_out = {p.prompt for p in self._eval}
             self._train = [p for p in problems if p.prompt not in held_out]
         else:
-            order = list(range(len(problems)))
-            random.Random(config.split_seed).shuffle(order)
-            n_eval = config.eval_size or max(1, int(config.eval_fraction * len(problems)))
-            if n_eval >= len(problems):
-                raise TaskError(f"verifiers env {config.env!r}: an eval set of {n_eval} leaves no training tasks of "
-                                f"{len(problems)}; lower eval_size or eval_fraction, or give eval_env_args")
-            self._eval = [problems[i] for i in order[:n_eval]]
-            held_out = {p.prompt for p in self._eval}
-            self._train = [problems[i] for i in order[n_eval:] if problems[i].prompt not in held_out]
+            self._train, self._eval = held_out_split(problems, config.eval_size, config.eval_fraction,
+                                                     config.split_seed, f"verifiers env {config.env!r}",
+                                                     "give eval_env_args")
         if not self._train:
             raise TaskError(f"verifiers env {config.env!r}: every training task repeats an eval prompt")
         self._alphabet = "".join(sorted({ch for p in problems + self._eval for ch in p.prompt + p.answer}))

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from heterorl.engines.base import SamplingParams
+from heterorl.envs.episodes import EpisodeLimits, rollout_groups
 from heterorl.tasks.base import Problem, Task
 from heterorl.tasks.rewards import score_all
-from heterorl.training.textcodec import encode_prompt
 
 
 @dataclass
@@ -26,13 +26,14 @@ def group_of(task: Task):
 
 
 def evaluate(sampling_client, task: Task, problems: Sequence[Problem], max_tokens: int,
-             temperature: float = 0.0, seed: int = 0, chat_template: bool = False) -> EvalResult:
-    """Mean reward of one completion per problem (greedy by default); for a task that groups its problems
+             temperature: float = 0.0, seed: int = 0, chat_template: bool = False,
+             limits: EpisodeLimits | None = None) -> EvalResult:
+    """Mean reward of one completion per problem (greedy by default), or of one episode per problem of a
+    multi-turn task (within ``limits``; ``max_tokens`` per turn); for a task that groups its problems
     (`group_of`) into more than one group, the mean of each group too."""
-    tokenizer = sampling_client.tokenizer
-    prompts = [encode_prompt(tokenizer, p.prompt, chat_template) for p in problems]
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    groups = sampling_client.sample(prompts, 1, params).result()
+    _, groups = rollout_groups(sampling_client, task, problems, 1, params, chat_template=chat_template,
+                               limits=limits)
     rewards = score_all(task, problems, [group[0] for group in groups])
     lengths, truncated = [], []
     for (sample,) in groups:

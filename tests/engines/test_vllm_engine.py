@@ -200,3 +200,47 @@ def test_a_watched_generation_reports_every_token_and_a_cancel_before_it_starts(
     with pytest.raises(GenerationCancelled):
         sampler.sample(prompts, 1, SamplingParams(max_tokens=6), watch=cancelled).result()
     sampler._executor.shutdown()  # (the module's engine stays open for the other tests)
+
+
+def test_episodes_play_on_vllm_with_exact_logprobs_and_the_answers_marked(engine, policy):
+    """Multi-turn episodes on the vLLM engine (each turn's whole context handed to it; its prefix cache keeps the
+    earlier turns): every policy token's log-prob is the learner's teacher-forced one given the whole context,
+    the environment's answers included, and the answers are marked, with log-prob 0."""
+    from heterorl.envs.base import Environment, StepResult
+    from heterorl.envs.episodes import EpisodeLimits, rollout_groups
+    from heterorl.envs.spans import policy_token_mask
+    from heterorl.tasks.base import Problem
+    from heterorl.training.session import SamplingClient
+
+    class Adder(Environment):
+        def reset(self, problem):
+            self.turn = 0
+            return problem.prompt
+
+        def step(self, action):
+            self.turn += 1
+            return StepResult(f"\n{self.turn}+{self.turn}=", reward=0.5, done=self.turn == 3)
+
+    class Task:
+        name = "adder"
+
+        def environment(self, problem):
+            return Adder()
+
+    model, tokenizer = policy
+    assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    sampler = SamplingClient(engine, tokenizer, version=2)
+    problems = [Problem("a", "123+456=", ""), Problem("b", "905+17=", "")]
+    params = SamplingParams(max_tokens=4, temperature=0.7, seed=11)
+    prompts, groups = rollout_groups(sampler, Task(), problems, 3, params, limits=EpisodeLimits(max_context=256))
+    for prompt, group in zip(prompts, groups):
+        for sample in group:
+            assert sample.reward == 1.5 and sample.stop_reason == "done" and len(sample.env_spans) == 4
+            answers = [tokenizer.decode(sample.tokens[a:b]) for a, b in zip(sample.env_spans[::2],
+                                                                              sample.env_spans[1::2])]
+            assert answers == ["\n1+1=", "\n2+2="]
+            mask = policy_token_mask(sample.env_spans, len(sample.tokens))
+            expected = _teacher_forced(model, prompt, sample.tokens, 0.7)
+            for logprob, exact, policy_token in zip(sample.logprobs, expected, mask):
+                assert abs(logprob - exact) < 1e-4 if policy_token else logprob == 0.0
+    sampler._executor.shutdown()  # (the module's engine stays open for the other tests)

@@ -11,10 +11,11 @@ import pytest
 
 from heterorl.config import load_config
 from heterorl.engines.base import SampleOutput
+from heterorl.envs.episodes import fit_max_tokens
 from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy
 from heterorl.runtime.learner import SKIPPED_BATCHES, Learner, learner_settings, trajectory_contract
-from heterorl.runtime.worker import RolloutWorker, WorkerOptions, stamp_groups
+from heterorl.runtime.worker import RolloutWorker, WorkerOptions, sampling_params, stamp_groups
 from heterorl.tasks import make_task_from
 from heterorl.training.session import TrainingClient
 from heterorl.transport import LearnerServer, TransportTimeout, WorkerClient
@@ -241,10 +242,11 @@ def test_an_honest_worker_keeps_the_contract_the_learner_states(tmp_path, silent
     worker = RolloutWorker(WorkerOptions(silent_learner, "w"))  # never joins: the learner never answers
     try:
         worker.contract = contract
-        assert worker._sampling_params(cfg, [[5] * 4, [5] * 10]).max_tokens == 20  # 30 − the longest prompt
-        assert worker._sampling_params(cfg, [[5] * 4]).max_tokens == cfg.rollout.max_tokens == 24
+        params = sampling_params(cfg, "w", 0)
+        assert fit_max_tokens(params, [[5] * 4, [5] * 10], 30).max_tokens == 20  # 30 − the longest prompt
+        assert fit_max_tokens(params, [[5] * 4], 30).max_tokens == cfg.rollout.max_tokens == 24
         with pytest.raises(HeteroRLError, match="prompt of 30 tokens leaves no room"):
-            worker._sampling_params(cfg, [[5] * 30])
+            fit_max_tokens(params, [[5] * 30], 30)
         model, _ = load_policy("maze-sft-base")
         worker._check_policy(model, "maze-sft-base")  # the learner's own policy: 12 token ids
         worker.contract = TrajectoryContract(vocab_size=VOCAB - 2, max_sequence_len=30)

@@ -517,7 +517,8 @@ def test_timed_call_runs_in_a_daemon_thread_or_without_a_limit_in_the_callers():
 
 
 def test_make_task(tmp_path):
-    assert set(TASKS) == {"maze", "arithmetic", "jsonl", "code", "reasoning_gym", "verifiers"}
+    assert set(TASKS) == {"maze", "arithmetic", "jsonl", "code", "reasoning_gym", "verifiers", "maze_walk",
+                          "calculator", "cookbook_env", "verifiers_multiturn"}
     maze = make_task("maze", {"size": 4, "eval_size": 3})
     assert isinstance(maze, MazeTask) and isinstance(maze, Task) and maze.config.size == 4
     assert isinstance(make_task("arithmetic"), ArithmeticTask)

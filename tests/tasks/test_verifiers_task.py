@@ -147,7 +147,7 @@ def test_a_taskset_class_an_env_and_an_infinite_taskset(monkeypatch):
     ({"env": f"{ENVS}:not_a_taskset"}, "returned a dict, not a verifiers Taskset or Env"),
     ({"env": f"{ENVS}:ArithmeticTaskset", "env_args": {"n": "many"}}, r"with arguments \{'n': 'many'\} raised"),
     ({"env": f"{ENVS}:load_environment", "env_args": {"sandbox": True}}, "rewards \\['correct'\\] need a runtime"),
-    ({"env": f"{ENVS}:load_environment", "eval_size": 20}, "leaves no training tasks of 20"),
+    ({"env": f"{ENVS}:load_environment", "eval_size": 20}, "leaves no training rows of 20"),
     ({"env": f"{ENVS}:load_environment", "eval_fraction": 1.5}, "eval_fraction=1.5 must be a number in"),
     ({"env": f"{ENVS}:load_environment", "env_args": ["n", 3]}, "env_args=\\['n', 3\\] must be a mapping"),
     ({"env": f"{ENVS}:load_environment", "seed": 3}, "unknown option 'seed' for task 'verifiers'"),

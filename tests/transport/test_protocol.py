@@ -403,3 +403,32 @@ def test_any_group_size_is_taken_without_a_bound_and_the_contract_travels_as_set
                 {"group_size": 0}):
         with pytest.raises(HeteroRLError, match=next(iter(bad))):
             TrajectoryContract(**({"vocab_size": 12, "max_sequence_len": 8} | bad))
+
+
+def test_an_episodes_environment_spans_travel_with_it_and_a_single_turn_batch_carries_none():
+    episode = trajectory(completion_len=9, env_spans=(2, 5, 7, 9))
+    single = trajectory(completion_len=3)
+    assert "env_spans" not in header_of(TrajectoryBatch([single]))  # the single-turn wire is unchanged
+    got = decode([bytes(memoryview(f)) for f in encode(TrajectoryBatch([single, episode]))])
+    assert [t.env_spans for t in got.trajectories] == [(), (2, 5, 7, 9)]
+    assert got.trajectories[1].policy_mask().tolist() == [1, 1, 0, 0, 0, 1, 1, 0, 0]
+    assert got.trajectories[1].policy_token_count == 4
+    assert decode(encode(episode)).env_spans == (2, 5, 7, 9)
+    body = header_of(single)
+    del body["env_spans"]  # a sender of an earlier release: single-turn
+    assert decode(frames_of(body)).env_spans == ()
+
+
+@pytest.mark.parametrize("spans, words", [
+    ([2, 5, 7], "pairs"), ([0, 2], "must start with a policy token"), ([2, 5, 5, 7], "strictly increasing"),
+    ([2, 2], "strictly increasing"), ([2, 10], "past the completion's 9 tokens"), ([1.5, 3], "integers"),
+    ("2,5", "list of integers"), ([1, 2] * 1025, "exceed the limit 2048"),
+])
+def test_environment_spans_that_do_not_match_the_completion_are_refused_with_the_reason(spans, words):
+    body = header_of(trajectory(completion_len=9))
+    error = rejects(frames_of(body | {"env_spans": spans}), "env_spans")
+    assert words in str(error)
+    frames = encode(TrajectoryBatch([trajectory(completion_len=9), trajectory(completion_len=9)]))
+    header = msgpack.unpackb(frames[0], raw=False) | {"env_spans": [[], spans]}
+    error = rejects([msgpack.packb(header, use_bin_type=True), bytes(memoryview(frames[1]))], "env_spans[1]")
+    assert words in str(error)

@@ -360,7 +360,8 @@ def _fuzz_frames(rng: random.Random, valid: bytes, registered: str) -> list[list
     if kind == 2:
         key = rng.choice([k for k in body if k not in ("v", "kind")])
         wrong = {str: [None, 7, [1], b"x"], bytes: [None, "x", [1], 3], int: [None, "x", [1], 1.5],
-                 float: [None, "x", [1], b"x", True]}[type(body[key])]
+                 float: [None, "x", [1], b"x", True],
+                 list: [None, "x", [1], [0, 1], [1.5, 2], [2, 1], [1, 2, 2, 3], [1, 99]]}[type(body[key])]
         return [msgpack.packb(body | {key: rng.choice(wrong)})]
     if kind == 3:
         return [msgpack.packb(body | {"behaviour_logprobs": np.array([np.nan, -1, -1], "<f4").tobytes()})]

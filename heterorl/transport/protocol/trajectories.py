@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from heterorl.envs.spans import MAX_ENV_SPANS, env_spans_problem, policy_token_mask
 from heterorl.transport.protocol.fields import (
     ID_PATTERN,
     Limits,
@@ -62,6 +63,10 @@ class Trajectory(Message):
     ``policy_versions`` int32 (the weights version that sampled each completion
     token; one trajectory may span a weight update). Timestamps are seconds on
     the worker's clock except ``received_at`` (learner's clock, set on receipt).
+
+    ``env_spans``: in a multi-turn episode, where the environment's answers lie among the completion tokens, as
+    flattened half-open ranges (heterorl.envs.spans); they carry log-prob 0 and the version of the policy token
+    before them, and are never trained. Empty for a single-turn completion (every token is the policy's).
     """
 
     # Workers send trajectories in batches (`TrajectoryBatch`), never as this one-trajectory message. It stays on
@@ -84,6 +89,9 @@ class Trajectory(Message):
     sent_at: float = 0.0
     received_at: float = 0.0
     stop_reason: str = "stop"
+    env_spans: tuple[int, ...] = ()
+
+    optional_fields: ClassVar[frozenset] = frozenset({"env_spans"})  # single-turn senders may leave it out
 
     @property
     def key(self) -> str:
@@ -95,6 +103,16 @@ class Trajectory(Message):
     def group_key(self) -> str:
         """The group's id in its sampler's namespace (see `key`)."""
         return f"{self.sampler_id}|{self.group_id}"
+
+    def policy_mask(self) -> np.ndarray:
+        """(completion tokens,) bool: the tokens the policy sampled, the ones a loss trains on (every token of a
+        single-turn completion; not the environment's answers of an episode)."""
+        return policy_token_mask(self.env_spans, len(self.completion_tokens))
+
+    @property
+    def policy_token_count(self) -> int:
+        """How many completion tokens the policy sampled (`policy_mask`'s count)."""
+        return len(self.completion_tokens) - sum(self.env_spans[1::2]) + sum(self.env_spans[::2])
 
     def detach(self) -> None:
         """Copy the arrays out of the frame they view (a received trajectory's arrays view its message's data
@@ -111,6 +129,7 @@ class Trajectory(Message):
         body["completion_tokens"] = le_bytes(self.completion_tokens, "<i4")
         body["behaviour_logprobs"] = le_bytes(self.behaviour_logprobs, "<f4")
         body["policy_versions"] = le_bytes(self.policy_versions, "<i4")
+        body["env_spans"] = list(self.env_spans)
         return body
 
     @classmethod
@@ -133,6 +152,7 @@ class Trajectory(Message):
         if end < start:
             raise ProtocolError("generation_end", f"{end} is before generation_start {start}", "bounds")
         stop = check_str("stop_reason", body["stop_reason"], 32, ID_PATTERN)
+        spans = _env_spans("env_spans", body.get("env_spans", []), len(completion))
         return cls(
             trajectory_id=check_id("trajectory_id", body["trajectory_id"], limits),
             group_id=check_id("group_id", body["group_id"], limits),
@@ -149,19 +169,36 @@ class Trajectory(Message):
             sent_at=check_float("sent_at", body["sent_at"]),
             received_at=check_float("received_at", body["received_at"]),
             stop_reason=stop,
+            env_spans=spans,
         )
 
     @property
     def nbytes(self) -> int:
         """The bytes of its arrays (what holding it costs, to a few hundred bytes)."""
-        return 4 * (len(self.prompt_tokens) + 3 * len(self.completion_tokens))
+        return 4 * (len(self.prompt_tokens) + 3 * len(self.completion_tokens) + len(self.env_spans))
+
+
+def _env_spans(name: str, value, completion_len: int) -> tuple[int, ...]:
+    """A trajectory's ``env_spans``: a list of at most 2 × `MAX_ENV_SPANS` integers that mark environment spans
+    of its completion (heterorl.envs.spans); ProtocolError naming what is wrong otherwise."""
+    if not isinstance(value, list):
+        raise ProtocolError(name, f"expected a list of integers, got {type(value).__name__}", "type")
+    if len(value) > 2 * MAX_ENV_SPANS:
+        raise ProtocolError(name, f"{len(value)} entries exceed the limit {2 * MAX_ENV_SPANS}", "too_large")
+    if not types_are(value, {int}):
+        raise ProtocolError(name, "expected a list of integers", "type")
+    problem = env_spans_problem(value, completion_len)
+    if problem is not None:
+        raise ProtocolError(name, problem, "bounds")
+    return tuple(value)
 
 
 @dataclass
 class TrajectoryBatch(Message):
     """Worker → learner: the trajectories the transport sends together (what goes on the wire).
 
-    Per-trajectory scalars travel as lists in the header, with ``prompt_len`` and ``completion_len``; the arrays of
+    Per-trajectory scalars travel as lists in the header, with ``prompt_len`` and ``completion_len`` (and
+    ``env_spans``, one list per trajectory, only when some trajectory of the batch is multi-turn); the arrays of
     all trajectories travel in one raw little-endian data frame, four sections back to back: every prompt's tokens,
     every completion's tokens, behaviour log-probs and policy versions (each entry 4 bytes). They are decoded as
     views split by those lengths — one vectorised check per array for the whole batch, no copy. One frame, not
@@ -170,6 +207,7 @@ class TrajectoryBatch(Message):
 
     kind: ClassVar[str] = "trajectories"
     data_frames: ClassVar[int] = 1
+    optional_fields: ClassVar[frozenset] = frozenset({"env_spans"})  # absent: every trajectory is single-turn
     trajectories: list[Trajectory] = field(default_factory=list)
     # set by `from_wire` from the reductions its checks made anyway; else computed on first use (`extremes`)
     _extremes: BatchExtremes | None = field(default=None, init=False, repr=False, compare=False)
@@ -186,11 +224,13 @@ class TrajectoryBatch(Message):
         body = {name: [getattr(t, name) for t in ts] for name in self._SCALARS}
         body["prompt_len"] = [len(t.prompt_tokens) for t in ts]
         body["completion_len"] = [len(t.completion_tokens) for t in ts]
+        if any(t.env_spans for t in ts):
+            body["env_spans"] = [list(t.env_spans) for t in ts]
         return body
 
     @classmethod
     def header_fields(cls) -> frozenset:
-        return frozenset({*cls._SCALARS, "prompt_len", "completion_len"})
+        return frozenset({*cls._SCALARS, "prompt_len", "completion_len", "env_spans"})
 
     def extremes(self) -> BatchExtremes:
         """What a `TrajectoryContract` bounds, over the whole batch (kept from decoding a received batch)."""
@@ -239,9 +279,10 @@ class TrajectoryBatch(Message):
         prompt, completion, logprobs, versions = (words[a:b] for a, b in zip(cuts, cuts[1:]))
         logprobs = logprobs.view("<f4")
         found = _check_token_arrays(prompt, completion, logprobs, versions, limits)
+        spans = _batch_env_spans(body.get("env_spans"), completion_len)
         if _scalars_valid(body, limits):  # the common case, checked in bulk; else find and name the culprit
             return cls._decoded(_build_batch(body, prompt, completion, logprobs, versions, prompt_len,
-                                             completion_len), found, prompt_len, completion_len)
+                                             completion_len, spans), found, prompt_len, completion_len)
         trajectories = []
         p_off = c_off = 0
         for i in range(n):
@@ -262,6 +303,7 @@ class TrajectoryBatch(Message):
                 generation_start=start, generation_end=end,
                 sent_at=check_float(f"sent_at[{i}]", body["sent_at"][i]),
                 stop_reason=check_str(f"stop_reason[{i}]", body["stop_reason"][i], 32, ID_PATTERN),
+                env_spans=spans[i],
             ))
             p_off, c_off = p_end, c_end
         return cls._decoded(trajectories, found, prompt_len, completion_len)
@@ -275,6 +317,17 @@ class TrajectoryBatch(Message):
         batch._extremes = BatchExtremes(*found, max(map(operator.add, prompt_len, completion_len)),
                                         max(t.group_size for t in trajectories))
         return batch
+
+
+def _batch_env_spans(value, completion_len: list[int]) -> list[tuple[int, ...]]:
+    """Each trajectory's ``env_spans`` from a batch header's list of lists (None: all single-turn)."""
+    n = len(completion_len)
+    if value is None:
+        return [()] * n
+    if not isinstance(value, list) or len(value) != n:
+        raise ProtocolError("env_spans", f"expected a list of {n} entries (one per trajectory)", "length_mismatch")
+    return [_env_spans(f"env_spans[{i}]", spans, length) if spans != [] else ()
+            for i, (spans, length) in enumerate(zip(value, completion_len))]
 
 
 def _lengths(name: str, values: list, max_tokens: int) -> list[int]:
@@ -311,17 +364,18 @@ def _scalars_valid(body: dict, limits: Limits) -> bool:
     return finite and max(map(abs, rewards)) <= limits.max_abs_reward and all(map(operator.ge, ends, starts))
 
 
-def _build_batch(body, prompt, completion, logprobs, versions, prompt_len, completion_len) -> list[Trajectory]:
+def _build_batch(body, prompt, completion, logprobs, versions, prompt_len, completion_len,
+                 env_spans: list[tuple[int, ...]]) -> list[Trajectory]:
     p_ends = list(itertools.accumulate(prompt_len))
     c_ends = list(itertools.accumulate(completion_len))
     p_spans = list(zip([0, *p_ends[:-1]], p_ends))
     c_spans = list(zip([0, *c_ends[:-1]], c_ends))
     return [Trajectory(i, g, p, s, size, prompt[p0:p1], completion[c0:c1], logprobs[c0:c1], versions[c0:c1],
-                       float(r), float(t0), float(t1), float(ts), 0.0, why)
-            for i, g, p, s, size, (p0, p1), (c0, c1), r, t0, t1, ts, why in zip(
+                       float(r), float(t0), float(t1), float(ts), 0.0, why, spans)
+            for i, g, p, s, size, (p0, p1), (c0, c1), r, t0, t1, ts, why, spans in zip(
                 body["trajectory_id"], body["group_id"], body["prompt_id"], body["sampler_id"], body["group_size"],
                 p_spans, c_spans, body["reward"], body["generation_start"], body["generation_end"], body["sent_at"],
-                body["stop_reason"])]
+                body["stop_reason"], env_spans)]
 
 
 @dataclass(frozen=True)
