@@ -79,8 +79,8 @@ def test_a_missing_config_names_the_packaged_ones_and_a_packaged_name_still_work
     out = run_cli("sft", "--config", "my_run.yaml", cwd=tmp_path)
     assert out.returncode == 2 and "reinstall" not in out.stderr
     assert f"my_run.yaml does not exist here ({tmp_path})" in out.stderr
-    assert ("packaged configs: add3_rl.yaml, add3_sft.yaml, arith_rl.yaml, arith_sft.yaml, demo.yaml, maze4_rl.yaml, "
-            "maze4_sft.yaml, maze_rl.yaml, maze_sft.yaml") in out.stderr
+    assert ("packaged configs: add3_rl.yaml, add3_sft.yaml, arith_rl.yaml, arith_sft.yaml, calculator_rl.yaml, "
+            "calculator_sft.yaml, demo.yaml, maze4_rl.yaml, maze4_sft.yaml, maze_rl.yaml, maze_sft.yaml") in out.stderr
     out = run_cli("rl", "--config", "maze4_rl.yaml", "--dry-run", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert yaml.safe_load(out.stdout)["rl"]["base"] == "maze4-sft-base"

@@ -10,7 +10,8 @@ forward + backward of that grouped batch (GRPO on random rewards): each group
 packed behind one copy of its prompt vs one row per sequence. With ``--engine vllm`` (run from a Python that
 has vLLM, e.g. ``.venv-vllm/bin/heterorl``) vLLM samples the same prompts with the same settings, in float32
 like the others unless ``--vllm-dtype`` says otherwise and on as many cores as torch's threads, and its ratio to
-the torch engine is printed too.
+the torch engine is printed too. With ``--episodes``, multi-turn rollouts instead (`_bench_episodes`): the torch
+engine reusing each context's earlier turns vs prefilling every context whole.
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-training", action="store_true", help="measure sampling only")
     parser.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="the dtype vLLM runs in (the torch engine and generate stay in the policy's: float32)")
+    parser.add_argument("--episodes", action="store_true",
+                        help="measure multi-turn rollouts instead (maze_walk): prefix reuse vs whole prefills")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.episodes:
+        return _bench_episodes(args.repeats)
 
     from heterorl.engines import SamplingParams, TorchEngine
     from heterorl.policies import quiet_transformers
@@ -166,3 +171,59 @@ def _bench_training(model, tokenizer, engine, prompts: list, args) -> None:
     for name, rate in best.items():
         print(f"  {name:24s} {rate:10.0f} sequence tokens/s")
     print(f"  ratio (packed / per row) {best['packed (shared prompts)'] / best['one row per datum']:10.2f}x")
+
+
+def _bench_episodes(repeats: int) -> int:
+    """Multi-turn rollouts as heterorl/configs/maze_walk_rl.yaml draws them (32 mazes x 8 episodes from the shipped
+    maze-walk-sft-base, one move a turn): the torch engine reusing each context's earlier turns vs prefilling
+    every context whole, ``repeats`` runs each, alternating, same problems and seed; each run's seconds and the
+    token-positions its forwards prefilled (padding included) and decoded."""
+    import copy
+
+    from heterorl.config import load_config, packaged
+    from heterorl.engines import SamplingParams
+    from heterorl.envs.episodes import EpisodeLimits, rollout_groups
+    from heterorl.policies import load_policy, quiet_transformers
+    from heterorl.tasks import make_task_from
+    from heterorl.training.session import SamplingClient
+
+    quiet_transformers()
+    cfg = load_config(packaged("maze_walk_rl.yaml"))
+    task = make_task_from(cfg.task)
+    model, tokenizer = load_policy(cfg.rl.base)
+    rng = random.Random(0)
+    problems = [task.sample_train(rng) for _ in range(cfg.rl.prompts_per_step)]
+    params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature, seed=0)
+    samplers, counts = {}, {}
+    for name in ("reuse", "whole"):
+        samplers[name] = SamplingClient.for_model(copy.deepcopy(model), tokenizer)
+        samplers[name].engine.supports_prefix_reuse = name == "reuse"  # the episode runner asks for reuse if so
+        counts[name] = {"prefilled": 0, "decoded": 0}
+
+        def count(module, args, kwargs, tally=counts[name]) -> None:
+            ids = kwargs["input_ids"]
+            tally["prefilled" if ids.shape[1] > 1 else "decoded"] += ids.numel()
+
+        samplers[name].engine.model.register_forward_pre_hook(count, with_kwargs=True)
+    limits = EpisodeLimits.of(cfg.rollout, samplers["reuse"].engine.max_positions)
+    print(f"multi-turn rollouts: {cfg.task.name}, {len(problems)} problems x {cfg.rollout.group_size} episodes "
+          f"({cfg.rl.base}), threads={torch.get_num_threads()}")
+    episodes, seconds_of = {}, {"reuse": [], "whole": []}
+    for run in range(1, repeats + 1):
+        for name, sampler in samplers.items():
+            sampler.engine.prefixes.clear()  # (the same problems again: no run reuses another's contexts)
+            counts[name].update(prefilled=0, decoded=0)
+            start = time.perf_counter()
+            _, groups = rollout_groups(sampler, task, problems, cfg.rollout.group_size, params, limits=limits)
+            seconds = time.perf_counter() - start
+            episodes[name] = [s for g in groups for s in g]
+            seconds_of[name].append(seconds)
+            print(f"  {name}  run {run}  {seconds:6.2f} s   prefilled {counts[name]['prefilled']:7,d} "
+                  f"token-positions, decoded {counts[name]['decoded']:6,d}")
+    same = [(a, b) for a, b in zip(episodes["reuse"], episodes["whole"]) if a.tokens == b.tokens]
+    worst = max((abs(x - y) for a, b in same for x, y in zip(a.logprobs, b.logprobs)), default=0.0)
+    print(f"  episodes with the same tokens both ways: {len(same)}/{len(episodes['reuse'])}, "
+          f"max |delta log p| {worst:.1e}")
+    print(f"  ratio (reuse / whole): {sum(seconds_of['reuse']) / sum(seconds_of['whole']):.2f}x the time, "
+          f"{counts['reuse']['prefilled'] / max(counts['whole']['prefilled'], 1):.2f}x the prefilled tokens")
+    return 0

@@ -192,6 +192,8 @@ class SamplingEngine(ABC):
 
     supports_inflight_updates = False  # generate takes ``updates`` (`WeightUpdates`) between decode steps
     supports_watch = False  # generate takes ``watch`` (`GenerationWatch`): tokens as they come, cancel between steps
+    supports_prefix_reuse = False  # generate takes ``reuse_prefixes``: a prompt extending a context it generated
+    # from earlier prefills only its new tokens (multi-turn episodes; vLLM's own prefix cache does this unasked)
 
     @abstractmethod
     def generate(

@@ -4,11 +4,16 @@ Prompts are left-padded into one batch and prefilled once each; the KV cache
 is repeated ``num_samples`` times per prompt, and the batch decodes one token
 per step through it. Rows that have stopped keep decoding padding until every
 row stops, so the batch shape stays fixed; their extra tokens are discarded.
+
+With ``reuse_prefixes`` each context's keys and values are kept after its generation (heterorl.engines.
+prefix_cache), and a later prompt that extends a kept context prefills only its new tokens: a multi-turn
+episode's next turn costs the environment's answer, not its whole context.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 from typing import Sequence
 
 import torch
@@ -25,6 +30,7 @@ from heterorl.engines.base import (
     validate_request,
 )
 from heterorl.engines.logprobs import pad_right, selected_logprobs, token_logprobs
+from heterorl.engines.prefix_cache import PrefixStore, cache_layers, left_padded_cache, row_entries
 from heterorl.errors import SamplingError
 
 
@@ -50,12 +56,20 @@ class TorchEngine(SamplingEngine):
     always decode together. In-flight updates (``generate(..., updates=)``): newer weights are loaded between
     two decode steps and the KV cache is recomputed with them over prompt + tokens so far (one prefill), so
     every later token's log-prob is exactly that of the version stamped on it.
+
+    Prefix reuse (``generate(..., reuse_prefixes=True)``): each row's context is kept with its KV cache in
+    ``prefixes`` (at most ``prefix_cache_bytes``, 1 GiB by default; least recently used evicted), and a later
+    prompt that extends a kept context prefills only the rest. New weights empty the store: `load_state_dict`
+    (in-flight updates too), and a weight changed in place (an optimizer's step on a model it shares) is seen by
+    the tensors' version counters before the next reusing call (`_weights_signature`).
     """
 
     supports_inflight_updates = True
     supports_watch = True
+    supports_prefix_reuse = True
 
-    def __init__(self, model, tokenizer, *, device: str | torch.device = "cpu", max_batch_sequences: int = 1024):
+    def __init__(self, model, tokenizer, *, device: str | torch.device = "cpu", max_batch_sequences: int = 1024,
+                 prefix_cache_bytes: int = 2**30):
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -67,6 +81,8 @@ class TorchEngine(SamplingEngine):
         # transformers ≥ 5.2x renamed the KV-cache argument from `past_key_values` to `cache`
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.adapter_loader = None  # loads an unmerged LoRA version into adapter layers placed on the model
+        self.prefixes = PrefixStore(prefix_cache_bytes)
+        self._prefixes_weights: tuple | None = None  # `_weights_signature` of the weights that computed them
 
     def _cache_of(self, out):
         return out.cache if self._cache_kwarg == "cache" else out.past_key_values
@@ -74,7 +90,9 @@ class TorchEngine(SamplingEngine):
     def load_state_dict(self, state_dict) -> None:
         """Replace the model's weights; a state whose names or shapes do not fit is refused before any is loaded.
         A LoRA version kept unmerged (a state dict with an ``adapter`` attribute, heterorl.transport.client's
-        ``AdapterWeights``) goes to ``adapter_loader``, which whoever placed the adapter layers sets."""
+        ``AdapterWeights``) goes to ``adapter_loader``, which whoever placed the adapter layers sets. Either
+        empties the prefix store: the old weights' keys and values must not serve the new ones."""
+        self.prefixes.clear()
         if getattr(state_dict, "adapter", None):
             if self.adapter_loader is None:
                 raise SamplingError("this engine got a LoRA adapter but holds no adapter layers: merge adapters "
@@ -94,43 +112,44 @@ class TorchEngine(SamplingEngine):
     @torch.inference_mode()
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, num_samples: int = 1,
-        updates: WeightUpdates | None = None, watch: GenerationWatch | None = None,
+        updates: WeightUpdates | None = None, watch: GenerationWatch | None = None, reuse_prefixes: bool = False,
     ) -> list[list[SampleOutput]]:
         """``updates``: newer weights taken between decode steps; ``watch``: each step's tokens reported, and a
-        cancel honoured between steps (`GenerationWatch`)."""
+        cancel honoured between steps (`GenerationWatch`); ``reuse_prefixes``: each prompt's longest kept
+        context taken from the store (only the rest prefilled), and every row's context kept after."""
         prompts = validate_request(prompts, params, num_samples, self.vocab_size, self.max_positions)
+        if reuse_prefixes and self._prefixes_weights != self._weights_signature():
+            self.prefixes.clear()  # weights changed in place since the store was filled
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         per_batch = max(1, self.max_batch_sequences // num_samples)
         outputs: list[SampleOutput] = []
         for start in range(0, len(prompts), per_batch):
             outputs.extend(self._generate_batch(prompts[start : start + per_batch], num_samples, params, generator,
-                                                updates, watch, start * num_samples))
+                                                updates, watch, start * num_samples, reuse_prefixes))
         return [outputs[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
 
     def _generate_batch(self, prompts: list[list[int]], num_samples: int, params: SamplingParams,
                         generator, updates: WeightUpdates | None = None, watch: GenerationWatch | None = None,
-                        first_row: int = 0) -> list[SampleOutput]:
+                        first_row: int = 0, reuse_prefixes: bool = False) -> list[SampleOutput]:
         """Rows ``num_samples`` per prompt, prompt-major (``first_row``: the first one's number for ``watch``).
-        Each prompt is prefilled once and its KV cache repeated for its samples (when the model's cache can be
-        repeated), else prefilled once per row."""
+        Each prompt is prefilled once (with ``reuse_prefixes``, only past its longest kept context) and its KV
+        cache repeated for its samples (when the model's cache can be repeated), else prefilled once per row."""
         batch = len(prompts) * num_samples
-        prompt_len = max(len(r) for r in prompts)
-        input_ids = torch.full((len(prompts), prompt_len), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), prompt_len), dtype=torch.long)
-        for i, row in enumerate(prompts):  # left padding: every prompt ends at the same column
-            input_ids[i, prompt_len - len(row) :] = torch.tensor(row)
-            attention_mask[i, prompt_len - len(row) :] = 1
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        if all(len(r) == prompt_len for r in prompts):
-            attention_mask = None  # all ones: leave it out so attention takes its plain causal path
         cache = next_logits = None
-        if num_samples > 1:  # prefill each prompt once, then repeat its cache for its samples
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=True)
-            if hasattr(self._cache_of(out), "batch_repeat_interleave"):
-                cache, next_logits = self._cache_of(out), out.logits[:, -1].repeat_interleave(num_samples, 0)
+        reused = self._prefill_reusing(prompts) if reuse_prefixes else None
+        if reused is not None:
+            input_ids, attention_mask, position_ids, cache, next_logits = reused
+        else:
+            input_ids, attention_mask, position_ids = self._left_padded(prompts)
+            if num_samples > 1:  # prefill each prompt once, then repeat its cache for its samples
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=True)
+                if hasattr(self._cache_of(out), "batch_repeat_interleave"):
+                    cache, next_logits = self._cache_of(out), out.logits[:, -1]
+        if num_samples > 1:
+            if cache is not None:
+                next_logits = next_logits.repeat_interleave(num_samples, 0)
                 cache.batch_repeat_interleave(num_samples)
             input_ids, position_ids = (t.repeat_interleave(num_samples, 0) for t in (input_ids, position_ids))
             if attention_mask is not None:
@@ -184,6 +203,8 @@ class TorchEngine(SamplingEngine):
             next_position = next_position + 1
 
         tokens, logprobs, lengths = tokens.cpu(), logprobs.cpu(), lengths.cpu()
+        if reuse_prefixes:
+            self._keep_prefixes(prompts, num_samples, tokens, lengths, attention_mask, cache)
         results = []
         for i in range(batch):
             n = int(lengths[i])
@@ -193,6 +214,73 @@ class TorchEngine(SamplingEngine):
             results.append(SampleOutput(tokens=row_tokens, logprobs=logprobs[i, :n].tolist(), stop_reason=reason,
                                         versions=None if versions is None else versions[i, :n].tolist()))
         return results
+
+    def _left_padded(self, prompts: list[list[int]]):
+        """(input ids, attention mask, position ids) of ``prompts`` padded on the left, so that every prompt ends
+        at the same column; the mask None when no prompt is padded (attention then takes its plain causal
+        path)."""
+        prompt_len = max(len(r) for r in prompts)
+        input_ids = torch.full((len(prompts), prompt_len), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), prompt_len), dtype=torch.long)
+        for i, row in enumerate(prompts):
+            input_ids[i, prompt_len - len(row) :] = torch.tensor(row)
+            attention_mask[i, prompt_len - len(row) :] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return input_ids, None if all(len(r) == prompt_len for r in prompts) else attention_mask, position_ids
+
+    def _prefill_reusing(self, prompts: list[list[int]]):
+        """(input ids, attention mask, position ids, cache, next-token logits) of ``prompts``, each one's longest
+        kept context (h_i tokens, 0 when none) taken from the store and only the rest (s_i tokens) prefilled;
+        None when no prompt extends a kept context. Row i's columns: [pad H - h_i][kept h_i][pad S - s_i]
+        [rest s_i], H and S the largest h_i and s_i; the pads masked out, and the positions counting the row's
+        tokens only (0..h_i-1 as when the kept keys were computed, then h_i, h_i + 1, ...)."""
+        kept = [self.prefixes.longest_prefix(tuple(p)) for p in prompts]
+        if all(kv is None for kv in kept):
+            return None
+        hits = [0 if kv is None else kv.shape[3] for kv in kept]
+        width, rest = max(hits), max(len(p) - h for p, h in zip(prompts, hits))
+        pad = self.pad_token_id
+        rows = [[pad] * (width - h) + p[:h] + [pad] * (rest - len(p) + h) + p[h:] for p, h in zip(prompts, hits)]
+        masks = [[0] * (width - h) + [1] * h + [0] * (rest - len(p) + h) + [1] * (len(p) - h)
+                 for p, h in zip(prompts, hits)]
+        input_ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        attention_mask = torch.tensor(masks, dtype=torch.long, device=self.device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=input_ids[:, width:], attention_mask=attention_mask,
+                         position_ids=position_ids[:, width:], use_cache=True,
+                         **{self._cache_kwarg: left_padded_cache(kept, width)})
+        return input_ids, attention_mask, position_ids, self._cache_of(out), out.logits[:, -1]
+
+    def _keep_prefixes(self, prompts: list[list[int]], num_samples: int, tokens: torch.Tensor,
+                       lengths: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> None:
+        """Each row's context with its KV cache, in the store: its prompt and its tokens but the last (whose KV
+        was never computed), at the cache columns that hold them; never the padding before or within a row,
+        nor what a row that stopped early decoded after. A cache the store cannot rebuild is not kept."""
+        layers = cache_layers(cache)
+        if layers is None:
+            return
+        self._prefixes_weights = self._weights_signature()
+        keys = [tuple(prompts[row // num_samples]) + tuple(tokens[row, : int(n) - 1].tolist())
+                for row, n in enumerate(lengths)]
+        batch, _, width, _ = layers[0][0].shape
+        mask = torch.ones((batch, width), dtype=torch.long, device=self.device) \
+            if attention_mask is None else attention_mask
+        key_lengths = torch.tensor([len(k) for k in keys], device=self.device)
+        stored = (mask == 1) & (mask.cumsum(-1) <= key_lengths[:, None])  # each row's first len(key) real columns
+        columns = stored.nonzero()[:, 1].split(stored.sum(-1).tolist())
+        new = {key: row for row, key in enumerate(keys) if key not in self.prefixes}  # one row per new key
+        wanted = set(new.values())
+        entries = row_entries(layers, [c if row in wanted else None for row, c in enumerate(columns)])
+        for key, row in new.items():
+            self.prefixes.put(key, entries[row])
+
+    def _weights_signature(self) -> tuple:
+        """Changes when a weight is replaced (its storage) or written in place by an op that bumps its version
+        counter: a load's copy, an optimizer's step (for-loop or foreach, torch's defaults; a fused step bumps
+        none, so a model shared with a fused optimizer must not sample with ``reuse_prefixes``)."""
+        return tuple((t.data_ptr(), t._version) for t in itertools.chain(self.model.parameters(),
+                                                                          self.model.buffers()))
 
     def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
         """A forward over whole (left-padded) rows that returns their KV cache; ``attention_mask`` None: no

@@ -19,7 +19,9 @@ completion (the environment's tokens included) within ``EpisodeLimits.max_contex
 that would not fit, with room for one more policy token, ends the episode (``budget``) with the reward so far.
 
 KV caches: each round hands the engine every episode's whole context. vLLM's prefix cache reuses the keys and
-values of the context it has seen; the torch engine prefills the context again (measured in docs/ENVIRONMENTS.md).
+values of the context it has seen; the torch engine, asked to (``reuse_prefixes``), keeps the keys and values of
+each context's earlier turns and prefills only what is new: the last turn's final token and the answer
+(docs/ENGINES.md).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from heterorl.training.textcodec import encode_prompt, encode_text
 
 log = logging.getLogger("heterorl.envs.episodes")
 
-STRAGGLER_WAIT_S = 0.05  # after a round's first step returns, how long the round waits for the others
+STRAGGLER_WAIT_S = 0.2  # after a round's first step returns, how long it waits for the others (fast ones: all)
 MAX_ABANDONED_STEPS = 8  # environment calls past their timeout (each leaves a stuck thread) before the run stops
 MAX_OUTCOME_CHARS = 32  # an episode's stop reason travels as a trajectory's stop_reason (32 characters at most)
 
@@ -62,6 +64,12 @@ class EpisodeLimits:
     def of(cls, rollout: RolloutConfig, max_context: int | None) -> EpisodeLimits:
         """A run's limits: ``rollout``'s, within ``max_context`` tokens (the learner's max_sequence_len)."""
         return cls(rollout.max_turns, max_context, rollout.max_episode_tokens, rollout.env_step_timeout_s)
+
+    @classmethod
+    def for_sampler(cls, rollout: RolloutConfig, sampler) -> EpisodeLimits:
+        """`of`, within the context of ``sampler``'s model (its engine's ``max_positions``; none when it does not
+        say, as a sampler over a remote engine)."""
+        return cls.of(rollout, getattr(getattr(sampler, "engine", None), "max_positions", None))
 
 
 @dataclass
@@ -132,8 +140,8 @@ def rollout_groups(sampler, task, problems: Sequence[Problem], num_samples: int,
     if not is_multi_turn(task):
         prompts = [encode_prompt(sampler.tokenizer, p.prompt, chat_template) for p in problems]
         params = fit_max_tokens(params, prompts, limits.max_context)
-        groups = sampler.sample(prompts, num_samples, params, weight_updates=weight_updates).result()
-        return prompts, groups
+        updates = {} if weight_updates is None else {"weight_updates": weight_updates}
+        return prompts, sampler.sample(prompts, num_samples, params, **updates).result()
     player = _EpisodePlayer(sampler, task, limits, chat_template, weight_updates)
     return player.play(problems, num_samples, params, between_turns)
 
@@ -256,7 +264,7 @@ class _EpisodePlayer:
             return
         params = self._fit(params, [prompts[i] for i in live], 0)
         groups = self.sampler.sample([prompts[i] for i in live], num_samples, params,
-                                     weight_updates=self.weight_updates).result()
+                                     **self._sample_options()).result()
         for i, group in zip(live, groups):
             for j, sample in enumerate(group):
                 episode = episodes[i * num_samples + j]
@@ -267,9 +275,17 @@ class _EpisodePlayer:
         """One turn of every episode in ``ready``, in one engine call (one sample each)."""
         params = self._fit(params, [e.context for e in ready], round_)
         samples = self.sampler.sample([e.context for e in ready], 1, params,
-                                      weight_updates=self.weight_updates).result()
+                                      **self._sample_options()).result()
         for episode, (sample,) in zip(ready, samples):
             self._add_action(episode, sample)
+
+    def _sample_options(self) -> dict:
+        """The sampler's options beyond the defaults: in-flight updates when given, and ``reuse_prefixes`` for an
+        engine that keeps the contexts of earlier turns (`supports_prefix_reuse`)."""
+        options = {} if self.weight_updates is None else {"weight_updates": self.weight_updates}
+        if getattr(getattr(self.sampler, "engine", None), "supports_prefix_reuse", False):
+            options["reuse_prefixes"] = True
+        return options
 
     def _fit(self, params: SamplingParams, contexts: list[list[int]], round_: int) -> SamplingParams:
         """``params`` for one round: ``max_tokens`` within the context left (`fit_max_tokens`) and, after the

@@ -67,7 +67,7 @@ def run_sft(cfg: Config, training: TrainingClient, task: Task, logger=None, prog
             sampler = training.save_weights_and_get_sampling_client()
             result = evaluate(sampler, task, eval_problems, cfg.rollout.max_tokens,
                               chat_template=cfg.task.chat_template,
-                              limits=EpisodeLimits.of(cfg.rollout, sampler.engine.max_positions))
+                              limits=EpisodeLimits.for_sampler(cfg.rollout, sampler))
             success = result.success
             metrics["eval/success"] = success
             metrics.update({f"eval/success/{group}": s for group, s in result.by_group.items()})

@@ -33,7 +33,7 @@ def rollout_datums(sampler, task: Task, problems, cfg: Config, seed: int) -> tup
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, seed=seed)
     prompts, groups = rollout_groups(sampler, task, problems, cfg.rollout.group_size, params,
                                      chat_template=cfg.task.chat_template,
-                                     limits=EpisodeLimits.of(cfg.rollout, sampler.engine.max_positions))
+                                     limits=EpisodeLimits.for_sampler(cfg.rollout, sampler))
     flat = [(gid, problem, prompt, s) for gid, (problem, prompt, group) in enumerate(zip(problems, prompts, groups))
             for s in group]
     scores = score_all(task, [problem for _, problem, _, _ in flat], [s for *_, s in flat])
@@ -64,7 +64,7 @@ def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, 
     eval_tokens = cfg.rl.eval_max_tokens or cfg.rollout.max_tokens
     start = time.time()
     sampler = training.save_weights_and_get_sampling_client()
-    limits = EpisodeLimits.of(cfg.rollout, sampler.engine.max_positions)
+    limits = EpisodeLimits.for_sampler(cfg.rollout, sampler)
     recorder = StepRecorder(cfg, lambda: evaluate(sampler, task, eval_problems, eval_tokens,
                                                   chat_template=cfg.task.chat_template, limits=limits),
                             logger, progress)

@@ -98,7 +98,7 @@ def group_datums(groups: list[Group]) -> list[Datum]:
 def held_out_eval(cfg: Config, sampler: SamplingClient, task: Task) -> EvalResult:
     """Greedy success of ``sampler``'s weights on the task's held-out problems (per group of a mixture too)."""
     tokens = cfg.rl.eval_max_tokens or cfg.rollout.max_tokens
-    limits = EpisodeLimits.of(cfg.rollout, sampler.engine.max_positions)
+    limits = EpisodeLimits.for_sampler(cfg.rollout, sampler)
     return evaluate(sampler, task, task.eval_problems(), tokens, chat_template=cfg.task.chat_template, limits=limits)
 
 

@@ -88,6 +88,9 @@ def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str |
     else:
         task = task_cls(config_cls(**options))
     if reward_fn is not None:
+        if callable(getattr(task, "environment", None)):
+            raise TaskError(f"task {name!r} is multi-turn: its environment scores each episode, so task.reward_fn "
+                            "(which scores one completion's text) cannot replace it; leave task.reward_fn unset")
         fns = [load_reward_fn(spec.strip()) for spec in reward_fn.split(",")]
         task = CustomRewardTask(task, fns, reward_timeout_s, reward_weights)
     return task

@@ -150,7 +150,7 @@ class SamplingClient:
     def sample(
         self, prompt_tokens: Sequence[int] | Sequence[Sequence[int]], num_samples: int = 1,
         sampling_params: SamplingParams | None = None, *, weight_updates: Callable | None = None,
-        watch: GenerationWatch | None = None,
+        watch: GenerationWatch | None = None, reuse_prefixes: bool = False,
     ) -> Future:
         """Future of ``list[SampleOutput]`` (one prompt) or ``list[list[SampleOutput]]`` (a list of prompts).
 
@@ -162,7 +162,10 @@ class SamplingClient:
         ``watch`` (`GenerationWatch`): the tokens as they are drawn, and a cancel that stops the generation
         between decode steps (`GenerationCancelled`); its ``version`` is set to the version that generates. An
         engine without ``supports_watch`` honours a cancel only before it starts, and reports every token at
-        the end."""
+        the end.
+
+        ``reuse_prefixes``: the engine keeps each context it generated from, and a prompt that extends one
+        prefills only its new tokens (`SamplingEngine.supports_prefix_reuse`; ignored by an engine without)."""
         params = sampling_params or SamplingParams()
         single = len(prompt_tokens) > 0 and isinstance(prompt_tokens[0], int)
         prompts = [prompt_tokens] if single else prompt_tokens
@@ -177,6 +180,8 @@ class SamplingClient:
                 watch.version = self.version
                 if self.engine.supports_watch:
                     extra["watch"] = watch
+            if reuse_prefixes and self.engine.supports_prefix_reuse:
+                extra["reuse_prefixes"] = True
             if weight_updates is None:
                 groups = self.engine.generate(prompts, params, num_samples, **extra)
             else:

@@ -22,6 +22,16 @@ def test_bench_engine_prints_a_ratio():
     assert packed > 0
 
 
+def test_bench_engine_episodes_times_prefix_reuse_against_whole_prefills():
+    out = run_cli("bench", "engine", "--episodes", "--repeats", "1", "--threads", "1")
+    assert out.returncode == 0, out.stderr
+    same = out.stdout.split("episodes with the same tokens both ways: ")[1].split(",")[0]
+    assert int(same.split("/")[0]) >= 250 and same.endswith("/256"), out.stdout  # (256 here: log-probs agree to 1e-5)
+    time_ratio, prefill_ratio = (float(x.split("x")[0]) for x in
+                                 out.stdout.split("ratio (reuse / whole): ")[1].split(", ")[:2])
+    assert 0 < time_ratio and 0 < prefill_ratio < 0.5, out.stdout  # (the time's ratio: a benchmark's, not asserted)
+
+
 @pytest.mark.vllm
 def test_bench_engine_with_vllm_prints_its_ratios():
     pytest.importorskip("vllm", reason="the vLLM lane: `make vllm`, then `make test-vllm`")

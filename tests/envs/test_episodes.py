@@ -261,3 +261,11 @@ def test_every_environment_is_closed_once_its_episode_has_ended_however_it_ended
                                limits=EpisodeLimits(max_turns=2))
     assert sorted(map(id, closed)) == sorted(map(id, closed_or_made)) and len(closed) == 4
     assert outcome_counts(task) == {"episode:error:ValueError": 2, "episode:max_turns": 2}
+
+
+def test_a_reward_function_cannot_replace_an_environments_reward():
+    from heterorl.errors import TaskError
+    from heterorl.tasks import make_task
+
+    with pytest.raises(TaskError, match="multi-turn: its environment scores each episode"):
+        make_task("calculator", reward_fn="tests.constant_reward:score")

@@ -34,7 +34,7 @@ def test_shipped_base_is_deliberately_partial(config, base):
     model, tok = load_policy(base)
     sampler = TrainingClient(model, tok).save_weights_and_get_sampling_client()
     task = _task(cfg)
-    limits = EpisodeLimits.of(cfg.rollout, sampler.engine.max_positions)  # (a multi-turn task's bounds)
+    limits = EpisodeLimits.for_sampler(cfg.rollout, sampler)  # (a multi-turn task's bounds)
     success = evaluate(sampler, task, task.eval_problems(), cfg.rollout.max_tokens, limits=limits).success
     low, high = PARTIAL.get(base, (0.35, 0.60))
     assert low <= success <= high
@@ -101,6 +101,19 @@ def test_short_rl_run_on_a_reasoning_gym_dataset_improves_held_out_success():
     result = run_sync_rl(cfg, TrainingClient(model, tok, seed=cfg.seed), task)
     assert result.final_success >= result.base_success + 0.10, result.history
     assert result.reward_outcomes == {"ok": 20 * 32 * 8}  # every completion scored by the library
+
+
+@pytest.mark.slow
+def test_short_rl_run_on_episodes_with_a_tool_improves_held_out_success():
+    """Synchronous GRPO on the calculator environment (multi-turn: a tool call, its answer, the final answer; only
+    the policy's turns trained) from the shipped calculator base: measured 0.629 -> 0.707 after 25 steps, 0.793
+    after 75 (calculator_rl.yaml)."""
+    cfg = load_config(packaged("calculator_rl.yaml"), ["rl.steps=25", "rl.eval_every=25"])
+    task = _task(cfg)
+    model, tok = load_policy(cfg.rl.base)
+    result = run_sync_rl(cfg, TrainingClient(model, tok, seed=cfg.seed), task)
+    assert result.final_success >= result.base_success + 0.05, result.history
+    assert set(result.reward_outcomes) <= {"episode:done", "episode:max_turns"}, result.reward_outcomes
 
 
 def test_minibatches_keep_groups_whole():

@@ -524,7 +524,7 @@ def test_make_task(tmp_path):
     assert isinstance(make_task("arithmetic"), ArithmeticTask)
     path = write_lines(tmp_path / "d.jsonl", ['{"prompt": "a", "answer": 1}', '{"prompt": "b", "answer": 2}'])
     assert isinstance(make_task("jsonl", {"path": path}), JsonlTask)
-    with pytest.raises(TaskError, match="known tasks: arithmetic, code, jsonl, maze"):
+    with pytest.raises(TaskError, match="known tasks: arithmetic, calculator, code, cookbook_env, jsonl, maze, "):
         make_task("chess")
     with pytest.raises(TaskError, match="unknown option 'sise'.*size, wall_density"):
         make_task("maze", {"sise": 4})
