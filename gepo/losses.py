@@ -126,6 +126,35 @@ def grpo(batch: LossBatch, config: GRPOConfig):
 
 
 @dataclass
+class OPSMConfig(GRPOConfig):
+    """GRPO's clip and advantages plus off-policy sequence masking at δ = 1e-4 (slime's default; the paper does
+    not publish its δ)."""
+
+    delta: float = 1e-4
+
+
+@register_loss("opsm", OPSMConfig)
+def opsm(batch: LossBatch, config: OPSMConfig):
+    """GRPO with off-policy sequence masking (DeepSeek-AI 2025, DeepSeek-V3.2, arXiv 2512.02556).
+
+    KL_i = (1/|y_i|) Σ_t (log q_it − log p_it)       (sampler ‖ learner, per token, from the data itself)
+    M_i  = 0 if A_i < 0 and sg(KL_i) > δ, else 1      (a stale sequence that would push probability down)
+    L = mean_i M_i · (1/|y_i|) Σ_t −min(r_it·A_i, clip(r_it, 1−ε, 1+ε_high)·A_i)
+    """
+    log_ratio = batch.token("logprobs") - batch.token("behaviour_logprobs")
+    advantages = advantages_for(batch, config.advantage)
+    eps_high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
+    per_token, clipped = clipped_surrogate(log_ratio, advantages[:, None], config.clip_eps, eps_high)
+    sequence_kl = -masked_mean(log_ratio.detach(), batch.mask, dim=-1)
+    masked = (advantages < 0) & (sequence_kl > config.delta)
+    loss = torch.where(masked, torch.zeros_like(sequence_kl), masked_mean(per_token, batch.mask, dim=-1)).mean()
+    rows = batch.mask.sum(dim=-1) > 0
+    fractions = {"is/clip_frac": _frac(clipped, batch.mask),
+                 "is/mask_frac": masked[rows].to(batch.mask.dtype).mean()}  # of sequences
+    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, fractions)
+
+
+@dataclass
 class DAPOConfig(GRPOConfig):
     """DAPO's token-level loss with GRPO's clip (TRL's ``loss_type="dapo"``: ε = ε_high = 0.2 unless set; the DAPO
     paper's clip-higher is ``clip_eps_high=0.28``), group-normalised advantages."""

@@ -465,11 +465,20 @@ def _list_cells(sweep) -> int:
 def cmd_report(args) -> int:
     from heterorl.sweeps.report import log_report_to_wandb, write_report
 
-    summary = write_report(args.sweep_dir, args.out, args.seeds)
+    if args.summary:
+        from heterorl.sweeps.summary import write_summary
+
+        print(f"summary: {write_summary(args.sweep_dir, args.summary)}")
+        return 0
+    if len(args.sweep_dir) > 1:
+        raise HeteroRLError(f"{len(args.sweep_dir)} sweep folders given: report one at a time, or give --summary FILE "
+                            "for one page across them")
+    sweep_dir = args.sweep_dir[0]
+    summary = write_report(sweep_dir, args.out, args.seeds)
     print(summary.with_name("table.txt").read_text())
     print(f"report: {summary}")
     if args.wandb_project:
-        log_report_to_wandb(args.sweep_dir, args.wandb_project, args.wandb_mode)
+        log_report_to_wandb(sweep_dir, args.wandb_project, args.wandb_mode)
     return 0
 
 
@@ -619,7 +628,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="sweep-file overrides, e.g. seeds=[0] parallel=1")
     p.set_defaults(fn=cmd_sweep)
     p = sub.add_parser("report", help="tables, plots and a Markdown summary of a sweep directory")
-    p.add_argument("sweep_dir")
+    p.add_argument("sweep_dir", nargs="+", help="the sweep's output folder (several with --summary)")
+    p.add_argument("--summary", metavar="FILE", help="write one Markdown page across the sweeps given instead: "
+                   "every claim per task, GEPO against each baseline per task and pooled (e.g. "
+                   "experiments/results/SUMMARY.md)")
     p.add_argument("--out", help="report folder (default: SWEEP_DIR/report)")
     p.add_argument("--seeds", type=_seed_list, help="comma-separated seeds to report (default: all; e.g. those a "
                    "running sweep has finished for every cell)")

@@ -560,6 +560,17 @@ class RuntimeConfig:
     vllm_kv_cache_gib: float = 1.0  # on CPU; on a GPU vLLM takes vllm_gpu_memory_utilization of its device
     vllm_gpu_memory_utilization: float = 0.85
     vllm_max_model_len: Optional[int] = None  # prompt + completion vLLM makes room for (None: the model's context)
+    # a vLLM worker keeps its engine full: a group is submitted whenever a permit allows and there is room (at most
+    # stream_max_groups in flight; None: 2 x groups_per_call), and sent as soon as its last sample ends, with no
+    # batch barrier (heterorl/runtime/streaming.py; single-turn tasks). With inflight_updates (async) new weights
+    # load while groups run, each token stamped with its version; vllm_inflight_kv: recompute (the requests in
+    # flight are prefilled again with the new weights: exact log-probs) | keep (their old keys and values stay:
+    # faster, log-probs after an update belong to neither version). max_versions_per_sample: a group whose samples
+    # would span more versions is started again from its prompt on the new weights (0: no bound)
+    vllm_streaming: bool = False
+    stream_max_groups: Optional[int] = None
+    vllm_inflight_kv: str = "recompute"
+    max_versions_per_sample: int = 0
     # the GPUs each process sees (CUDA_VISIBLE_DEVICES), e.g. learner_devices: "0", worker_devices: ["1", "2,3"]:
     # worker i gets worker_devices[i % len]; empty = every process sees what `heterorl train` sees
     learner_devices: str = ""
@@ -577,7 +588,11 @@ class RuntimeConfig:
         _one_of(f"{key}.weights_fanout", self.weights_fanout, ("reshard", "gather"))
         _positive(self, key, "workers", "groups_per_call", "permit_calls", "threads", "learner_ranks",
                   "vllm_kv_cache_gib")
-        _optional_positive(self, key, "learner_threads", "worker_threads", "max_weights_lag")
+        _optional_positive(self, key, "learner_threads", "worker_threads", "max_weights_lag", "stream_max_groups")
+        _one_of(f"{key}.vllm_inflight_kv", self.vllm_inflight_kv, ("recompute", "keep"))
+        if self.max_versions_per_sample < 0:
+            _fail(f"{key}.max_versions_per_sample", self.max_versions_per_sample,
+                  "must be >= 0 (0: no bound; 1: no sample drawn by two versions)")
         if self.worker_restarts < 0:
             _fail(f"{key}.worker_restarts", self.worker_restarts, "must be >= 0 (0: a failed worker is not restarted)")
         if any(f < 1 for f in self.throttle):

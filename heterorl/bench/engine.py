@@ -11,19 +11,26 @@ packed behind one copy of its prompt vs one row per sequence. With ``--engine vl
 has vLLM, e.g. ``.venv-vllm/bin/heterorl``) vLLM samples the same prompts with the same settings, in float32
 like the others unless ``--vllm-dtype`` says otherwise and on as many cores as torch's threads, and its ratio to
 the torch engine is printed too. With ``--episodes``, multi-turn rollouts instead (`_bench_episodes`): the torch
-engine reusing each context's earlier turns vs prefilling every context whole.
+engine reusing each context's earlier turns vs prefilling every context whole. With ``--stream`` (vLLM),
+heterorl/bench/stream.py: a vLLM worker's batch loop against streaming, with and without in-flight updates.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 
 import torch
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--stream" in argv:  # a bench of its own (heterorl/bench/stream.py): batch vs streaming on vLLM
+        from heterorl.bench.stream import main as stream
+
+        return stream([a for a in argv if a != "--stream"])
     parser = argparse.ArgumentParser(prog="heterorl bench engine", description=__doc__)
     parser.add_argument("--policy", default="maze-sft-base", help="maze-sft-base (shipped), smollm2, or a folder")
     parser.add_argument("--batch", type=int, default=256, help="sequences per generate call")
@@ -39,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the dtype vLLM runs in (the torch engine and generate stay in the policy's: float32)")
     parser.add_argument("--episodes", action="store_true",
                         help="measure multi-turn rollouts instead (maze_walk): prefix reuse vs whole prefills")
+    parser.add_argument("--stream", action="store_true",
+                        help="with --engine vllm: batch vs streaming vs streaming with in-flight updates on a "
+                             "long-tailed workload (`--stream --help` for its options)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -92,7 +92,7 @@ def worker_samples_per_second(args) -> dict:
     from heterorl.config import TinyModelConfig
     from heterorl.engines.base import SamplingParams
     from heterorl.policies import load_policy
-    from heterorl.runtime.worker import Pipeline
+    from heterorl.runtime.rollouts import Pipeline
     from heterorl.tasks.rewards import score_all
     from heterorl.training.session import SamplingClient
 

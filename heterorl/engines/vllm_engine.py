@@ -72,6 +72,18 @@ def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def sample_output(tokens: list[int], logprobs, finish_reason: str | None, params: SamplingParams,
+                  eos_token_id: int) -> SampleOutput:
+    """A completion as vLLM returned it (its tokens, their vLLM log-prob entries, its finish reason) as a
+    `SampleOutput`."""
+    if logprobs is None or len(logprobs) != len(tokens):
+        raise SamplingError(f"vLLM returned {0 if logprobs is None else len(logprobs)} log-probs for {len(tokens)} "
+                            "tokens; this vLLM build does not report sample log-probs as the engine asks (logprobs=0)")
+    values = [float(step[token].logprob) for step, token in zip(logprobs, tokens)]
+    reason = stop_reason(tokens, params, eos_token_id, cut=finish_reason == "length")
+    return SampleOutput(tokens=tokens, logprobs=values, stop_reason=reason)
+
+
 class VLLMEngine(SamplingEngine):
     """Samples with vLLM from the model in ``folder`` (a Hugging Face folder: config.json, *.safetensors).
 
@@ -124,21 +136,27 @@ class VLLMEngine(SamplingEngine):
         if lora_rank:  # vLLM takes ranks of a fixed set: the smallest that holds lora_rank
             engine_kwargs.update(enable_lora=True, max_loras=1,
                                  max_lora_rank=next((r for r in _VLLM_LORA_RANKS if r >= lora_rank), lora_rank))
+        self._vllm = vllm
         try:
-            self.llm = vllm.LLM(model=str(folder), skip_tokenizer_init=True, dtype=dtype, seed=seed,
-                                logprobs_mode="processed_logprobs", max_num_seqs=max_num_seqs,
-                                max_model_len=max_model_len, **engine_kwargs)
+            self._start(dict(model=str(folder), skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                             logprobs_mode="processed_logprobs", max_num_seqs=max_num_seqs,
+                             max_model_len=max_model_len, **engine_kwargs))
+        except SamplingError:
+            raise
         except Exception as exc:  # vLLM raises many kinds; say which model it could not start
             raise SamplingError(f"vLLM could not load the model in {folder}: {type(exc).__name__}: {exc}") from exc
-        self._vllm = vllm
+
+    def _start(self, engine_args: dict) -> None:
+        """Start vLLM's engine with ``engine_args`` (vllm.LLM's keyword arguments)."""
+        self.llm = self._vllm.LLM(**engine_args)
 
     # ------------------------------------------------------------------------------------------------ sampling
-    def _params(self, params: SamplingParams, num_samples: int, seed: int | None):
+    def _params(self, params: SamplingParams, num_samples: int, seed: int | None, **extra):
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.eos_token_id})
         return self._vllm.SamplingParams(
             n=num_samples, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or 0,
             max_tokens=params.max_tokens, stop_token_ids=sorted(stop), ignore_eos=params.ignore_eos, seed=seed,
-            logprobs=0, detokenize=False,
+            logprobs=0, detokenize=False, **extra,
         )
 
     def generate(
@@ -156,14 +174,8 @@ class VLLMEngine(SamplingEngine):
                 for out in outputs]
 
     def _sample_output(self, completion, params: SamplingParams) -> SampleOutput:
-        tokens = list(completion.token_ids)
-        if completion.logprobs is None or len(completion.logprobs) != len(tokens):
-            raise SamplingError(f"vLLM returned {0 if completion.logprobs is None else len(completion.logprobs)} "
-                                f"log-probs for {len(tokens)} tokens; this vLLM build does not report sample "
-                                "log-probs as the engine asks (logprobs=0)")
-        logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens)]
-        reason = stop_reason(tokens, params, self.eos_token_id, cut=completion.finish_reason == "length")
-        return SampleOutput(tokens=tokens, logprobs=logprobs, stop_reason=reason)
+        return sample_output(list(completion.token_ids), completion.logprobs, completion.finish_reason, params,
+                             self.eos_token_id)
 
     def compute_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Teacher-forced log-probs through vLLM's prompt log-probs (the unmodified model, temperature 1)."""

@@ -73,9 +73,37 @@ def load_hf_folder(
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
     except Exception as exc:
         raise PolicyLoadError(f"could not load the model in {folder}: {exc}") from exc
+    tokenizer = load_hf_tokenizer(folder, model.get_input_embeddings().num_embeddings)
+    generation = model.generation_config
+    if generation.eos_token_id is None:
+        generation.eos_token_id = tokenizer.eos_token_id
+    if generation.pad_token_id is None:
+        generation.pad_token_id = tokenizer.pad_token_id
+
+    try:
+        model.to(device)
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        raise PolicyLoadError(f"could not move the model from {folder} to device {device!r}: {exc}") from exc
+    model.eval()
+    return model, tokenizer
+
+
+def tokenizer_rows(folder: Path) -> int:
+    """The embedding rows (``vocab_size``) a model folder's config.json declares."""
+    try:
+        return int(json.loads((Path(folder) / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PolicyLoadError(f"policy folder {folder}: config.json names no vocab_size ({exc})") from exc
+
+
+def load_hf_tokenizer(path: str | Path, rows: int | None = None):
+    """The tokenizer of a local folder, checked as `load_hf_folder` checks it, without loading the model (an engine
+    that loads the weights itself, such as vLLM, needs only this): ``rows``, the model's embedding rows, are read
+    from its config.json unless given."""
+    folder = validate_hf_folder(path)
+    rows = tokenizer_rows(folder) if rows is None else rows
     tokenizer = _load_tokenizer(folder)
     _check_tokenizer_class(folder, tokenizer)
-    rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:
         extra = tokenizer.convert_ids_to_tokens(list(range(rows, min(len(tokenizer), rows + 8))))
         raise PolicyLoadError(
@@ -90,18 +118,7 @@ def load_hf_folder(
         )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    generation = model.generation_config
-    if generation.eos_token_id is None:
-        generation.eos_token_id = tokenizer.eos_token_id
-    if generation.pad_token_id is None:
-        generation.pad_token_id = tokenizer.pad_token_id
-
-    try:
-        model.to(device)
-    except (RuntimeError, AssertionError, ValueError) as exc:
-        raise PolicyLoadError(f"could not move the model from {folder} to device {device!r}: {exc}") from exc
-    model.eval()
-    return model, tokenizer
+    return tokenizer
 
 
 def _declared_tokenizer_class(folder: Path) -> str | None:

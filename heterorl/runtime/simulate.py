@@ -42,7 +42,7 @@ from heterorl.runs import StepRecorder, idle_fraction, setup_run
 from heterorl.runtime.accounting import LearnerResult, RunTally, rollout_waste, step_metrics, weights_summary
 from heterorl.runtime.buffer import Group, GroupBuffer, Pacer
 from heterorl.runtime.learner import finish_learner_run, group_datums, held_out_eval, trajectory_contract
-from heterorl.runtime.worker import sampling_params, shard_rng, stamp_groups
+from heterorl.runtime.rollouts import sampling_params, shard_rng, stamp_groups
 from heterorl.tasks import Task
 from heterorl.tasks.rewards import outcome_counts
 from heterorl.training.evaluation import EvalResult

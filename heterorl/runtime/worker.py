@@ -17,7 +17,9 @@ reproducible, and two workers never draw the same stream.
 Weights are applied between generations (one policy version per group), or,
 with ``runtime.inflight_updates`` in async mode, between decode steps of a
 generation in progress (each token stamped with the version that drew it; the
-torch engine). A worker never waits forever for new weights: in async mode it
+torch engine). A vLLM worker with ``runtime.vllm_streaming`` has no batch barrier at all: groups are submitted
+and sent one by one, weights loaded while they run (heterorl/runtime/streaming.py). A worker never waits
+forever for new weights: in async mode it
 keeps generating with what it has; in sync mode (the on-policy baseline) it
 waits for the next version after each share of a batch, with a timeout.
 
@@ -29,31 +31,33 @@ from __future__ import annotations
 
 import functools
 import logging
-import random
-import secrets
 import signal
 import tempfile
 import threading
 import time
-import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-import numpy as np
 import torch
 
 from heterorl.config import ENGINES, Config, TransportConfig, load_config
 from heterorl.delay.clock import delay_clock
 from heterorl.delay.links import DelayLink
-from heterorl.engines.base import SamplingParams
 from heterorl.envs.episodes import EpisodeLimits, rollout_groups
 from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy, policy_folder
+from heterorl.policies.hf_folder import load_hf_tokenizer, tokenizer_rows
+from heterorl.runtime.rollouts import (  # noqa: F401 (shard_rng, new_session: imported from here too)
+    Pipeline,
+    new_session,
+    sampling_params,
+    shard_rng,
+    stamp_groups,
+)
 from heterorl.runtime.signals import signal_handlers
+from heterorl.runtime.streaming import StreamingRollouts, check_streaming
 from heterorl.tasks import make_task_from
-from heterorl.tasks.rewards import outcome_counts, score_all
+from heterorl.tasks.rewards import outcome_counts
 from heterorl.training import lora
 from heterorl.training.session import SamplingClient
 from heterorl.transport import CurveConfig, TransportTimeout, WorkerClient
@@ -78,88 +82,6 @@ class WorkerOptions:
     openai_host: str = "127.0.0.1"  # where it listens: loopback unless given (it has no authentication)
 
 
-def shard_rng(seed: int, worker_id: str) -> random.Random:
-    """The worker's own prompt stream: seeded by (run seed, worker id), stable across runs and machines."""
-    return random.Random(f"heterorl-shard/{seed}/{worker_id}")
-
-
-def sampling_params(cfg: Config, worker_id: str, groups_sent: int) -> SamplingParams:
-    """The rollout's sampling settings, seeded by (run seed, worker, groups sent so far): reproducible."""
-    return SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
-                          top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                          seed=zlib.crc32(f"{cfg.seed}/{worker_id}/{groups_sent}".encode()))
-
-
-def new_session() -> str:
-    """A worker process's session token, drawn at start (48 random bits): the ids it stamps never repeat those of
-    an earlier life of the same worker id, which the learner has trained or still remembers."""
-    return secrets.token_hex(6)
-
-
-def stamp_groups(task, worker_id: str, first_index: int, version: int, problems, prompts, groups,
-                 start_wall: float, end_wall: float, min_logprob: float = MIN_LOGPROB, *,
-                 session: str = "") -> list[list[Trajectory]]:
-    """Score each sampled group and stamp its trajectories (ids, policy version per token, behaviour log-probs,
-    timestamps). ``version`` stamps every token of a sample that names no per-token ``versions`` (a generation
-    that took in-flight updates names them). Group ids are ``{worker_id}-{session}-{n}`` (``{worker_id}-{n}``
-    without a session, as in the simulation, which has one life), n counting from ``first_index``; trajectory
-    ids add ``-{j}``. Empty
-    completions are left out (a group is as large as what remains). Behaviour log-probs are clipped to
-    [``min_logprob``, 0]: the learner's floor (its contract) exists only to keep the loss finite, and no token a
-    sampler draws lies below it but with odds of about e^-50, so clipping there changes nothing else."""
-    stamped = []
-    prefix = f"{worker_id}-{session}" if session else worker_id
-    groups = [[sample for sample in group if sample.tokens] for group in groups]
-    flat = [(problem, sample) for problem, group in zip(problems, groups) for sample in group]
-    rewards = iter(score_all(task, [p for p, _ in flat], [s for _, s in flat]))  # (all at once: in parallel)
-    for n, (problem, prompt, group) in enumerate(zip(problems, prompts, groups), start=first_index):
-        group_id = f"{prefix}-{n}"
-        stamped.append([Trajectory(
-            trajectory_id=f"{group_id}-{j}", group_id=group_id, prompt_id=problem.problem_id[:128],
-            sampler_id=worker_id, group_size=len(group),
-            prompt_tokens=np.asarray(prompt, dtype=np.int32),
-            completion_tokens=np.asarray(sample.tokens, dtype=np.int32),
-            behaviour_logprobs=np.clip(np.asarray(sample.logprobs, dtype=np.float32), min_logprob, 0.0),
-            policy_versions=(np.full(len(sample.tokens), version, dtype=np.int32) if sample.versions is None
-                             else np.asarray(sample.versions, dtype=np.int32)),
-            reward=next(rewards),
-            generation_start=start_wall, generation_end=end_wall, stop_reason=sample.stop_reason,
-            env_spans=sample.env_spans,
-        ) for j, sample in enumerate(group)])
-    return stamped
-
-
-class Pipeline:
-    """One job at a time on a thread of its own, in order: a batch's scoring and sending runs while the next batch
-    is sampled, so rewards that take long (programs run in a sandbox) do not stall generation. `submit` first
-    waits for the job before it, so at most one batch waits to be scored; a job's error comes back at the next
-    `submit` or `drain`."""
-
-    def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heterorl-scoring")
-        self._pending: Future | None = None
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self.drain()
-        self._pending = self._executor.submit(job)
-
-    def drain(self) -> None:
-        """Wait for the job in flight; raise its error."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-
-    def check(self) -> None:
-        """Raise the error of the job in flight if it has ended with one (a worker waiting for permits learns at
-        once that its last batch failed)."""
-        if self._pending is not None and self._pending.done():
-            self.drain()
-
-    def close(self) -> None:
-        """Stop taking jobs; the one in flight ends on its own (a closing worker's sends give up at once)."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-
 class RolloutWorker:
     """One worker's loop. ``run`` returns when the learner says the run is over or stays silent too long."""
 
@@ -168,6 +90,7 @@ class RolloutWorker:
             raise HeteroRLError(f"--throttle {options.throttle}: must be >= 1 (2 = a device half as fast)")
         if options.engine not in ENGINES:
             raise HeteroRLError(f"--engine {options.engine!r}: must be one of {', '.join(ENGINES)}")
+        self._born = time.monotonic()
         self.options = options
         self.sampler: SamplingClient | None = None
         self.openai_server = self._serve_openai()  # first: a port in use fails before the learner is contacted
@@ -186,6 +109,7 @@ class RolloutWorker:
         self._merger: lora.Merger | None = None  # a LoRA run's adapters merged into this worker's base
         self._lora_digest: str | None = None  # the digest of this worker's base (a LoRA run)
         self._scoring = Pipeline()  # a batch is scored and sent while the next one is sampled
+        self._streaming: StreamingRollouts | None = None  # runtime.vllm_streaming's loop
         self._closing = threading.Event()
 
     def _serve_openai(self):
@@ -302,18 +226,23 @@ class RolloutWorker:
         cfg = self._configure()
         worker_id = self.options.worker_id
         task = make_task_from(cfg.task)
+        if cfg.runtime.vllm_streaming:
+            check_streaming(cfg, self.options.engine, task)
         self.sampler = self._load_sampler(cfg, task)
         got = self._wait(self.client.wait_weights, -1, cfg.runtime.learner_timeout_s)
         if got is None:
             raise HeteroRLError(f"no weights from the learner within {cfg.runtime.learner_timeout_s} s")
         self._apply(got)
-        log.info("worker %s (session %s): version %d, task %s, mode %s", worker_id, self.session, self.version,
-                 task.name, cfg.runtime.mode)
-        if cfg.runtime.inflight_updates and not self.sampler.engine.supports_inflight_updates:
+        log.info("worker %s (session %s): version %d, task %s, mode %s, %.1f s after the worker started", worker_id,
+                 self.session, self.version, task.name, cfg.runtime.mode, time.monotonic() - self._born)
+        if cfg.runtime.inflight_updates and not (self.sampler.engine.supports_inflight_updates or
+                                                 cfg.runtime.vllm_streaming):
             log.warning("worker %s: runtime.inflight_updates is on, but the %s engine takes new weights only "
                         "between generations (and between the turns of episodes); this worker does so", worker_id,
                         self.options.engine)
         rng = shard_rng(cfg.seed, worker_id)
+        if cfg.runtime.vllm_streaming:
+            return self._run_streaming(cfg, task, rng)
         sync = cfg.runtime.mode == "sync"
         share = cfg.rl.prompts_per_step // cfg.runtime.workers
         last_heard = time.monotonic()
@@ -350,17 +279,37 @@ class RolloutWorker:
         log.info("worker %s: the learner ended the run after %s", worker_id, self.tally())
         return 0
 
+    def _run_streaming(self, cfg: Config, task, rng) -> int:
+        """``runtime.vllm_streaming``: groups submitted and sent one by one (heterorl/runtime/streaming.py)."""
+        worker_id = self.options.worker_id
+        if self.options.throttle > 1:
+            log.warning("worker %s: --throttle is ignored by a streaming vLLM worker (it has no calls to slow down)",
+                        worker_id)
+        self._streaming = StreamingRollouts(self, cfg, task, rng)
+        code = self._streaming.run()
+        if self.client.refused:
+            raise HeteroRLError(f"the learner refused worker {worker_id}: {self.client.refused}")
+        log.info("worker %s: the learner ended the run after %s", worker_id, self.tally())
+        return code
+
     def tally(self) -> str:
         """What this worker did: groups sent, the version it holds, the versions it received and how."""
         stats = self.client.stats
+        streamed = f"; streaming: {self._streaming.tally()}" if self._streaming is not None else ""
         return (f"{self.groups_sent} groups (holding version {self.version}; weights: "
                 f"{stats['weights/full_received']} versions whole, {stats['weights/deltas_applied']} as deltas, "
-                f"{stats['weights/resyncs']} resyncs, {stats['weights/checksum_failures']} checksum failures)")
+                f"{stats['weights/resyncs']} resyncs, {stats['weights/checksum_failures']} checksum failures"
+                f"{streamed})")
 
     def _load_sampler(self, cfg: Config, task) -> SamplingClient:
         """The policy (checked against the learner's model and, in a LoRA run, its base), cast to the sampling
         dtype, under the chosen engine."""
         base = self.options.policy or cfg.rl.base or cfg.policy.model
+        folder = policy_folder(base) if self.options.engine == "vllm" and not cfg.lora.enabled else None
+        if folder is not None:  # vLLM loads the weights itself: only the tokenizer and the vocabulary are checked
+            tokenizer = load_hf_tokenizer(folder)
+            self._check_vocab(tokenizer_rows(folder), base)
+            return self._make_sampler(cfg, base, None, tokenizer)
         # a vLLM worker only checks the policy (and saves a fresh tiny one for vLLM): its copy stays on the CPU
         device = cfg.policy.device if self.options.engine == "torch" else "cpu"
         model, tokenizer = load_policy(base, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=device)
@@ -383,23 +332,34 @@ class RolloutWorker:
         if self.options.engine == "torch":
             return SamplingClient.for_model(model, tokenizer, device=cfg.policy.device)
         from heterorl.engines.vllm_engine import VLLMEngine
+        from heterorl.engines.vllm_stream import StreamingVLLMEngine
 
         folder = policy_folder(base)
         if folder is None:  # a fresh tiny policy: vLLM needs it as a folder
             self._scratch = tempfile.TemporaryDirectory(prefix="heterorl-vllm-")
             folder = Path(self._scratch.name)
             model.save_pretrained(folder)
-        engine = VLLMEngine(folder, eos_token_id=tokenizer.eos_token_id, seed=cfg.seed,
-                            dtype=cfg.runtime.vllm_dtype, kv_cache_gib=cfg.runtime.vllm_kv_cache_gib,
-                            gpu_memory_utilization=cfg.runtime.vllm_gpu_memory_utilization,
-                            max_model_len=cfg.runtime.vllm_max_model_len,
-                            lora_rank=cfg.lora.rank if cfg.lora.enabled and cfg.lora.apply == "unmerged" else None)
-        log.info("worker %s: vLLM engine on %s (%s)", self.options.worker_id, folder, cfg.runtime.vllm_dtype)
+        settings = dict(eos_token_id=tokenizer.eos_token_id, seed=cfg.seed, dtype=cfg.runtime.vllm_dtype,
+                        kv_cache_gib=cfg.runtime.vllm_kv_cache_gib,
+                        gpu_memory_utilization=cfg.runtime.vllm_gpu_memory_utilization,
+                        max_model_len=cfg.runtime.vllm_max_model_len,
+                        lora_rank=cfg.lora.rank if cfg.lora.enabled and cfg.lora.apply == "unmerged" else None)
+        started = time.monotonic()
+        if cfg.runtime.vllm_streaming:
+            engine = StreamingVLLMEngine(folder, inflight_kv=cfg.runtime.vllm_inflight_kv,
+                                         max_versions_per_sample=cfg.runtime.max_versions_per_sample, **settings)
+        else:
+            engine = VLLMEngine(folder, **settings)
+        log.info("worker %s: vLLM engine on %s (%s%s), started in %.1f s", self.options.worker_id, folder,
+                 cfg.runtime.vllm_dtype, ", streaming" if cfg.runtime.vllm_streaming else "",
+                 time.monotonic() - started)
         return SamplingClient(engine, tokenizer, version=-1)
 
     def _check_policy(self, model, base: str) -> None:
+        self._check_vocab(model.get_input_embeddings().num_embeddings, base)
+
+    def _check_vocab(self, vocab: int, base: str) -> None:
         """Refuse to start with a policy whose token ids the learner's model cannot take (a wrong tokenizer)."""
-        vocab = model.get_input_embeddings().num_embeddings
         if self.contract is not None and vocab > self.contract.vocab_size:
             raise HeteroRLError(f"policy {base!r} has {vocab} token ids but the learner's model takes "
                                 f"{self.contract.vocab_size}: its trajectories would be rejected; start the worker "

@@ -72,18 +72,6 @@ def paper_claims(sweep, task: str) -> list[Claim]:
     """The paper's five staleness claims checked on ``task`` of a loaded sweep (`heterorl.sweeps.report`)."""
     online = sweep.online_delay
 
-    def per_seed(loss: str, delay: str, score: Callable) -> dict[int, float]:
-        return sweep.seed_scores(task, loss, delay, score)
-
-    def last(cell):
-        return last_score(cell.summary["history"])
-
-    def gap(cell):
-        return best_to_last_gap(cell.summary["history"])
-
-    def metric(key):
-        return lambda cell: run_metric(cell, key)
-
     measured = {}
     for delay in sweep.delays:
         values = [c.summary.get("staleness_mean") for c in sweep.cells
@@ -93,58 +81,98 @@ def paper_claims(sweep, task: str) -> list[Claim]:
             measured[delay] = sum(values) / len(values)
     stale = sorted((d for d, s in measured.items() if s > 0 and d != online), key=measured.get)
     missing = [loss for loss in ("gepo", "grpo") if loss not in sweep.losses]
-    if online is None or not stale or missing:
-        why = (f"the sweep lacks {' and '.join(missing)}" if missing else
-               "the sweep has no online setting" if online is None else "the sweep has no stale setting finished")
+    if not stale or missing:
+        why = f"the sweep lacks {' and '.join(missing)}" if missing else "the sweep has no stale setting finished"
         return [Claim(c, NOT_DECIDED, why) for c in _CLAIMS]
     small, large = stale[0], stale[-1]
+    if online is None:  # a sweep of stale settings only (long runs at one lag): the claims that need none
+        return [*(Claim(c, NOT_DECIDED, "the sweep has no online setting") for c in _CLAIMS[:3]),
+                *_stale_claims(sweep, task, measured, small, large)]
+    return _online_claims(sweep, task, measured, online, small, large) + \
+        _stale_claims(sweep, task, measured, small, large)
 
-    def label(delay: str) -> str:
-        return f"{delay} (staleness {measured[delay]:.1f})"
+
+def _per_seed(sweep, task: str, loss: str, delay: str, score: Callable) -> dict[int, float]:
+    return sweep.seed_scores(task, loss, delay, score)
+
+
+def _last(cell) -> float:
+    return last_score(cell.summary["history"])
+
+
+def _gap(cell) -> float:
+    return best_to_last_gap(cell.summary["history"])
+
+
+def _metric(key: str) -> Callable:
+    return lambda cell: run_metric(cell, key)
+
+
+def _paired(a: Mapping[int, float], b: Mapping[int, float]) -> Interval | None:
+    return paired_ci(a, b) if set(a) & set(b) else None
+
+
+def _label(measured: dict, delay: str) -> str:
+    return f"{delay} (staleness {measured[delay]:.1f})"
+
+
+def _online_claims(sweep, task: str, measured: dict, online: str, small: str, large: str) -> list[Claim]:
+    """The claims that compare stale settings with the online one (the first three)."""
+    def per_seed(loss: str, delay: str) -> dict[int, float]:
+        return _per_seed(sweep, task, loss, delay, _last)
 
     def drop(loss: str) -> dict[int, float]:
-        on, off = per_seed(loss, online, last), per_seed(loss, large, last)
+        on, off = per_seed(loss, online), per_seed(loss, large)
         return {s: on[s] - off[s] for s in set(on) & set(off)}
-
-    def paired(a: Mapping[int, float], b: Mapping[int, float]) -> Interval | None:
-        return paired_ci(a, b) if set(a) & set(b) else None
 
     claims = []
     gepo_drop, grpo_drop = drop("gepo"), drop("grpo")
     iv = mean_ci(list(gepo_drop.values())) if gepo_drop else None
     claims.append(_decide(
         _CLAIMS[0], iv, lambda i: _small_verdict(i, -float("inf"), CLOSE),
-        lambda i: f"GEPO's last-{LAST_EVALS}-evals success fell by {i} from {online} to {label(large)} "
+        lambda i: f"GEPO's last-{LAST_EVALS}-evals success fell by {i} from {online} to {_label(measured, large)} "
                   f"(n={i.n} seeds; 'little' = at most {CLOSE:.2f})"))
-    iv = paired(grpo_drop, gepo_drop)
+    iv = _paired(grpo_drop, gepo_drop)
     claims.append(_decide(
         _CLAIMS[1], iv, _order_verdict,
-        lambda i: f"GRPO's fall minus GEPO's, {online} to {label(large)}: {i} (n={i.n}; GRPO fell "
+        lambda i: f"GRPO's fall minus GEPO's, {online} to {_label(measured, large)}: {i} (n={i.n}; GRPO fell "
                   f"{_mean(grpo_drop):.3f}, GEPO {_mean(gepo_drop):.3f})"))
-    iv = paired(per_seed("gepo", small, last), per_seed("grpo", small, last))
+    iv = _paired(per_seed("gepo", small), per_seed("grpo", small))
     claims.append(_decide(
         _CLAIMS[2], iv, lambda i: _small_verdict(i, -CLOSE, CLOSE),
-        lambda i: f"GEPO minus GRPO at {label(small)}: {i} (n={i.n}; 'close' = within ±{CLOSE:.2f})"))
+        lambda i: f"GEPO minus GRPO at {_label(measured, small)}: {i} (n={i.n}; 'close' = within ±{CLOSE:.2f})"))
+    return claims
+
+
+def _stale_claims(sweep, task: str, measured: dict, small: str, large: str) -> list[Claim]:
+    """The claims that need stale settings only (the last two): late collapse, and the weights' variance."""
+    def per_seed(loss: str, delay: str, score: Callable) -> dict[int, float]:
+        return _per_seed(sweep, task, loss, delay, score)
+
+    claims = []
     if "gspo" in sweep.losses:
-        iv = paired(per_seed("gspo", large, gap), per_seed("gepo", large, gap))
+        iv = _paired(per_seed("gspo", large, _gap), per_seed("gepo", large, _gap))
         claims.append(_decide(
             _CLAIMS[3], iv, _order_verdict,
-            lambda i: f"GSPO's best-to-last gap minus GEPO's at {label(large)}: {i} (n={i.n}; gap = best eval "
-                      f"minus the last-{LAST_EVALS}-evals score)"))
+            lambda i: f"GSPO's best-to-last gap minus GEPO's at {_label(measured, large)}: {i} (n={i.n}; gap = best "
+                      f"eval minus the last-{LAST_EVALS}-evals score)"))
     else:
         claims.append(Claim(_CLAIMS[3], NOT_DECIDED, "the sweep lacks gspo"))
-    grows = paired(per_seed("grpo", large, metric("ratio/seq_var")), per_seed("grpo", small, metric("ratio/seq_var")))
-    lower = paired(per_seed("gepo", large, metric("is/weight_var")), per_seed("gepo", large, metric("ratio/seq_var")))
-    if grows is None or lower is None:
+    seq_var, weight_var = _metric("ratio/seq_var"), _metric("is/weight_var")
+    grows = _paired(per_seed("grpo", large, seq_var), per_seed("grpo", small, seq_var))
+    lower = _paired(per_seed("gepo", large, weight_var), per_seed("gepo", large, seq_var))
+    if small == large:
+        claims.append(Claim(_CLAIMS[4], NOT_DECIDED, "the sweep has one stale setting: nothing to grow from"))
+    elif grows is None or lower is None:
         claims.append(Claim(_CLAIMS[4], NOT_DECIDED, "the runs lack ratio/seq_var or is/weight_var"))
     else:
         both = (_order_verdict(grows), _order_verdict(Interval(-lower.mean, -lower.high, -lower.low, lower.n)))
         verdict = (REPRODUCED if both == (REPRODUCED, REPRODUCED) else
                    NOT_REPRODUCED if NOT_REPRODUCED in both else NOT_DECIDED)
         claims.append(Claim(_CLAIMS[4], verdict,
-                            f"the variance of the sequence ratio p/q in GRPO's runs, {label(large)} minus "
-                            f"{label(small)}: {grows} ({both[0]}); GEPO's own weight variance minus that of p/q "
-                            f"in the same GEPO runs at {label(large)}: {lower} ({both[1]})"))
+                            f"the variance of the sequence ratio p/q in GRPO's runs, {_label(measured, large)} minus "
+                            f"{_label(measured, small)}: {grows} ({both[0]}); GEPO's own weight variance minus that "
+                            f"of p/q in the same GEPO runs at {_label(measured, large)}: {lower} ({both[1]})"))
     return claims
 
 

@@ -18,10 +18,12 @@ from typing import Callable, Sequence
 from heterorl.errors import HeteroRLError
 from heterorl.runs import format_table, json_text, read_metrics
 from heterorl.sweeps.claims import Claim, paper_claims, run_metric
+from heterorl.sweeps.mechanism import markdown_section, plot_mechanism
+from heterorl.sweeps.plots import pyplot as _pyplot
+from heterorl.sweeps.plots import save as _save
 from heterorl.sweeps.stats import LAST_EVALS, eval_auc, last_evals_mean, mean_ci, paired_ci
 
 _CELL_KEYS = ("task", "loss", "delay", "seed", "base_success", "best_success", "final_success")
-_PNG_DPI = 110
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class SweepResults:
     losses: list[str]
     delays: list[str]
     seeds: list[int]
-    online_delay: str
+    online_delay: str | None  # the on-policy setting degradation is measured against; None: the sweep has none
     seconds_per_step: float | None
     cells: list[CellResult]
 
@@ -139,7 +141,8 @@ def _read_spec(spec_path: Path) -> dict:
         raw = json.loads(spec_path.read_text(encoding="utf-8"))
         return dict(name=str(raw["name"]), mode=str(raw["mode"]), losses=[str(x) for x in raw["losses"]],
                     delays=[str(x) for x in raw["delays"]], seeds=[int(x) for x in raw["seeds"]],
-                    online_delay=str(raw["online_delay"]), seconds_per_step=raw.get("seconds_per_step"))
+                    online_delay=None if raw["online_delay"] is None else str(raw["online_delay"]),
+                    seconds_per_step=raw.get("seconds_per_step"))
     except FileNotFoundError:
         raise HeteroRLError(f"{spec_path}: no sweep spec; pass the directory a delay sweep wrote") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -400,6 +403,8 @@ def _markdown_report(sweep: SweepResults, rows: dict[str, list[SummaryRow]], cla
             parts += ["### Scores with 95 % confidence intervals", "", _markdown_table(_CI_HEADER, confidence), "",
                       _confidence_footer(), "", "### The paper's claims", "",
                       *(f"- {claim.sentence()}" for claim in claims[task]), "", _CLAIMS_FOOTER, ""]
+        plot = next((p for p in plots if p.name == f"mechanism_{_slug(task)}.png"), None)
+        parts += markdown_section(sweep, task, plot)
     if not rows:
         parts += ["No finished cells yet.", ""]
     parts += [*(f"- {line}" for line in _footer(sweep)), "", "## Missing or unfinished cells", ""]
@@ -422,23 +427,8 @@ def _plot_task(sweep: SweepResults, task: str, rows: list[SummaryRow], out: Path
     if len(sweep.delays) > 1:
         paths.append(_plot_final_vs_delay(sweep, task, rows, out / f"final_vs_delay_{_slug(task)}.png"))
         paths.append(_plot_drift_vs_delay(sweep, task, rows, out / f"drift_vs_delay_{_slug(task)}.png"))
-    return paths
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=_PNG_DPI)
-    _pyplot().close(fig)
-    return path
+    mechanism = plot_mechanism(sweep, task, out / f"mechanism_{_slug(task)}.png")
+    return paths + ([mechanism] if mechanism is not None else [])
 
 
 def _eval_points(cells: list[CellResult]) -> dict[int, list[float]]:

@@ -31,6 +31,8 @@ Delay presets, with S = seconds_per_step:
 ``lognormal``   the paper's seconds-based setting: delay = clamp(T − d0, L, U), T LogNormal with P(L ≤ T ≤ U) =
 ``weibull``     c; L = 60 s, U = 1920 s, d0 = 400 s, c = 0.995 (Weibull alike), each version its own delay;
                 window of ceil(U / S) versions.
+``lognormal@S'`` the same delays at S' seconds per learner step instead of the sweep's S: a faster learner
+``weibull@S'``  sees the same seconds as more versions (lognormal@3: mean staleness ~20, where S = 28.125 gives ~4).
 
 All the delay sits on the weights path (learner → workers): what matters to the loss is how old the sampling
 policy is, and one path keeps that legible. Trajectories travel without delay.
@@ -101,12 +103,22 @@ def delay_overrides(label: str, seconds_per_step: float) -> dict[str, Any]:
                 "delay.up.kind": "none", "delay.down.kind": "uniform", "delay.down.low_s": 0.0,
                 "delay.down.high_s": steps * seconds_per_step, "delay.down.reorder": True,
                 "delay.seconds_per_step": seconds_per_step}
-    if label in ("lognormal", "weibull"):
+    kind, _, at = label.partition("@")
+    if kind in ("lognormal", "weibull"):
+        if at:
+            try:
+                seconds_per_step = float(at)
+            except ValueError:
+                seconds_per_step = -1.0
+            if not (math.isfinite(seconds_per_step) and seconds_per_step > 0):
+                raise ConfigError(f"delay {label!r}: after '@' give the seconds per learner step, a number > 0 "
+                                  f"(e.g. {kind}@3)")
         window = math.ceil(PAPER_DELAY["U_s"] / seconds_per_step)
         return {"runtime.mode": "async", "buffer.policy": "window", "buffer.max_staleness_steps": window,
-                "delay.up.kind": "none", "delay.down.kind": label, "delay.down.reorder": True,
+                "delay.up.kind": "none", "delay.down.kind": kind, "delay.down.reorder": True,
                 **{f"delay.down.{k}": v for k, v in PAPER_DELAY.items()}, "delay.seconds_per_step": seconds_per_step}
-    raise ConfigError(f"delay {label!r}: not a preset (0, a number of steps, lagK, lognormal, weibull); give it as a "
+    raise ConfigError(f"delay {label!r}: not a preset (0, a number of steps, lagK, lognormal, weibull, "
+                      f"lognormal@SECONDS_PER_STEP); give it as a "
                       f"mapping {{label: {{dotted.key: value}}}} in `delays` instead")
 
 

@@ -142,7 +142,11 @@ class SamplingClient:
         `TrainingClient.save_weights_for_sampler` makes), between samples: a sample in progress finishes with
         the weights it started with."""
         def load() -> None:
-            self.engine.load_state_dict(state)
+            load_version = getattr(self.engine, "load_version", None)  # an engine that stamps versions on tokens
+            if load_version is not None:
+                load_version(version, state)
+            else:
+                self.engine.load_state_dict(state)
             self.version = version
 
         self._executor.submit(load).result()

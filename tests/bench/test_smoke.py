@@ -43,6 +43,17 @@ def test_bench_engine_with_vllm_prints_its_ratios():
     assert out.stdout.count("vLLM   ") >= 2  # its tokens/s line in both comparisons
 
 
+@pytest.mark.vllm
+def test_bench_engine_stream_puts_batch_and_streaming_side_by_side():
+    pytest.importorskip("vllm", reason="the vLLM lane: `make vllm`, then `make test-vllm`")
+    out = run_cli("bench", "engine", "--engine", "vllm", "--stream", "--groups", "8", "--in-flight", "4",
+                  "--group-size", "2", "--repeats", "1", "--publish-every", "0.2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.startswith(("batch", "stream"))}
+    assert set(rows) == {"batch", "stream", "stream+inflight"}, out.stdout
+    assert rows["batch"][-1] == "1.00x" and float(rows["stream+inflight"][-1].rstrip("x")) > 0
+
+
 def test_bench_losses_times_every_loss_against_grpo():
     out = run_cli("bench", "losses", "--batch", "16", "--length", "32", "--repeats", "1", "--warmup", "0")
     assert out.returncode == 0, out.stderr

@@ -283,6 +283,31 @@ def test_m2po_by_hand():
     assert m["is/mask_frac"] == 0.0  # mean (log r)² = .285 ≤ 1: nothing dropped
 
 
+def test_opsm_by_hand():
+    # three rows, two tokens each, advantages given (1, -1, -1); clip 0.2
+    # row 0: A > 0, drifted (KL = .5 > δ)        → kept:   log r = (−.5, −.5), r = e^−.5 < .8 → −min(rA, .8A) = −r
+    # row 1: A < 0, drifted (KL = mean(.3, .1) = .2) → masked: contributes 0 (and no gradient)
+    # row 2: A < 0, on-policy (KL = 0 ≤ δ)       → kept:   r = 1 → −min(−1, −1) = +1 per token
+    lq = [[-1.0, -1.0], [-1.0, -1.0], [-2.0, -2.0]]
+    lp = [[-1.5, -1.5], [-1.3, -1.1], [-2.0, -2.0]]
+    batch = batch_of(lp, lq, advantages=[1.0, -1.0, -1.0])
+    loss, m = run("opsm", batch, advantage="given")
+    assert loss.item() == pytest.approx((-math.exp(-0.5) + 0 + 1) / 3, abs=1e-12)
+    assert m["is/mask_frac"] == pytest.approx(1 / 3)
+    loss.backward()
+    # row 0: d/dlogp of −r over its mean of 2 tokens, /3 rows; row 1: zero; row 2: −r·A/2/3 = +1/6 per token
+    expected = torch.tensor([[-math.exp(-0.5) / 6] * 2, [0.0, 0.0], [1 / 6, 1 / 6]], dtype=F64)
+    assert torch.allclose(batch.logprobs.grad, expected, atol=1e-12)
+    # with δ above row 1's KL nothing is masked and OPSM is exactly GRPO
+    same = dict(advantages=[1.0, -1.0, -1.0])
+    loose, m = run("opsm", batch_of(lp, lq, **same), advantage="given", delta=0.25)
+    plain, _ = run("grpo", batch_of(lp, lq, **same), advantage="given")
+    assert m["is/mask_frac"] == 0.0 and loose.item() == plain.item()
+    # a drifted row with a positive advantage is never masked, however far it drifted
+    _, m = run("opsm", batch_of([[-9.0, -9.0]], [[-1.0, -1.0]], advantages=[1.0]), advantage="given")
+    assert m["is/mask_frac"] == 0.0
+
+
 def test_cispo_by_hand():
     lp = [[-0.5, -1.0, -2.0]]
     batch = batch_of(lp, [[p - LN(r) for p, r in zip(lp[0], (5.0, 0.1, 1.0))]], advantages=[1.0])
@@ -479,7 +504,7 @@ def test_bad_options_are_errors_listing_the_choices():
 
 def test_registry_lists_names_and_takes_user_losses():
     for name in ("gepo", "gepo_defensive", "grpo", "dapo", "dr_grpo", "bnpo", "gspo", "tis", "icepop", "m2po", "cispo",
-                 "decoupled_ppo", "importance_sampling", "cross_entropy"):
+                 "opsm", "decoupled_ppo", "importance_sampling", "cross_entropy"):
         assert name in gepo.loss_names()
     with pytest.raises(KeyError, match="unknown loss 'gepo2'; registered losses: bnpo, cispo"):
         gepo.get_loss("gepo2")

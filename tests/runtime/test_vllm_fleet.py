@@ -88,3 +88,33 @@ logging: {{run_dir: {run}, wandb_mode: disabled, progress: false}}
         if e["mismatch_tokens"]:
             assert e["mismatch_abs_max"] < 1e-3, (name, e)
     assert any(e["mismatch_tokens"] for e in engines.values())
+
+
+def test_a_streaming_vllm_worker_takes_weights_in_flight_and_feeds_an_async_learner(tmp_path):
+    """runtime.vllm_streaming with in-flight updates: groups sent one by one as they end, versions loaded while
+    requests run. Asserted only what cannot depend on timing: every step trains, the trajectories pass the
+    learner's checks (versions per token included), and the vLLM samples agree with the learner's log-probs
+    where they were drawn by the version trained."""
+    run = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(f"""
+seed: 0
+task: {{name: arithmetic, options: {{digits: 3, ops: "+", answer_format: digits, eval_size: 32, eval_seed: 54321}}}}
+rollout: {{group_size: 4, max_tokens: 6}}
+loss: {{name: gepo}}
+rl: {{base: add3-sft-base, steps: 4, prompts_per_step: 4, eval_every: 4}}
+runtime: {{mode: async, workers: 1, engines: [vllm], vllm_python: {sys.executable}, vllm_kv_cache_gib: 0.25,
+           groups_per_call: 2, fleet_wait_s: 300, vllm_streaming: true, inflight_updates: true,
+           max_versions_per_sample: 2}}
+logging: {{run_dir: {run}, wandb_mode: disabled, progress: false}}
+""")
+    out = run_cli("train", "--config", str(config), timeout=900)
+    log = (run / "logs" / "worker-0.log").read_text()
+    assert out.returncode == 0, out.stdout + out.stderr + log[-3000:]
+    assert "vLLM engine on" in log and "streaming" in log
+    records = [r for r in read_metrics(run / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    sent = re.search(r"ended the run after (\d+) groups", log)
+    assert sent and int(sent.group(1)) >= 4, log[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["engines"]["vllm"]["trajectories_trained"] >= 16

@@ -88,3 +88,21 @@ def test_best_to_last_gap():
     history = [{"step": 0, "eval/success": 0.9}, {"step": 1, "eval/success": 0.5},
                {"step": 2, "eval/success": 0.7}, {"step": 3, "eval/success": 0.4}, {"step": 4, "eval/success": 0.4}]
     assert best_to_last_gap(history) == pytest.approx(0.7 - 0.5)  # the base is not the run's best
+
+
+def test_a_sweep_of_one_stale_setting_decides_late_collapse_only(tmp_path):
+    """Long runs at one lag (no online setting): GSPO's best-to-last gap against GEPO's is still checked."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    (root / "sweep.json").write_text(json.dumps({
+        "name": "long", "mode": "simulated", "losses": ["gepo", "gspo", "grpo"], "delays": ["lag32"],
+        "seeds": [0, 1, 2], "online_delay": None, "seconds_per_step": 28.125}))
+    for loss in ("gepo", "gspo", "grpo"):
+        for seed, score in enumerate(SCORES[loss, "lag32"]):
+            _cell(root, loss, "lag32", seed, score, GAPS.get(loss, (0.01, 0.02, 0.01))[seed], {})
+    claims = paper_claims(load_sweep(root), "arithmetic")
+    assert [c.verdict for c in claims[:3]] == [NOT_DECIDED] * 3
+    assert claims[0].evidence == "the sweep has no online setting"
+    assert claims[3].verdict == REPRODUCED and "GSPO's best-to-last gap minus GEPO's at lag32" in claims[3].evidence
+    assert claims[4].verdict == NOT_DECIDED and "one stale setting" in claims[4].evidence
+    assert "GSPO's best-to-last gap is larger than GEPO's" in write_report(root).read_text()

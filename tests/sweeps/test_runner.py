@@ -53,6 +53,11 @@ def test_delay_presets_are_the_papers_settings():
         assert (paper["delay.down.L_s"], paper["delay.down.U_s"], paper["delay.down.d0_s"], paper["delay.down.c"]) == \
             (60.0, 1920.0, 400.0, 0.995)
         assert paper["buffer.max_staleness_steps"] == math.ceil(1920 / 28.125)
+    fast = delay_overrides("lognormal@3", 28.125)  # the paper's seconds on a learner ~9x faster
+    assert fast["delay.seconds_per_step"] == 3.0 and fast["buffer.max_staleness_steps"] == 640
+    assert fast["delay.down.kind"] == "lognormal" and fast["delay.down.d0_s"] == 400.0
+    with pytest.raises(ConfigError, match="after '@' give the seconds per learner step"):
+        delay_overrides("lognormal@-2", 28.125)
     with pytest.raises(ConfigError, match="not a preset"):
         delay_overrides("soon", 28.125)
     lag = delay_overrides("lag32", 28.125)
