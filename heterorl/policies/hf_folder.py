@@ -88,7 +88,7 @@ def load_hf_folder(
     return model, tokenizer
 
 
-def tokenizer_rows(folder: Path) -> int:
+def declared_vocab_size(folder: Path) -> int:
     """The embedding rows (``vocab_size``) a model folder's config.json declares."""
     try:
         return int(json.loads((Path(folder) / "config.json").read_text())["vocab_size"])
@@ -101,7 +101,7 @@ def load_hf_tokenizer(path: str | Path, rows: int | None = None):
     that loads the weights itself, such as vLLM, needs only this): ``rows``, the model's embedding rows, are read
     from its config.json unless given."""
     folder = validate_hf_folder(path)
-    rows = tokenizer_rows(folder) if rows is None else rows
+    rows = declared_vocab_size(folder) if rows is None else rows
     tokenizer = _load_tokenizer(folder)
     _check_tokenizer_class(folder, tokenizer)
     if len(tokenizer) > rows:

@@ -46,7 +46,7 @@ from heterorl.delay.links import DelayLink
 from heterorl.envs.episodes import EpisodeLimits, rollout_groups
 from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy, policy_folder
-from heterorl.policies.hf_folder import load_hf_tokenizer, tokenizer_rows
+from heterorl.policies.hf_folder import declared_vocab_size, load_hf_tokenizer
 from heterorl.runtime.rollouts import (  # noqa: F401 (shard_rng, new_session: imported from here too)
     Pipeline,
     new_session,
@@ -308,7 +308,7 @@ class RolloutWorker:
         folder = policy_folder(base) if self.options.engine == "vllm" and not cfg.lora.enabled else None
         if folder is not None:  # vLLM loads the weights itself: only the tokenizer and the vocabulary are checked
             tokenizer = load_hf_tokenizer(folder)
-            self._check_vocab(tokenizer_rows(folder), base)
+            self._check_vocab(declared_vocab_size(folder), base)
             return self._make_sampler(cfg, base, None, tokenizer)
         # a vLLM worker only checks the policy (and saves a fresh tiny one for vLLM): its copy stays on the CPU
         device = cfg.policy.device if self.options.engine == "torch" else "cpu"
