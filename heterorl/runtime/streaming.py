@@ -12,7 +12,8 @@ What cannot go on is counted (``StreamingRollouts.counts``, in the worker's clos
 does not fit the model (``weights_refused``: the groups in flight end on the old weights and the worker keeps
 them), a group whose request vLLM failed (``request_errors``: its permit is returned, the worker goes on), a
 group started again because its samples would span more than ``runtime.max_versions_per_sample`` versions
-(``restarted``, the engine's rule).
+(``restarted``, the engine's rule), a group started before the worker rejoined the learner (``dropped_at_rejoin``:
+its permit belonged to the session the learner ended, which would refuse it as over the start limit).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class _InFlight:
     problem: object
     prompt: list[int]
     start_wall: float
+    session: int  # the learner's session of this worker it was started in (its permit's)
 
 
 class StreamingRollouts:
@@ -132,7 +134,7 @@ class StreamingRollouts:
         worker.groups_sent += 1
         params = fit_max_tokens(sampling_params(cfg, worker.options.worker_id, index), [prompt], self.max_context)
         future = self.engine.submit(prompt, params, cfg.rollout.group_size)
-        self.in_flight[future] = _InFlight(index, problem, prompt, time.time())
+        self.in_flight[future] = _InFlight(index, problem, prompt, time.time(), self.client.sessions)
 
     # -- weights ------------------------------------------------------------------------------------
     def _take_weights(self) -> None:
@@ -178,6 +180,9 @@ class StreamingRollouts:
                 continue
             except concurrent.futures.CancelledError:
                 self.client.return_starts(1)
+                continue
+            if group.session != self.client.sessions:  # started before the worker rejoined: the learner dropped
+                self.counts["dropped_at_rejoin"] += 1  # the session its permit belonged to, and would refuse it
                 continue
             for sample in samples:
                 sample.text = self.tokenizer.decode(sample.tokens, skip_special_tokens=True)

@@ -18,7 +18,7 @@ from heterorl.tasks import make_task_from
 class _Client:
     def __init__(self):
         self.returned, self.held, self.reward_outcomes, self.busy_s = 0, None, {}, 0.0
-        self.weights = None
+        self.weights, self.sessions = None, 1
 
     def return_starts(self, n):
         self.returned += n
@@ -56,7 +56,7 @@ def test_a_failed_group_is_dropped_counted_and_its_permit_returned():
     loop, _, client, _ = _loop()
     failed = concurrent.futures.Future()
     failed.set_exception(SamplingError("vLLM failed this group's request: ValueError: boom"))
-    loop.in_flight[failed] = SimpleNamespace(index=7)
+    loop.in_flight[failed] = SimpleNamespace(index=7, session=1)
     loop._harvest()
     assert loop.counts["request_errors"] == 1 and client.returned == 1 and not loop.in_flight
     assert "request_errors 1" in loop.tally()
@@ -118,3 +118,15 @@ def test_the_scoring_pipeline_queues_up_to_its_bound_in_order_and_reports_errors
     with pytest.raises(ValueError, match="scoring failed"):
         pipeline.drain()
     pipeline.close()
+
+
+def test_a_group_started_before_the_worker_rejoined_is_dropped_not_sent():
+    """The learner ends a session when its worker says hello again, and refuses the groups started on its permits
+    as over the new session's start limit: a streaming worker drops them (counted) instead of sending them."""
+    loop, _, client, _ = _loop()
+    ended = concurrent.futures.Future()
+    ended.set_result([])
+    loop.in_flight[ended] = SimpleNamespace(index=3, session=1)
+    client.sessions = 2  # rejoined while the group ran
+    loop._harvest()
+    assert loop.counts["dropped_at_rejoin"] == 1 and not loop.in_flight and client.returned == 0

@@ -82,6 +82,7 @@ class WorkerClient(Endpoint):
         self._sent_session = 0
         self._credit_limit = 0
         self._starts_session = 0
+        self.sessions = 0  # the sessions the learner has started for this worker (a join, then each rejoin)
         self._start_limit = -1
         self._starts_said = 0  # the permits used as the latest heartbeat said
         self.advised_threads = 0  # torch threads the learner advises (a worker on its machine; 0: no advice)
@@ -370,6 +371,7 @@ class WorkerClient(Endpoint):
             self._sent_session = len(self._outbox.queue)  # a new session: credit counts restart from what is queued
             self._credit_limit = ready.credits
             self._starts_session, self._start_limit = 0, int(ready.settings.get("start_limit", -1))
+            self.sessions += 1
             self._lock.notify_all()
         log.info("worker %s %s learner at %s", self.worker_id, "joined" if first else "rejoined", self.address)
         self._receiver.offer(ready.newest_version, self._now)
