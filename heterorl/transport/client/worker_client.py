@@ -79,9 +79,7 @@ class WorkerClient(Endpoint):
         self._delay = trajectory_delay
         self._clock: Clock = clock or RealClock()  # the trajectory delay link's clock (`heterorl.delay.clock`)
         self._lock = threading.Condition()
-        self._sent_session = 0
-        self._credit_limit = 0
-        self._starts_session = 0
+        self._sent_session = self._credit_limit = self._starts_session = 0
         self.sessions = 0  # the sessions the learner has started for this worker (a join, then each rejoin)
         self._start_limit = -1
         self._starts_said = 0  # the permits used as the latest heartbeat said
