@@ -468,7 +468,7 @@ def cmd_report(args) -> int:
     if args.summary:
         from heterorl.sweeps.summary import write_summary
 
-        print(f"summary: {write_summary(args.sweep_dir, args.summary)}")
+        print(f"summary: {write_summary(args.sweep_dir, args.summary, args.seeds)}")
         return 0
     if len(args.sweep_dir) > 1:
         raise HeteroRLError(f"{len(args.sweep_dir)} sweep folders given: report one at a time, or give --summary FILE "
@@ -634,7 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "experiments/results/SUMMARY.md)")
     p.add_argument("--out", help="report folder (default: SWEEP_DIR/report)")
     p.add_argument("--seeds", type=_seed_list, help="comma-separated seeds to report (default: all; e.g. those a "
-                   "running sweep has finished for every cell)")
+                   "running sweep has finished for every cell); with --summary, of every sweep given")
     p.add_argument("--wandb-project", help="also log the table to wandb, grouped by the sweep's name")
     p.add_argument("--wandb-mode", default="offline", choices=["offline", "online"])
     p.set_defaults(fn=cmd_report)

@@ -138,3 +138,26 @@ def tiny_policy():
 
     return build_tiny_policy(MAZE_ALPHABET + "0123456789+=# ", TinyModelConfig(hidden_size=64, num_layers=2,
                                                                                intermediate_size=128, seed=1))
+
+
+def teacher_forced(model, context: list[int], tokens: list[int], temperature: float = 1.0,
+                   top_k: int = 0, top_p: float = 1.0):
+    """log p(tokens[t] | context, tokens[:t]) under ``model`` (a 1-D float tensor), from logits divided by
+    ``temperature`` and filtered as the torch engine filters them: what an engine's sampled log-probs must equal."""
+    import torch
+
+    from heterorl.engines.torch_engine import _filter_logits
+
+    with torch.no_grad():
+        logits = model(torch.tensor([context + tokens])).logits[0, len(context) - 1 : -1].float()
+    if temperature != 1.0 or top_k or top_p < 1.0:
+        logits = _filter_logits(logits / temperature, top_k, top_p)
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+def perturbed_state(model, seed: int, scale: float = 0.05) -> dict:
+    """``model``'s state with seeded Gaussian noise of std ``scale`` added to every tensor: a different version."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return {name: t + scale * torch.randn(t.shape, generator=gen) for name, t in model.state_dict().items()}

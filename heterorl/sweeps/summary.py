@@ -6,7 +6,11 @@ Pooling. Per task the difference is paired on seeds (GEPO's last-evals score min
 with its Student-t interval. Over tasks, each task weighs the same: the pooled difference is the mean of the
 per-task means, its standard error sqrt(Σ se_t²) / K from the per-task standard errors (tasks fixed, seeds
 random), and its 95 % interval uses Student's t with Σ (n_t − 1) degrees of freedom. It answers "on these K
-tasks, on average", not "on tasks in general" (three tasks say little about a population of tasks).
+tasks, on average", not "on tasks in general" (three tasks say little about a population of tasks). A task in
+two sweeps (the same task run longer) is pooled once, from the first sweep given; the other is shown beside it.
+
+Text below the `HAND_WRITTEN` line of an earlier page (the reading of the tables) is kept when the page is
+written again.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from heterorl.sweeps.claims import last_score, paper_claims
 from heterorl.sweeps.stats import Interval, paired_ci, t_quantile
 
 REFERENCE = "gepo"
+# a line in the summary page after which the text is written by hand and kept when the page is written again
+HAND_WRITTEN = "<!-- written by hand below: kept by heterorl report --summary -->"
 
 
 @dataclass(frozen=True)
@@ -58,12 +64,13 @@ def _pct(interval: Interval) -> str:
     return f"**{text}**" if interval.excludes_zero() else text
 
 
-def write_summary(sweep_dirs: Sequence[str | Path], out: str | Path) -> Path:
-    """Write the cross-sweep summary of ``sweep_dirs`` (each a sweep's output folder) to the Markdown file ``out``."""
+def write_summary(sweep_dirs: Sequence[str | Path], out: str | Path, seeds: Sequence[int] | None = None) -> Path:
+    """Write the cross-sweep summary of ``sweep_dirs`` (each a sweep's output folder) to the Markdown file ``out``;
+    ``seeds``: only these seeds of every sweep (None: all)."""
     from heterorl.sweeps.report import load_sweep
 
     out = Path(out)
-    sweeps = [load_sweep(d) for d in sweep_dirs]
+    sweeps = [load_sweep(d, seeds) for d in sweep_dirs]
     lines = ["# Round-up of the sweeps: every claim, per task", "",
              "Written by `heterorl report --summary` from " + ", ".join(f"`{s.name}`" for s in sweeps) + ". "
              "Score = a run's mean held-out success over its last three evals, in points; differences are paired on "
@@ -81,9 +88,20 @@ def write_summary(sweep_dirs: Sequence[str | Path], out: str | Path) -> Path:
         report = sweep.path / "report"
         for png in sorted(report.glob("final_vs_delay_*.png")) + sorted(report.glob("mechanism_*.png")):
             lines.append(f"- {sweep.name}: [{png.stem}]({Path(os.path.relpath(png, out.parent)).as_posix()})")
+    kept = _hand_written(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out.write_text("\n".join(lines) + "\n" + (f"\n{kept}" if kept else ""), encoding="utf-8")
     return out
+
+
+def _hand_written(out: Path) -> str:
+    """What follows `HAND_WRITTEN` in an earlier ``out`` (the marker included): the reading of the tables, kept
+    when they are written again."""
+    if not out.is_file():
+        return ""
+    text = out.read_text(encoding="utf-8")
+    at = text.find(HAND_WRITTEN)
+    return text[at:] if at >= 0 else ""
 
 
 def _comparison_table(sweeps) -> list[str]:
@@ -92,7 +110,7 @@ def _comparison_table(sweeps) -> list[str]:
     rows = []
     for baseline in baselines:
         for delay in delays:
-            per_task, cells = [], []
+            per_task, cells, pooled_tasks = [], [], set()
             for sweep in sweeps:
                 if delay not in sweep.delays or baseline not in sweep.losses or REFERENCE not in sweep.losses:
                     continue
@@ -101,8 +119,12 @@ def _comparison_table(sweeps) -> list[str]:
                     theirs = sweep.seed_scores(task, baseline, delay, _score)
                     if set(ours) & set(theirs):
                         interval = paired_ci(ours, theirs)
-                        per_task.append(interval)
-                        cells.append(f"{sweep.name} / {task}: {_pct(interval)} (n={interval.n})")
+                        # a task is pooled once: a later sweep of the same task (e.g. longer runs) is shown only
+                        note = "" if task not in pooled_tasks else ", not pooled: its task is pooled already"
+                        if not note:
+                            per_task.append(interval)
+                            pooled_tasks.add(task)
+                        cells.append(f"{sweep.name} / {task}: {_pct(interval)} (n={interval.n}{note})")
             if per_task:
                 pooled = pool(per_task)
                 shown = "–" if pooled is None else (f"**{pooled}**" if pooled.low > 0 or pooled.high < 0 else

@@ -9,6 +9,7 @@ from heterorl.engines import SamplingParams, TorchEngine
 from heterorl.engines.logprobs import pad_right, selected_logprobs
 from heterorl.engines.torch_engine import _filter_logits
 from heterorl.errors import SamplingError
+from tests.conftest import teacher_forced
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +23,6 @@ def _prompts(tok):
     return [tok("S.#\n..G\n>")["input_ids"], tok("S.\n.G\n>R")["input_ids"], tok(">")["input_ids"]]
 
 
-def _teacher_forced(model, prompt, sample, temperature=1.0, top_k=0, top_p=1.0):
-    seq = torch.tensor([prompt + sample.tokens])
-    with torch.no_grad():
-        logits = model(seq).logits[0, len(prompt) - 1 : -1].float()
-    if temperature != 1.0 or top_k or top_p < 1.0:
-        logits = _filter_logits(logits / temperature, top_k, top_p)
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.tokens)[:, None]).squeeze(-1)
-
 
 def test_logprobs_match_teacher_forcing_fp32(engine, tiny_policy):
     model, tok = tiny_policy
@@ -40,7 +33,7 @@ def test_logprobs_match_teacher_forcing_fp32(engine, tiny_policy):
         assert len(group) == 4
         for sample in group:
             assert len(sample.tokens) == len(sample.logprobs) >= 1
-            expected = _teacher_forced(model, prompt, sample)
+            expected = teacher_forced(model, prompt, sample.tokens)
             worst = max(worst, (expected - torch.tensor(sample.logprobs)).abs().max().item())
             # the engine's own teacher-forced path agrees too
             tf = engine.compute_logprobs([prompt + sample.tokens])[0][len(prompt) - 1 :]
@@ -58,7 +51,7 @@ def test_logprobs_are_of_the_distribution_sampled_from(engine, tiny_policy, para
     prompts = _prompts(tok)
     for prompt, group in zip(prompts, engine.generate(prompts, params, num_samples=3)):
         for s in group:
-            expected = _teacher_forced(model, prompt, s, params.temperature, params.top_k, params.top_p)
+            expected = teacher_forced(model, prompt, s.tokens, params.temperature, params.top_k, params.top_p)
             assert torch.isfinite(expected).all()  # never a token outside the top-k / nucleus set
             assert torch.allclose(expected, torch.tensor(s.logprobs), atol=1e-4)
 

@@ -9,24 +9,14 @@ from heterorl.engines import SamplingParams, TorchEngine
 from heterorl.engines.base import SamplingEngine, WeightUpdates
 from heterorl.errors import SamplingError
 from heterorl.training.session import SamplingClient
-
-
-def _teacher_forced(model, prompt, tokens):
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
-
-
-def _perturbed(model, seed, scale=0.05):
-    gen = torch.Generator().manual_seed(seed)
-    return {name: t + scale * torch.randn(t.shape, generator=gen) for name, t in model.state_dict().items()}
+from tests.conftest import perturbed_state, teacher_forced
 
 
 def test_a_generation_spanning_an_update_carries_both_versions_and_their_logprobs(tiny_policy):
     model, tok = tiny_policy
     old_model = copy.deepcopy(model).eval()
     new_model = copy.deepcopy(model).eval()
-    new_model.load_state_dict(_perturbed(model, 0))
+    new_model.load_state_dict(perturbed_state(model, 0))
     engine = TorchEngine(copy.deepcopy(model), tok)
     polls = []
 
@@ -44,8 +34,8 @@ def test_a_generation_spanning_an_update_carries_both_versions_and_their_logprob
         for sample in group:
             assert sample.versions == [0] * 4 + [1] * 8
             logprobs = torch.tensor(sample.logprobs)
-            old = _teacher_forced(old_model, prompt, sample.tokens)
-            new = _teacher_forced(new_model, prompt, sample.tokens)
+            old = teacher_forced(old_model, prompt, sample.tokens)
+            new = teacher_forced(new_model, prompt, sample.tokens)
             worst[0] = max(worst[0], (old[:4] - logprobs[:4]).abs().max().item())
             worst[1] = max(worst[1], (new[4:] - logprobs[4:]).abs().max().item())
             moved = max(moved, (old[4:] - logprobs[4:]).abs().max().item())
@@ -58,7 +48,7 @@ def test_a_generation_spanning_an_update_carries_both_versions_and_their_logprob
 def test_the_sampler_reports_versions_and_holds_the_newest(tiny_policy):
     model, tok = tiny_policy
     sampler = SamplingClient.for_model(copy.deepcopy(model), tok, version=5)
-    newer = _perturbed(model, 1)
+    newer = perturbed_state(model, 1)
     offers = iter([None, (6, newer), None, (7, newer)])
     [sample] = sampler.sample(tok(">")["input_ids"], 1, SamplingParams(max_tokens=8, seed=0, ignore_eos=True),
                               weight_updates=lambda: next(offers, None)).result()

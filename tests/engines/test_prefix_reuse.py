@@ -12,18 +12,8 @@ from heterorl.engines.base import SamplingEngine, WeightUpdates
 from heterorl.engines.prefix_cache import PrefixStore
 from heterorl.envs.episodes import EpisodeLimits, rollout_groups
 from heterorl.training.session import SamplingClient
+from tests.conftest import perturbed_state, teacher_forced
 from tests.envs.test_episodes import Toy
-
-
-def _teacher_forced(model, context, tokens):
-    with torch.no_grad():
-        logits = model(torch.tensor([context + tokens])).logits[0, len(context) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
-
-
-def _perturbed(model, seed, scale=0.05):
-    gen = torch.Generator().manual_seed(seed)
-    return {name: t + scale * torch.randn(t.shape, generator=gen) for name, t in model.state_dict().items()}
 
 
 def _first_turn(engine, tok, seed=5):
@@ -69,7 +59,7 @@ def test_a_later_turn_samples_as_a_whole_prefill_does_and_as_teacher_forcing_say
         for a, b in zip(group_reused, group_whole):
             assert a.tokens == b.tokens and a.stop_reason == b.stop_reason
             assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
-            exact = _teacher_forced(model, context, a.tokens)
+            exact = teacher_forced(model, context, a.tokens)
             assert (exact - torch.tensor(a.logprobs)).abs().max() <= 1e-4
 
 
@@ -94,7 +84,7 @@ def test_new_weights_empty_the_store(tiny_policy):
     engine = TorchEngine(copy.deepcopy(model), tok)
     prompts, turns = _first_turn(engine, tok)
     new_model = copy.deepcopy(model)
-    new_model.load_state_dict(_perturbed(model, 0))
+    new_model.load_state_dict(perturbed_state(model, 0))
     engine.load_state_dict(new_model.state_dict())
     assert len(engine.prefixes) == 0
     contexts = _contexts(tok, prompts, turns)
@@ -102,8 +92,8 @@ def test_new_weights_empty_the_store(tiny_policy):
     moved = 0.0
     for context, (sample,) in zip(contexts, out):
         logprobs = torch.tensor(sample.logprobs)
-        assert (_teacher_forced(new_model, context, sample.tokens) - logprobs).abs().max() <= 1e-4
-        moved = max(moved, (_teacher_forced(model, context, sample.tokens) - logprobs).abs().max().item())
+        assert (teacher_forced(new_model, context, sample.tokens) - logprobs).abs().max() <= 1e-4
+        moved = max(moved, (teacher_forced(model, context, sample.tokens) - logprobs).abs().max().item())
     assert moved > 1e-2
 
     class Adapter(dict):
@@ -119,7 +109,7 @@ def test_new_weights_empty_the_store(tiny_policy):
 def test_contexts_kept_after_an_inflight_update_are_the_new_weights(tiny_policy):
     model, tok = tiny_policy
     new_model = copy.deepcopy(model)
-    new_model.load_state_dict(_perturbed(model, 1))
+    new_model.load_state_dict(perturbed_state(model, 1))
     engine = TorchEngine(copy.deepcopy(model), tok)
     _first_turn(engine, tok)
     polls = iter([None, None, (1, new_model.state_dict())])
@@ -131,7 +121,7 @@ def test_contexts_kept_after_an_inflight_update_are_the_new_weights(tiny_policy)
     contexts = _contexts(tok, prompts, [s.tokens for (s,) in first])
     for context, (sample,) in zip(contexts, engine.generate(contexts, SamplingParams(max_tokens=6, seed=4),
                                                             reuse_prefixes=True)):
-        assert (_teacher_forced(new_model, context, sample.tokens) - torch.tensor(sample.logprobs)).abs().max() <= 1e-4
+        assert (teacher_forced(new_model, context, sample.tokens) - torch.tensor(sample.logprobs)).abs().max() <= 1e-4
 
 
 def test_weights_changed_in_place_empty_the_store(tiny_policy):
@@ -148,8 +138,8 @@ def test_weights_changed_in_place_empty_the_store(tiny_policy):
     contexts = _contexts(tok, prompts, turns)
     for context, (sample,) in zip(contexts, engine.generate(contexts, SamplingParams(max_tokens=6, seed=2),
                                                             reuse_prefixes=True)):
-        assert (_teacher_forced(shared, context, sample.tokens) - torch.tensor(sample.logprobs)).abs().max() <= 1e-4
-        assert (_teacher_forced(model, context, sample.tokens) - torch.tensor(sample.logprobs)).abs().max() > 1e-3
+        assert (teacher_forced(shared, context, sample.tokens) - torch.tensor(sample.logprobs)).abs().max() <= 1e-4
+        assert (teacher_forced(model, context, sample.tokens) - torch.tensor(sample.logprobs)).abs().max() > 1e-3
 
 
 def test_the_store_stays_within_its_budget_and_evicts_the_least_recently_used():

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm", reason="the vLLM lane: `make vllm`, then `make test-vllm`")
 
 from heterorl.engines.vllm_engine import VLLMEngine  # noqa: E402
+from tests.conftest import teacher_forced  # noqa: E402
 
 POLICY = "add3-sft-base"
 
@@ -43,13 +44,6 @@ def prompts(policy):
     return [encode_prompt(policy[1], p) for p in ("123+456=", "905+17=", "48+600=", "999+999=")]
 
 
-def _teacher_forced(model, prompt, tokens, temperature):
-    seq = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        logits = model(seq).logits[0].float()
-    logp = torch.log_softmax(logits / temperature, -1)
-    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
-
 
 def test_sample_logprobs_are_those_of_the_distribution_sampled(engine, policy, prompts):
     """At temperature 0.7 every sample's log-probs equal the learner's teacher-forced log-probs of the same tokens
@@ -61,12 +55,12 @@ def test_sample_logprobs_are_those_of_the_distribution_sampled(engine, policy, p
     for prompt, group in zip(prompts, groups):
         for sample in group:
             assert len(sample.logprobs) == len(sample.tokens) >= 1
-            expected = _teacher_forced(model, prompt, sample.tokens, 0.7)
+            expected = teacher_forced(model, prompt, sample.tokens, 0.7).tolist()
             worst = max(worst, max(abs(a - b) for a, b in zip(sample.logprobs, expected)))
     assert worst < 1e-4, worst
     assert len({tuple(s.tokens) for g in groups for s in g}) > 1  # it sampled, it did not decode greedily
     greedy = engine.generate(prompts[:1], SamplingParams(max_tokens=6, temperature=0.0), num_samples=1)[0][0]
-    expected = _teacher_forced(model, prompts[0], greedy.tokens, 1.0)
+    expected = teacher_forced(model, prompts[0], greedy.tokens, 1.0).tolist()
     assert max(abs(a - b) for a, b in zip(greedy.logprobs, expected)) < 1e-4
 
 
@@ -240,7 +234,7 @@ def test_episodes_play_on_vllm_with_exact_logprobs_and_the_answers_marked(engine
                                                                               sample.env_spans[1::2])]
             assert answers == ["\n1+1=", "\n2+2="]
             mask = policy_token_mask(sample.env_spans, len(sample.tokens))
-            expected = _teacher_forced(model, prompt, sample.tokens, 0.7)
+            expected = teacher_forced(model, prompt, sample.tokens, 0.7).tolist()
             for logprob, exact, policy_token in zip(sample.logprobs, expected, mask):
                 assert abs(logprob - exact) < 1e-4 if policy_token else logprob == 0.0
     sampler._executor.shutdown()  # (the module's engine stays open for the other tests)

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm", reason="the vLLM lane: `make vllm`, then `make test-vllm`")
 
 from heterorl.engines.vllm_stream import StreamingVLLMEngine  # noqa: E402
+from tests.conftest import teacher_forced  # noqa: E402
 
 POLICY = "add3-sft-base"
 LONG = SamplingParams(max_tokens=120, temperature=1.0, ignore_eos=True, seed=5)
@@ -56,13 +57,6 @@ def engine(policy):
 def prompt(policy):
     return encode_prompt(policy[1], "123+456=")
 
-
-def _teacher_forced(state, model, prompt, tokens):
-    """log p(token_t | prompt, tokens_<t) under ``state`` loaded into a copy of ``model``, at temperature 1."""
-    model.load_state_dict(state)
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0].float(), -1)
-    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
 
 
 def _wait_for_tokens(engine, at_least: int, timeout_s: float = 60.0) -> None:
@@ -102,8 +96,10 @@ def test_a_version_loaded_mid_generation_stamps_each_token_and_its_logprob_is_ex
     for sample in samples:
         assert set(sample.versions) <= {before, before + 1} and sample.versions == sorted(sample.versions)
         spanned += len(set(sample.versions)) == 2
-        by_version = {before: _teacher_forced(old_state, copy, prompt, sample.tokens),
-                      before + 1: _teacher_forced(perturbed, copy, prompt, sample.tokens)}
+        by_version = {}
+        for version, state in ((before, old_state), (before + 1, perturbed)):
+            copy.load_state_dict(state)
+            by_version[version] = teacher_forced(copy, prompt, sample.tokens).tolist()
         worst = max(worst, max(abs(lp - by_version[v][i]) for i, (lp, v) in
                                enumerate(zip(sample.logprobs, sample.versions))))
     assert spanned == len(samples)  # every sample was ~20 tokens in when the version changed

@@ -18,6 +18,7 @@ from heterorl.runtime.worker import stamp_groups
 from heterorl.tasks.base import Problem
 from heterorl.tasks.rewards import outcome_counts
 from heterorl.training.session import SamplingClient
+from tests.conftest import teacher_forced
 
 
 class Counting(Environment):
@@ -104,12 +105,6 @@ def _sampler(tiny_policy, version=0):
     return SamplingClient.for_model(copy.deepcopy(model), tok, version=version)
 
 
-def _teacher_forced(model, context, start):
-    """log p of ``context[start:]`` given what comes before each token."""
-    with torch.no_grad():
-        logits = model(torch.tensor([context])).logits[0, start - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(context[start:])[:, None]).squeeze(-1)
-
 
 PARAMS = SamplingParams(max_tokens=3, temperature=1.0, seed=7)
 
@@ -132,7 +127,7 @@ def test_an_episode_is_one_token_array_with_the_answers_marked_and_the_policy_lo
             logprobs = torch.tensor(sample.logprobs)
             assert (logprobs[~torch.from_numpy(mask)] == 0).all()
             # each policy token's log-prob is the model's, given everything before it: the answers included
-            exact = _teacher_forced(sampler.engine.model, prompt + sample.tokens, len(prompt))
+            exact = teacher_forced(sampler.engine.model, prompt, sample.tokens)
             assert (exact - logprobs)[torch.from_numpy(mask)].abs().max() < 1e-4
     assert outcome_counts(task) == {"episode:done": 8}
 

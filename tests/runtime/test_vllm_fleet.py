@@ -18,21 +18,34 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="the vLLM lane: `make vllm`, then `make test-vllm`")
 
 
-def test_a_torch_worker_and_a_vllm_worker_feed_one_learner(tmp_path):
+ADD3 = '{name: arithmetic, options: {digits: 3, ops: "+", answer_format: digits, eval_size: 32, eval_seed: 54321}}'
+
+
+def _train(tmp_path, *, task: str, rollout: str, rl: str, runtime: str, more: str = ""):
+    """`heterorl train` on a config of the given sections (each a YAML flow mapping's inside), vLLM workers
+    started with this interpreter; returns the run folder, the finished process and the last vLLM worker's log."""
     run = tmp_path / "run"
     config = tmp_path / "run.yaml"
     config.write_text(f"""
 seed: 0
-task: {{name: arithmetic, options: {{digits: 3, ops: "+", answer_format: digits, eval_size: 32, eval_seed: 54321}}}}
-rollout: {{group_size: 4, max_tokens: 6}}
-loss: {{name: gepo}}
-rl: {{base: add3-sft-base, steps: 3, prompts_per_step: 4, eval_every: 3}}
-runtime: {{mode: sync, workers: 2, engines: [torch, vllm], vllm_python: {sys.executable}, vllm_kv_cache_gib: 0.25,
-           groups_per_call: 2, fleet_wait_s: 300}}
+task: {task}
+rollout: {{{rollout}}}
+rl: {{{rl}}}
+runtime: {{{runtime}, vllm_python: {sys.executable}, vllm_kv_cache_gib: 0.25, fleet_wait_s: 300}}
 logging: {{run_dir: {run}, wandb_mode: disabled, progress: false}}
-""")
+{more}""")
     out = run_cli("train", "--config", str(config), timeout=900)
-    assert out.returncode == 0, out.stdout + out.stderr + (run / "logs" / "worker-1.log").read_text()[-3000:]
+    logs = sorted((run / "logs").glob("worker-*.log"))
+    log = logs[-1].read_text() if logs else ""
+    assert out.returncode == 0, out.stdout + out.stderr + log[-3000:]
+    return run, out, log
+
+
+def test_a_torch_worker_and_a_vllm_worker_feed_one_learner(tmp_path):
+    run, out, _ = _train(tmp_path, task=ADD3, rollout="group_size: 4, max_tokens: 6",
+                         rl="base: add3-sft-base, steps: 3, prompts_per_step: 4, eval_every: 3",
+                         runtime="mode: sync, workers: 2, engines: [torch, vllm], groups_per_call: 2",
+                         more="loss: {name: gepo}")
     records = [r for r in read_metrics(run / "metrics.jsonl") if r["step"] > 0]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["staleness/versions_max"] == 0 for r in records)
@@ -64,21 +77,11 @@ def test_a_vllm_worker_the_weights_do_not_fit_leaves_and_the_run_goes_on(tmp_pat
 def test_a_lora_run_feeds_a_torch_and_a_vllm_worker_adapters_kept_unmerged(tmp_path):
     """Each version is the adapter alone; the torch worker keeps it in adapter layers, the vLLM worker runs it
     as a vLLM LoRA adapter: at staleness 0 both sample with the learner's weights."""
-    run = tmp_path / "run"
-    config = tmp_path / "run.yaml"
-    config.write_text(f"""
-seed: 0
-task: {{name: arithmetic, options: {{digits: 3, ops: "+", eval_size: 32}}}}
-rollout: {{group_size: 4, max_tokens: 12}}
-optim: {{lr: 1.0e-3}}
-rl: {{base: arith-hash-sft-base, steps: 3, prompts_per_step: 4, eval_every: 3}}
-runtime: {{mode: sync, workers: 2, engines: [torch, vllm], vllm_python: {sys.executable}, vllm_kv_cache_gib: 0.25,
-           groups_per_call: 2, fleet_wait_s: 300}}
-lora: {{rank: 8, apply: unmerged}}
-logging: {{run_dir: {run}, wandb_mode: disabled, progress: false}}
-""")
-    out = run_cli("train", "--config", str(config), timeout=900)
-    assert out.returncode == 0, out.stdout + out.stderr + (run / "logs" / "worker-1.log").read_text()[-3000:]
+    run, _, _ = _train(tmp_path, task='{name: arithmetic, options: {digits: 3, ops: "+", eval_size: 32}}',
+                       rollout="group_size: 4, max_tokens: 12",
+                       rl="base: arith-hash-sft-base, steps: 3, prompts_per_step: 4, eval_every: 3",
+                       runtime="mode: sync, workers: 2, engines: [torch, vllm], groups_per_call: 2",
+                       more="optim: {lr: 1.0e-3}\nlora: {rank: 8, apply: unmerged}")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["weights"]["version_bytes"] < 10**6  # the adapter, not the 4 MB model
     engines = summary["engines"]
@@ -95,22 +98,11 @@ def test_a_streaming_vllm_worker_takes_weights_in_flight_and_feeds_an_async_lear
     requests run. Asserted only what cannot depend on timing: every step trains, the trajectories pass the
     learner's checks (versions per token included), and the vLLM samples agree with the learner's log-probs
     where they were drawn by the version trained."""
-    run = tmp_path / "run"
-    config = tmp_path / "run.yaml"
-    config.write_text(f"""
-seed: 0
-task: {{name: arithmetic, options: {{digits: 3, ops: "+", answer_format: digits, eval_size: 32, eval_seed: 54321}}}}
-rollout: {{group_size: 4, max_tokens: 6}}
-loss: {{name: gepo}}
-rl: {{base: add3-sft-base, steps: 4, prompts_per_step: 4, eval_every: 4}}
-runtime: {{mode: async, workers: 1, engines: [vllm], vllm_python: {sys.executable}, vllm_kv_cache_gib: 0.25,
-           groups_per_call: 2, fleet_wait_s: 300, vllm_streaming: true, inflight_updates: true,
-           max_versions_per_sample: 2}}
-logging: {{run_dir: {run}, wandb_mode: disabled, progress: false}}
-""")
-    out = run_cli("train", "--config", str(config), timeout=900)
-    log = (run / "logs" / "worker-0.log").read_text()
-    assert out.returncode == 0, out.stdout + out.stderr + log[-3000:]
+    run, _, log = _train(tmp_path, task=ADD3, rollout="group_size: 4, max_tokens: 6",
+                         rl="base: add3-sft-base, steps: 4, prompts_per_step: 4, eval_every: 4",
+                         runtime="mode: async, workers: 1, engines: [vllm], groups_per_call: 2, vllm_streaming: true, "
+                                 "inflight_updates: true, max_versions_per_sample: 2",
+                         more="loss: {name: gepo}")
     assert "vLLM engine on" in log and "streaming" in log
     records = [r for r in read_metrics(run / "metrics.jsonl") if r["step"] > 0]
     assert [r["step"] for r in records] == [1, 2, 3, 4]

@@ -56,7 +56,7 @@ def test_the_summary_across_sweeps_pools_the_tasks_paired_differences(sweep_dir,
     """Two sweeps (one task each): the claims of both, and GEPO − GRPO per task and pooled, each task the same
     weight, the interval from the per-task standard errors with Σ(n − 1) degrees of freedom."""
     from heterorl.sweeps.stats import Interval, t_quantile
-    from heterorl.sweeps.summary import pool, write_summary
+    from heterorl.sweeps.summary import HAND_WRITTEN, pool, write_summary
 
     a = Interval(0.02, 0.02 - t_quantile(0.975, 4) * 0.01, 0.02 + t_quantile(0.975, 4) * 0.01, 5)  # se 0.01
     b = Interval(0.04, 0.04 - t_quantile(0.975, 4) * 0.02, 0.04 + t_quantile(0.975, 4) * 0.02, 5)  # se 0.02
@@ -64,10 +64,18 @@ def test_the_summary_across_sweeps_pools_the_tasks_paired_differences(sweep_dir,
     half = t_quantile(0.975, 8) * math.sqrt(0.01 ** 2 + 0.02 ** 2) / 2
     assert pooled.mean == pytest.approx(0.03) and pooled.high - pooled.mean == pytest.approx(half)
     assert pool([Interval(0.1, 0.1, 0.1, 1)]) is None  # one seed: no spread, nothing to pool
-    page = write_summary([sweep_dir, sweep_dir], tmp_path / "SUMMARY.md").read_text()
+    out = tmp_path / "SUMMARY.md"
+    page = write_summary([sweep_dir, sweep_dir], out).read_text()
     assert "| GEPO degrades little from online to the largest staleness | mech / add3 |" in page
-    # same scores for every loss and seed: a paired difference of exactly 0, twice, pooled to 0
-    assert "| grpo | 16 | mech / add3: +0.0 [+0.0, +0.0] (n=2); mech / add3: +0.0 [+0.0, +0.0] (n=2) |" in page
+    # same scores for every loss and seed: a paired difference of exactly 0; the second sweep of the same task is
+    # shown, not pooled again
+    assert ("| grpo | 16 | mech / add3: +0.0 [+0.0, +0.0] (n=2); mech / add3: +0.0 [+0.0, +0.0] (n=2, not pooled: "
+            "its task is pooled already) | +0.0 [+0.0, +0.0] |") in page
+    # the reading written below the marker survives the page being written again
+    out.write_text(page + f"\n{HAND_WRITTEN}\nGEPO wins here.\n")
+    again = write_summary([sweep_dir], out).read_text()
+    assert again.startswith("# Round-up") and again.endswith(f"{HAND_WRITTEN}\nGEPO wins here.\n")
+    assert again.count(HAND_WRITTEN) == 1 and "not pooled" not in again
 
 
 def test_the_report_command_writes_the_summary_and_refuses_two_folders_without_it(sweep_dir, tmp_path):
@@ -75,5 +83,9 @@ def test_the_report_command_writes_the_summary_and_refuses_two_folders_without_i
 
     out = run_cli("report", "--summary", str(tmp_path / "S.md"), str(sweep_dir))
     assert out.returncode == 0 and (tmp_path / "S.md").is_file(), out.stderr
+    assert "(n=2)" in (tmp_path / "S.md").read_text()
+    out = run_cli("report", "--summary", str(tmp_path / "S.md"), "--seeds", "0", str(sweep_dir))
+    assert out.returncode == 0 and "(n=1)" in (tmp_path / "S.md").read_text() and "(n=2)" not in (
+        tmp_path / "S.md").read_text(), out.stderr
     out = run_cli("report", str(sweep_dir), str(sweep_dir))
     assert out.returncode != 0 and "give --summary FILE" in out.stderr
