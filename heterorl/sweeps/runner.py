@@ -323,7 +323,8 @@ class SweepRunner:
 
 # the per-step metrics a finished cell's summary keeps the run's mean of, so that a sweep's claims and drift
 # columns rebuild from the summaries alone (a cell's metrics.jsonl may stay on the machine that ran it)
-SUMMARISED = ("ratio/seq_var", "ratio/seq_ess", "ratio/token_var", "is/weight_var", "is/clip_frac", "kl/k3")
+SUMMARISED = ("ratio/seq_var", "ratio/seq_ess", "ratio/token_var", "is/weight_var", "is/clip_frac", "is/mask_frac",
+              "kl/k3")
 
 
 def metric_means(path: Path) -> dict[str, float]:
