@@ -94,9 +94,34 @@ def markdown_section(sweep, task: str, plot: Path | None) -> list[str]:
               "(`is/weight_var`): GEPO's group weight, GRPO's and most others' token ratio, GSPO's length-normalised "
               "sequence ratio. " + (f"The log-normal model Var(p/q) = e^(2·T·KL) − 1 fits these runs with T = "
                                    f"{length:.1f} tokens." if length is not None else ""), ""]
+    lines += [ARGUMENT, ""] + _verdict(rows)
     if plot is not None:
         lines += [f"![mechanism]({plot.name})", ""]
     return lines
+
+
+ARGUMENT = ("What the paper's argument predicts: with per-token log ratios of mean ≈ 0, Var(p/q) = e^(2·T·KL) − 1 "
+            "grows exponentially with the drift, because each sequence is divided by its own q; GEPO divides by the "
+            "group's expectation of q instead, so its weight's variance should stay near its on-policy value and its "
+            "ratio to Var(p/q) should fall as the KL grows.")
+
+
+def _verdict(rows: list[MechanismRow], loss: str = "gepo") -> list[str]:
+    """Whether ``loss``'s rows follow the argument: its weight's variance against p/q's, least to most drift."""
+    stale = sorted((r for r in rows if r.loss == loss and r.ratio is not None), key=lambda r: r.kl)
+    online = [r for r in rows if r.loss == loss and r.ratio is None]
+    if not stale:
+        return []
+    low, high = stale[0], stale[-1]
+    start = f"{online[0].applied_var:.3g} on-policy, " if online else ""
+    text = (f"Here, {loss.upper()}'s weight variance is {start}{low.applied_var:.3g} at KL {low.kl:.3g} and "
+            f"{high.applied_var:.3g} at KL {high.kl:.3g}, while Var(p/q) is {low.sequence_var:.3g} and "
+            f"{high.sequence_var:.3g}: the ratio goes {low.ratio:.3g} → {high.ratio:.3g}")
+    if len(stale) < 2 or high.kl <= low.kl:
+        return [text + " (one drift level: nothing to compare).", ""]
+    follows = high.ratio < low.ratio
+    return [text + (" — it falls as the KL grows, as the argument predicts." if follows else
+                    " — it does not fall as the KL grows: the data do not follow the argument."), ""]
 
 
 def plot_mechanism(sweep, task: str, path: Path) -> Path | None:

@@ -48,8 +48,21 @@ def test_the_report_has_the_mechanism_table_and_figure(sweep_dir):
     md = write_report(sweep_dir).read_text(encoding="utf-8")
     assert "### The mechanism: weight variance against the measured KL" in md
     assert "| gepo | 16 | 2 | 0.03 | 0.06 |" in md and "T = 4.0 tokens" in md
+    assert "What the paper's argument predicts" in md and "(one drift level: nothing to compare)" in md
     png = sweep_dir / "report" / "mechanism_add3.png"
     assert png.read_bytes().startswith(b"\x89PNG") and "](mechanism_add3.png)" in md
+
+
+def test_the_verdict_reads_whether_gepo_s_ratio_falls_with_the_kl():
+    from heterorl.sweeps.mechanism import MechanismRow, _verdict
+
+    online = MechanismRow("gepo", "0", 5, 1e-13, 0.05, 1e-12)
+    falling = [online, MechanismRow("gepo", "4", 5, 0.01, 0.06, 0.2), MechanismRow("gepo", "64", 5, 0.08, 0.08, 2.0)]
+    text = _verdict(falling)[0]
+    assert "0.05 on-policy" in text and "0.3 → 0.04" in text and "as the argument predicts" in text
+    rising = [online, MechanismRow("gepo", "4", 5, 0.01, 0.02, 0.2), MechanismRow("gepo", "64", 5, 0.08, 2.0, 2.0)]
+    assert "do not follow" in _verdict(rising)[0]
+    assert _verdict([online]) == []
 
 
 def test_the_summary_across_sweeps_pools_the_tasks_paired_differences(sweep_dir, tmp_path):
