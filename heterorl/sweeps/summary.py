@@ -120,10 +120,11 @@ def _comparison_table(sweeps) -> list[str]:
                     if set(ours) & set(theirs):
                         interval = paired_ci(ours, theirs)
                         # a task is pooled once: a later sweep of the same task (e.g. longer runs) is shown only
-                        note = "" if task not in pooled_tasks else ", not pooled: its task is pooled already"
-                        if not note:
+                        pooled_here = task not in pooled_tasks
+                        if pooled_here:
                             per_task.append(interval)
                             pooled_tasks.add(task)
+                        note = "" if pooled_here else ", not pooled: its task is pooled already"
                         cells.append(f"{sweep.name} / {task}: {_pct(interval)} (n={interval.n}{note})")
             if per_task:
                 pooled = pool(per_task)
