@@ -231,10 +231,14 @@ class RemoteFuture(Future):
         self.service, self.future_id = service, future_id
 
     def cancel(self) -> bool:
-        if self.done():
-            return False
+        # cancelled here first: the service answers the poll of a call it cancels at once, and that answer must not
+        # finish this future before the DELETE returns (the poller stops on a cancelled future)
+        if self.cancelled():
+            return True
+        if not super().cancel():
+            return False  # done already
         self.service._request("DELETE", f"/api/v1/futures/{self.future_id}")
-        return super().cancel()
+        return True
 
 
 def _refusal(response: httpx.Response, method: str, path: str) -> Exception:

@@ -347,3 +347,26 @@ def test_a_sampling_call_its_client_cancels_stops_between_decode_steps_and_a_wai
         assert service.cancel_call(running.future_id) == "done"
         assert len(sampler.sample(prompt, 2, SamplingParams(max_tokens=3)).result()) == 2  # it serves on
         training.close()
+
+
+def test_cancel_wins_over_the_poll_that_sees_the_service_cancel_the_call():
+    """The service answers the poll of a call it cancels at once; when that answer lands before the DELETE
+    returns, `cancel()` still cancels (it once returned False and left the call's error on the future)."""
+    from heterorl.errors import HeteroRLError
+    from heterorl.service.client import RemoteFuture
+
+    class PollerWinsTheRace:
+        sent = 0
+
+        def _request(self, method, path):
+            assert (method, path) == ("DELETE", "/api/v1/futures/f1")
+            self.sent += 1
+            try:  # what the polling thread does when the service's answer arrives first
+                future.set_exception(HeteroRLError("cancelled on the service"))
+            except Exception:  # InvalidStateError: the future is cancelled already (the poller ignores it)
+                pass
+
+    service = PollerWinsTheRace()
+    future = RemoteFuture(service, "f1")
+    assert future.cancel() and future.cancelled()
+    assert future.cancel() and service.sent == 1  # cancelled already: nothing more is sent
