@@ -45,6 +45,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -59,6 +60,7 @@ from omegaconf.errors import OmegaConfBaseException
 from heterorl.errors import ConfigError, HeteroRLError
 from heterorl.files import write_atomically
 from heterorl.runs import json_text, read_metrics
+from heterorl.runtime.signals import signal_handlers
 from heterorl.sweeps.report import cell_name
 
 # A loss preset is the loss with its published defaults; "tis" is GRPO with truncated importance sampling.
@@ -154,6 +156,10 @@ class PlannedCell:
     def variant(self) -> str:
         """The loss label, plus the other swept keys' values when there are any."""
         return self.loss + "".join(f"+{k}={v}" for k, v in self.extra.items())
+
+
+def _exit_on_signal(signum, _frame) -> None:
+    raise SystemExit(128 + signum)  # the shell's exit status for a signal, after the `finally` blocks ran
 
 
 class SweepRunner:
@@ -254,24 +260,12 @@ class SweepRunner:
             f"{len(todo)} to run ({self.spec.parallel} at a time, {self.spec.mode}) -> {self.out}")
         running: list[tuple[PlannedCell, str, subprocess.Popen, float]] = []
         failed: list[str] = []
-        finished = 0
         try:
-            while todo or running:
-                while todo and len(running) < self.spec.parallel:
-                    cell, text, digest = todo.pop(0)
-                    running.append((cell, digest, self._start(cell, text), time.monotonic()))
-                for item in list(running):
-                    cell, digest, proc, started = item
-                    if proc.poll() is None:
-                        continue
-                    running.remove(item)
-                    finished += 1
-                    ok = self._record(cell, digest, proc.returncode)
-                    if not ok:
-                        failed.append(cell.name)
-                    log(self._progress_line(cell, ok, finished, finished + len(todo) + len(running),
-                                            time.monotonic() - started))
-                time.sleep(0.2)
+            # SIGTERM (`kill`, `timeout`, a batch system) ends the sweep through `finally`, as Ctrl-C does: the cells
+            # run in sessions of their own, so a signal to the sweep does not reach them, and left running they
+            # would write into folders the next run starts again
+            with signal_handlers(_exit_on_signal, (signal.SIGTERM,)):
+                self._run_cells(todo, running, failed, log)
         finally:
             for _, _, proc, _ in running:  # interrupted: stop what runs; those cells rerun next time
                 proc.terminate()
@@ -280,6 +274,27 @@ class SweepRunner:
                 except subprocess.TimeoutExpired:
                     proc.kill()
         return failed
+
+    def _run_cells(self, todo: list, running: list, failed: list[str], log) -> None:
+        """Start cells as slots free up and record each one that ends, until none is left (``running`` is the
+        caller's, so that it can stop what runs when this is interrupted)."""
+        finished = 0
+        while todo or running:
+            while todo and len(running) < self.spec.parallel:
+                cell, text, digest = todo.pop(0)
+                running.append((cell, digest, self._start(cell, text), time.monotonic()))
+            for item in list(running):
+                cell, digest, proc, started = item
+                if proc.poll() is None:
+                    continue
+                running.remove(item)
+                finished += 1
+                ok = self._record(cell, digest, proc.returncode)
+                if not ok:
+                    failed.append(cell.name)
+                log(self._progress_line(cell, ok, finished, finished + len(todo) + len(running),
+                                        time.monotonic() - started))
+            time.sleep(0.2)
 
     def _start(self, cell: PlannedCell, config_text: str) -> subprocess.Popen:
         folder = self.out / "cells" / cell.name

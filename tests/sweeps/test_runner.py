@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,50 @@ def test_a_failing_cell_is_reported_and_the_others_finish(tmp_path):
     assert failed["status"] == "failed" and failed["log_tail"]
     assert json.loads((out / "cells" / "gepo__d0__s0" / "summary.json").read_text())["status"] == "done"
     assert "broken__d0__s0" in (out / "report" / "summary.md").read_text()  # listed as unfinished
+
+
+def _processes_naming(text: str) -> list[int]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def test_a_sweep_stopped_by_sigterm_stops_its_running_cells(tmp_path):
+    """The cells run in sessions of their own; SIGTERM to the sweep (`kill`, `timeout`) stops them too, or they
+    would go on writing into folders the next run starts again."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ENV, REPO
+
+    (tmp_path / "run.yaml").write_text(RUN.replace("steps: 2,", "steps: 100000,"))  # runs until stopped
+    path = tmp_path / "sweep.yaml"
+    path.write_text(SWEEP.replace("parallel: 2", "parallel: 1").replace('["0", "4"]', '["0"]')
+                    .replace("[gepo, grpo]", "[gepo]"))
+    cell_config = str(tmp_path / "out" / "cells" / "gepo__d0__s0" / "cell_config.yaml")
+    sweep = subprocess.Popen([sys.executable, "-m", "heterorl.cli", "sweep", str(path), "--out", str(tmp_path / "out")],
+                             env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not _processes_naming(cell_config):
+            assert sweep.poll() is None, sweep.stderr.read().decode()
+            assert time.monotonic() < deadline, "the sweep never started its cell"
+            time.sleep(0.1)
+        sweep.send_signal(signal.SIGTERM)
+        assert sweep.wait(60) == 128 + signal.SIGTERM
+        assert not _processes_naming(cell_config), "the cell outlived its sweep"
+        assert not (tmp_path / "out" / "cells" / "gepo__d0__s0" / "summary.json").exists()  # reruns next time
+    finally:
+        sweep.kill()
+        for pid in _processes_naming(cell_config):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
