@@ -360,6 +360,16 @@ def _yaml(value: Any) -> str:
     return json.dumps(value)
 
 
+def _override(merged, item: str):
+    """One ``key=value`` from the command line: a mapping merges into a mapping (``overrides={rl.steps: 2}``
+    adds to the file's), anything else replaces (``losses=[gepo]`` runs one loss of a file that maps its losses)."""
+    key = item.split("=", 1)[0].strip()
+    value = OmegaConf.select(OmegaConf.from_dotlist([item]), key)
+    current = OmegaConf.select(merged, key, default=None)
+    OmegaConf.update(merged, key, value, merge=OmegaConf.is_dict(current) and OmegaConf.is_dict(value))
+    return merged
+
+
 def load_spec(path: str | Path | None, overrides: list[str] = ()) -> SweepSpec:
     """Defaults ← the sweep YAML ← ``key=value`` overrides, validated."""
     merged = OmegaConf.structured(SweepSpec)
@@ -371,7 +381,8 @@ def load_spec(path: str | Path | None, overrides: list[str] = ()) -> SweepSpec:
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"override {bad[0]!r} is not of the form key=value (e.g. parallel=2)")
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        for item in overrides:
+            merged = _override(merged, item)
         container = OmegaConf.to_container(merged, resolve=True)
     except (OmegaConfBaseException, TypeError) as exc:
         key = getattr(exc, "full_key", None) or "?"

@@ -57,6 +57,17 @@ def test_a_sweep_that_agrees_with_the_paper_reproduces_every_claim(tmp_path):
     assert "lag4 (staleness 4.0)" in claims[2].evidence  # the smallest stale setting, by measured staleness
 
 
+def test_a_sweep_without_a_small_staleness_has_not_tested_the_third_claim(tmp_path, monkeypatch):
+    """Staleness 4 is "small" only while it is at most SMALL_STALENESS: above it the claim is not tested, even
+    where GEPO and GRPO are within a point of each other."""
+    monkeypatch.setitem(STALENESS, "lag4", 12.0)  # the least stale setting measured 12 versions
+    claims = paper_claims(load_sweep(_sweep(tmp_path)), "arithmetic")
+    assert claims[2].verdict == NOT_DECIDED
+    assert claims[2].evidence.startswith("not tested: the least stale setting, lag4 (staleness 12.0), is above "
+                                         "the 8 versions taken as small; GEPO minus GRPO there: ")
+    assert [c.verdict for c in claims[:2] + claims[3:]] == [REPRODUCED] * 4
+
+
 def test_verdicts_follow_the_intervals(tmp_path):
     # GRPO falls less than GEPO (0.00-0.01 vs 0.09-0.11): claim 2 is reversed, claim 1 fails its margin
     flipped = {**SCORES, ("gepo", "lag32"): (0.70, 0.71, 0.72), ("grpo", "lag32"): (0.80, 0.81, 0.81)}

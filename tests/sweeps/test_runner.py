@@ -74,18 +74,43 @@ def test_a_fixed_lag_needs_the_simulation_and_no_delays():
         load_config(None, ["delay.fixed_lag_steps=-1", "runtime.execution=simulated"])
 
 
-def test_a_miniature_fixed_lag_sweep_measures_exactly_its_lag_at_every_step(tmp_path):
-    path = write_sweep(tmp_path, SWEEP.replace('["0", "4"]', '["lag0", "lag2"]').replace("[gepo, grpo]", "[gepo]"))
+_COMMITTED = Path(__file__).parents[2] / "experiments" / "configs"
+
+
+@pytest.mark.parametrize("sweep, loss, task, lags", [("rg_arith_cpu.yaml", "opsm", "reasoning_gym", (2,)),
+                                                     ("maze4_cpu.yaml", "m2po", "maze", (0, 2)),
+                                                     ("add3_long.yaml", "gspo", "arithmetic", (2,))])
+def test_a_miniature_of_each_committed_sweep_runs_its_own_config(tmp_path, sweep, loss, task, lags):
+    """The committed sweep's file itself, cut down from the command line to 2-step cells at small fixed lags:
+    its run config, shipped base, task and loss run end to end (the full sweeps take hours), and a fixed lag is
+    exactly that lag at every step, from the first."""
     out = tmp_path / "out"
-    done = run_cli("sweep", str(path), "--out", str(out))
+    done = run_cli("sweep", str(_COMMITTED / sweep), "--out", str(out), "seeds=[0]", f"losses=[{loss}]",
+                   f"delays=[{', '.join(f'lag{k}' for k in lags)}]", "parallel=2",
+                   "overrides={rl.steps: 2, rl.prompts_per_step: 4, rl.eval_every: 2, task.options.eval_size: 8}")
     assert done.returncode == 0, done.stdout + done.stderr
-    for k in (0, 2):
-        cell = out / "cells" / f"gepo__dlag{k}__s0"
-        steps = [json.loads(line) for line in (cell / "metrics.jsonl").read_text().splitlines()][1:]
+    file_run = load_config(_COMMITTED / load_spec(_COMMITTED / sweep).config)
+    for k in lags:
+        folder = out / "cells" / f"{loss}__dlag{k}__s0"
+        summary = json.loads((folder / "summary.json").read_text())
+        assert (summary["status"], summary["task"], summary["loss"], summary["steps"]) == ("done", task, loss, 2)
+        steps = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()][1:]
         assert [r["staleness/versions_mean"] for r in steps] == [k, k]  # from the first step: no ramp
-        summary = json.loads((cell / "summary.json").read_text())
         assert (summary["staleness_p50"], summary["staleness_p95"], summary["staleness_max"]) == (k, k, k)
-    assert json.loads((out / "sweep.json").read_text())["online_delay"] == "lag0"
+        cell = load_config(folder / "cell_config.yaml")
+        assert (cell.rl.base, cell.optim.lr, cell.rollout.group_size) == \
+            (file_run.rl.base, file_run.optim.lr, file_run.rollout.group_size)  # the file's run, only shrunk
+    if 0 in lags:
+        assert json.loads((out / "sweep.json").read_text())["online_delay"] == "lag0"
+
+
+def test_command_line_keys_replace_a_sweeps_lists_and_add_to_its_overrides(tmp_path):
+    path = write_sweep(tmp_path, SWEEP.replace("[gepo, grpo]", "{gepo: {loss.name: gepo}, grpo: {loss.name: grpo}}")
+                       + "overrides: {rl.steps: 3}\n")
+    spec = load_spec(path, ["losses=[grpo]", "delays=[lag2]", "overrides={rl.prompts_per_step: 2}"])
+    assert (spec.losses, spec.delays) == (["grpo"], ["lag2"])  # a list replaces the file's mapping
+    assert spec.overrides == {"rl.steps": 3, "rl.prompts_per_step": 2}  # a mapping adds to the file's
+    assert load_spec(path, ["seeds=[3, 4]"]).seeds == [3, 4]
 
 
 def test_every_cell_resolves_to_a_valid_run_config(tmp_path):
