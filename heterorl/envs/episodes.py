@@ -304,12 +304,13 @@ class _EpisodePlayer:
         episode.tokens += tokens
         episode.logprobs += list(sample.logprobs[:len(tokens)])
         episode.versions += list(sample.versions[:len(tokens)]) if sample.versions else [version] * len(tokens)
-        episode.texts.append(sample.text if not cut else self.tokenizer.decode(tokens, skip_special_tokens=True))
+        takes_ids = getattr(episode.env, "takes_token_ids", False)
+        decoded = self.tokenizer.decode(tokens, skip_special_tokens=True) if cut or not takes_ids else None
+        episode.texts.append(decoded if cut else sample.text)
         episode.turns += 1
         if cut or not tokens:
             self._close(episode, "budget")
-        episode.action = (tokens if getattr(episode.env, "takes_token_ids", False)
-                          else self.tokenizer.decode(tokens, skip_special_tokens=True))
+        episode.action = tokens if takes_ids else decoded
 
     # -- the environments' steps ----------------------------------------------------------------------
     def _submit_steps(self, episodes: list[_Episode], pending: dict) -> None:
