@@ -12,11 +12,11 @@ The workload: every group is ``--group-size`` samples of one prompt whose length
 (``--mean-tokens`` x LogNormal(0, ``--sigma``), capped to the model's context, EOS ignored so that every sample is
 exactly that long), the same sequence of groups for each mode. A publisher thread plays the learner: a new
 version (the same weights, loaded in full each time) every ``--publish-every`` seconds. Printed per mode:
-samples/s and tokens/s, the engine's occupancy (mean sequences in flight over ``--in-flight`` x group size,
-sampled every 10 ms), the per-token staleness when its group was delivered (versions behind the newest
-published, and seconds since its version stopped being the newest), and the versions loaded with the mean time
-a load held the caller (pause, load, resume). Each mode runs ``--repeats`` times, the modes interleaved; the row
-shown is each mode's median run by samples/s, and the ratios are against ``batch``'s.
+samples/s and tokens/s, the engine's occupancy (sequences in flight over ``--in-flight`` x group size, averaged
+over time: each count weighted by how long it held), the per-token staleness when its group was delivered
+(versions behind the newest published, and seconds since its version stopped being the newest), and the versions
+loaded with the mean time a load held the caller (pause, load, resume). Each mode runs ``--repeats`` times, the
+modes interleaved; the row shown is each mode's median run by samples/s, and the ratios are against ``batch``'s.
 """
 
 from __future__ import annotations
@@ -116,12 +116,30 @@ class _Publisher:
         self._thread.join()
 
 
+class _TimeWeighted:
+    """The time-weighted mean of a count (the groups in flight): each value counts for as long as it held,
+    so a busy stretch is not over-weighted by how often the loop looked at it."""
+
+    def __init__(self) -> None:
+        self.start = self.since = time.monotonic()
+        self.value, self.area = 0, 0.0
+
+    def set(self, value: int) -> None:
+        now = time.monotonic()
+        self.area += self.value * (now - self.since)
+        self.since, self.value = now, value
+
+    def mean(self) -> float:
+        self.set(self.value)
+        return self.area / max(1e-9, self.since - self.start)
+
+
 def _run_mode(engine, mode: str, prompt: list[int], work: list, state: dict, args) -> dict:
     engine.load_version(engine.version + 1, state)
     offset = engine.version  # the publisher's version v is the engine's offset + v
     loads, load_s = 0, 0.0
     publisher = _Publisher(args.publish_every)
-    occupancy, samples, tokens, stale_versions, stale_seconds = [], 0, 0, [], []
+    samples, tokens, stale_versions, stale_seconds = 0, 0, [], []
     in_flight: dict[concurrent.futures.Future, int] = {}
     todo = list(range(len(work)))
     held = 0  # the publisher's version the engine holds
@@ -146,36 +164,36 @@ def _run_mode(engine, mode: str, prompt: list[int], work: list, state: dict, arg
                 stale_versions.append(newest - v)
                 stale_seconds.append(now - publisher.published[v + 1] if v < newest else 0.0)
 
+    occupancy = _TimeWeighted()
     start = time.monotonic()
-    last_probe = start
     while todo or in_flight:
-        if time.monotonic() - last_probe >= 0.01:
-            occupancy.append(len(in_flight) * args.group_size / (args.in_flight * args.group_size))
-            last_probe = time.monotonic()
         if mode == "batch":
             take(newest_only_when_idle=True)
             for i in todo[:args.in_flight]:
                 in_flight[engine.submit(prompt, work[i], args.group_size)] = i
             del todo[:args.in_flight]
+            occupancy.set(len(in_flight))
             while in_flight:
                 done, _ = concurrent.futures.wait(list(in_flight), timeout=0.01,
                                                   return_when=concurrent.futures.FIRST_COMPLETED)
-                occupancy.append(len(in_flight) * args.group_size / (args.in_flight * args.group_size))
                 for future in done:
                     deliver(future)
+                occupancy.set(len(in_flight))
             continue
         take(newest_only_when_idle=mode == "stream")
         waiting_for_version = mode == "stream" and publisher.newest > held
         while todo and len(in_flight) < args.in_flight and not waiting_for_version:
             i = todo.pop(0)
             in_flight[engine.submit(prompt, work[i], args.group_size)] = i
+        occupancy.set(len(in_flight))
         done, _ = concurrent.futures.wait(list(in_flight), timeout=0.01, return_when=concurrent.futures.FIRST_COMPLETED)
         for future in done:
             deliver(future)
+        occupancy.set(len(in_flight))
     elapsed = time.monotonic() - start
     publisher.stop()
     return {"samples_per_s": samples / elapsed, "tokens_per_s": tokens / elapsed,
-            "occupancy": sum(occupancy) / max(1, len(occupancy)),
+            "occupancy": occupancy.mean() / args.in_flight,
             "staleness_versions": sum(stale_versions) / max(1, len(stale_versions)),
             "staleness_s": sum(stale_seconds) / max(1, len(stale_seconds)),
             "loads": loads, "ms_per_load": 1000 * load_s / max(1, loads)}

@@ -192,3 +192,15 @@ def test_bench_sandbox_scores_programs_with_hanging_shares_in_each_sandbox_and_t
     assert len(rows) == 3 * len(kinds) and "'timeout': 4" in rows[-1] and "'ok': 4" in rows[0]
     assert "ms per program" in out.stdout and ("x weak)" in rows[0]) == (len(kinds) == 2)
     assert "sampling only" in out.stdout and "scored while the next batch samples" in out.stdout
+
+
+def test_the_stream_bench_weights_occupancy_by_time_not_by_how_often_it_looked(monkeypatch):
+    from heterorl.bench import stream
+
+    clock = iter([0.0, 1.0, 1.5, 4.0, 4.0])  # start; 4 in flight from 1 s; 2 from 1.5 s; the mean asked at 4 s
+    monkeypatch.setattr(stream.time, "monotonic", lambda: next(clock))
+    occupancy = stream._TimeWeighted()
+    occupancy.set(4)
+    occupancy.set(2)
+    # 0 for 1 s, 4 for 0.5 s, 2 for 2.5 s: (0 + 2 + 5) / 4
+    assert occupancy.mean() == 7 / 4
