@@ -251,13 +251,14 @@ class StreamingVLLMEngine(VLLMEngine):
     def close(self) -> None:
         """Stop vLLM's engine processes and the event loop."""
         llm = self.__dict__.pop("llm", None)
-        if llm is not None:
-            llm.shutdown()
         loop = self._loop._loop
-        if loop is not None:
-            try:
+        try:
+            if loop is not None:  # vLLM's output handler first: left running, it logs the engine's stop as its death
                 self._loop.submit(_cancel_all()).result(timeout=10)
-            finally:
+        finally:
+            if llm is not None:
+                llm.shutdown()
+            if loop is not None:
                 loop.call_soon_threadsafe(loop.stop)
 
 
