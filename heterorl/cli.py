@@ -231,8 +231,7 @@ def cmd_demo(args) -> int:
     if (run_dir / "checkpoints").is_dir():
         print(f"demo: replacing the previous demo run in {run_dir}", file=sys.stderr)
         shutil.rmtree(run_dir)
-    return cmd_train(argparse.Namespace(config=args.config, overrides=args.overrides, dry_run=False, mode=None,
-                                        workers=None, resume=None))
+    return _train(cfg)
 
 
 # heterorl bench NAME: the module of heterorl.bench whose main(argv) runs it
@@ -334,7 +333,6 @@ def cmd_rollout(args) -> int:
 
 def cmd_train(args) -> int:
     from heterorl.config import to_yaml
-    from heterorl.runtime.launch import refuse_busy_ports, train
 
     if args.address and args.launcher != "ray":
         raise HeteroRLError(f"--address {args.address} is the address of a Ray cluster: add --launcher ray")
@@ -357,22 +355,30 @@ def cmd_train(args) -> int:
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return 0
-    if cfg.runtime.execution != "simulated" and args.launcher == "local":  # said here, in one line
-        refuse_busy_ports(cfg, cfg.runtime.address, bool(args.resume))
+    return _train(cfg, resume=bool(args.resume), launcher=args.launcher, address=args.address)
+
+
+def _train(cfg, resume: bool = False, launcher: str = "local", address: str | None = None) -> int:
+    """A run of learner + rollout workers (`heterorl train`, `heterorl demo`): on this machine's processes
+    (``launcher`` local, or one process with runtime.execution=simulated) or on a Ray cluster at ``address``; a
+    progress bar, then the run's summary."""
+    from heterorl.runtime.accounting import summary_text
+    from heterorl.runtime.launch import refuse_busy_ports, train
+
+    if cfg.runtime.execution != "simulated" and launcher == "local":  # said here, in one line
+        refuse_busy_ports(cfg, cfg.runtime.address, resume)
     bar, update = _progress(cfg.rl.steps, f"train ({cfg.runtime.mode}, {cfg.runtime.workers} workers"
-                            f"{', on Ray' if args.launcher == 'ray' else ''})", cfg.logging.progress)
+                            f"{', on Ray' if launcher == 'ray' else ''})", cfg.logging.progress)
     try:
-        if args.launcher == "ray":
+        if launcher == "ray":
             from heterorl.deploy.ray_launcher import train_on_ray
 
-            code = train_on_ray(cfg, address=args.address, resume=bool(args.resume), progress=update)
+            code = train_on_ray(cfg, address=address, resume=resume, progress=update)
         else:
-            code = train(cfg, resume=bool(args.resume), progress=update)
+            code = train(cfg, resume=resume, progress=update)
     finally:
         bar.close()
     run_dir = Path(cfg.logging.run_dir)
-    from heterorl.runtime.accounting import summary_text
-
     print(summary_text(json.loads((run_dir / "summary.json").read_text()), run_dir))
     return code
 
@@ -512,13 +518,14 @@ def cmd_compare(args) -> int:
 def cmd_deploy(args) -> int:
     from heterorl.deploy.render import deploy_command
 
-    return deploy_command(args, _load(_config_path(args.config), args.overrides))
+    return deploy_command(args.target, _load(_config_path(args.config), args.overrides), args.config, out=args.out,
+                          force=args.force)
 
 
 def cmd_tasks(args) -> int:
     from heterorl.tasks.catalog import tasks_command
 
-    return tasks_command(args)
+    return tasks_command(show_name=args.show, as_json=args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:

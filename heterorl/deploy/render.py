@@ -62,10 +62,11 @@ def instructions(target: str, cfg: Config, out: Path) -> str:
                       note])
 
 
-def deploy_command(args, cfg: Config) -> int:
-    """`heterorl deploy`: ``cfg`` is the run config `heterorl.cli` loaded from ``args.config`` and its overrides."""
-    out = Path(args.out) if args.out else default_out(args.target, args.config)
-    written = write_files(out, render(args.target, cfg, out.as_posix()), args.force)
-    print(f"heterorl deploy {args.target}: wrote {', '.join(path.as_posix() for path in written)}")
-    print(instructions(args.target, cfg, out))
+def deploy_command(target: str, cfg: Config, config_name: str, out: str | None = None, force: bool = False) -> int:
+    """`heterorl deploy TARGET CONFIG`: ``cfg`` is the run config loaded from ``config_name`` and its overrides;
+    the files go into ``out`` (default: runs/deploy/TARGET/NAME), replacing ones that differ only with ``force``."""
+    folder = Path(out) if out else default_out(target, config_name)
+    written = write_files(folder, render(target, cfg, folder.as_posix()), force)
+    print(f"heterorl deploy {target}: wrote {', '.join(path.as_posix() for path in written)}")
+    print(instructions(target, cfg, folder))
     return 0

@@ -49,17 +49,100 @@ class Child:
         self._log.close()
 
 
-def stop_process(proc: subprocess.Popen, timeout_s: float) -> int:
-    """SIGTERM to ``proc`` if it still runs (it checkpoints or says goodbye and leaves), SIGKILL after
-    ``timeout_s``; returns its exit status."""
+def stop_process(proc: subprocess.Popen, timeout_s: float, gone_within_s: float = 10.0) -> int:
+    """Stop ``proc`` and every process it started: SIGTERM to its process group (each process heterorl starts
+    leads a session of its own, so the group is the process and what it forked), so that it checkpoints or says
+    goodbye and leaves; after ``timeout_s`` SIGKILL to the group and to every descendant seen meanwhile (those that
+    started sessions of their own too). Returns ``proc``'s exit status once every one of them is gone, or raises
+    HeteroRLError naming the survivors ``gone_within_s`` after the SIGKILL."""
+    leads_group = _group_of(proc.pid) == proc.pid
+    seen = _Descendants(proc.pid)
+    seen.look()
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _signal(proc, leads_group, signal.SIGTERM)
+    deadline, orphans_told = time.monotonic() + timeout_s, False
+    while time.monotonic() < deadline:
+        if proc.poll() is None:
+            seen.look()  # while it lives: an orphan's parent is no longer this process
+        elif not seen.alive():
+            return proc.returncode
+        elif not orphans_told:  # it left processes behind: they get the same SIGTERM, in the same time
+            orphans_told = True
+            for pid in seen.alive():
+                _kill(pid, signal.SIGTERM)
+        time.sleep(0.05)
+    _signal(proc, leads_group, signal.SIGKILL)
+    for pid in seen.alive():
+        _kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + gone_within_s
+    while proc.poll() is None or seen.alive():
+        if time.monotonic() > deadline:
+            raise HeteroRLError(f"pid {proc.pid} or the processes it started ({sorted(seen.alive())}) outlived "
+                                f"SIGKILL by {gone_within_s:g} s (in uninterruptible sleep?)")
+        time.sleep(0.05)
     return proc.returncode
+
+
+def _signal(proc: subprocess.Popen, whole_group: bool, sig: signal.Signals) -> None:
+    """``sig`` to ``proc`` (its group when it leads one) while it is not reaped: a reaped pid may be another's."""
+    if proc.poll() is None:
+        _kill(proc.pid, sig, group=whole_group)
+
+
+def _kill(pid: int, sig: signal.Signals, group: bool = False) -> None:
+    try:
+        (os.killpg if group else os.kill)(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # gone already (or its pid reused by another user's process: not ours to signal)
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _stat(pid: int) -> tuple[str, int, int, int] | None:
+    """(state, parent pid, process group, start time in clock ticks) of a live process, from /proc."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # the command name, in parentheses, may hold spaces
+    return fields[0], int(fields[1]), int(fields[2]), int(fields[19])
+
+
+class _Descendants:
+    """Every process seen below ``root`` or in its process group, each known by (pid, start time) so that a pid
+    the kernel reuses for another process is not taken for it. Zombies count as gone (their parent, or init,
+    reaps them)."""
+
+    def __init__(self, root: int) -> None:
+        self.root, self.known = root, {}
+
+    def look(self) -> None:
+        table = {}
+        for entry in Path("/proc").glob("[0-9]*"):
+            stat = _stat(int(entry.name))
+            if stat is not None:
+                table[int(entry.name)] = stat
+        parents, grew = {self.root, *self.known}, True
+        while grew:  # until no new child is found (a child's pid may be lower than its parent's)
+            grew = False
+            for pid, (_, parent, group, started) in table.items():
+                if pid not in parents and (parent in parents or group == self.root):
+                    self.known.setdefault(pid, started)
+                    parents.add(pid)
+                    grew = True
+
+    def alive(self) -> list[int]:
+        living = []
+        for pid, started in self.known.items():
+            stat = _stat(pid)
+            if stat is not None and stat[3] == started and stat[0] != "Z":
+                living.append(pid)
+        return living
 
 
 @dataclass

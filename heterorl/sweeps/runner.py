@@ -61,6 +61,7 @@ from heterorl.errors import ConfigError, HeteroRLError
 from heterorl.files import write_atomically
 from heterorl.runs import json_text, read_metrics
 from heterorl.runtime.signals import signal_handlers
+from heterorl.runtime.supervise import stop_process
 from heterorl.sweeps.report import cell_name
 
 # A loss preset is the loss with its published defaults; "tis" is GRPO with truncated importance sampling.
@@ -71,6 +72,9 @@ LOSS_PRESETS: dict[str, dict[str, Any]] = {
     "tis": {"loss.name": "tis"},
     "dr_grpo": {"loss.name": "dr_grpo"},
 }
+# a stopped sweep gives each running cell this long to stop its learner and workers itself (`heterorl train` stops
+# each in turn, up to 10 s apiece), then SIGKILLs what is left of the cell's process tree
+CELL_STOP_S = 45.0
 PAPER_DELAY = {"L_s": 60.0, "U_s": 1920.0, "d0_s": 400.0, "c": 0.995}
 
 
@@ -267,12 +271,8 @@ class SweepRunner:
             with signal_handlers(_exit_on_signal, (signal.SIGTERM,)):
                 self._run_cells(todo, running, failed, log)
         finally:
-            for _, _, proc, _ in running:  # interrupted: stop what runs; those cells rerun next time
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            for _, _, proc, _ in running:  # interrupted: stop what runs (each cell's whole process tree, until it is
+                stop_process(proc, CELL_STOP_S)  # gone: no orphan writes into its folder); those cells rerun next time
         return failed
 
     def _run_cells(self, todo: list, running: list, failed: list[str], log) -> None:

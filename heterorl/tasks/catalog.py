@@ -98,11 +98,12 @@ def show(name: str, out: TextIO = sys.stdout) -> None:
     print(textwrap.indent(f"prompt: {problem.prompt}\ndemonstration: {task.demonstration(problem)}", "  "), file=out)
 
 
-def tasks_command(args) -> int:
-    if args.json:
+def tasks_command(show_name: str | None = None, as_json: bool = False) -> int:
+    """`heterorl tasks [--show NAME] [--json]`."""
+    if as_json:
         print(json.dumps(catalog(), indent=2, default=str))
-    elif args.show:
-        show(args.show)
+    elif show_name:
+        show(show_name)
     else:
         print_catalog()
     return 0

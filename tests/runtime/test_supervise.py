@@ -105,3 +105,53 @@ def test_a_child_runs_under_its_prefix_with_its_number_filled_in(tmp_path):
     assert child.proc.wait(60) == 2
     child.stop()
     assert "invalid choice: 'no-such-command'" in (tmp_path / "w.log").read_text()
+
+
+TREE = """
+import os, signal, subprocess, sys, time
+out = sys.argv[1]
+# a child in this process group that ignores SIGTERM, and a grandchild in a session of its own that ignores it too
+ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); open({!r}, 'w').close(); time.sleep(600)"
+subprocess.Popen([sys.executable, "-c", ignore.format(out + ".child")])
+subprocess.Popen([sys.executable, "-c", ignore.format(out + ".orphan")], start_new_session=True)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the parent itself leaves at once, as `heterorl train` does
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def test_stop_process_returns_only_when_its_whole_tree_is_gone_sessions_of_their_own_included(tmp_path):
+    """The sweep's and `heterorl train`'s stop: SIGTERM to the process group; what ignores it, in the group or in a
+    session of its own, is SIGKILLed after the timeout; and the call returns only when none of them is left."""
+    import os
+    import time
+
+    from heterorl.runtime.supervise import stop_process
+
+    out = str(tmp_path / "started")
+    proc = subprocess.Popen([sys.executable, "-c", TREE, out], start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (os.path.exists(out + ".child") and os.path.exists(out + ".orphan")):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    descendants = _children_of(proc.pid)
+    assert len(descendants) == 2
+    assert stop_process(proc, timeout_s=1.0) == 0  # the parent left on SIGTERM; its children did not
+    assert [pid for pid in descendants if _alive(pid)] == []
