@@ -2,6 +2,7 @@
 runtime's and transport's functions short enough to read (docs/ARCHITECTURE.md)."""
 
 import ast
+import re
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -12,7 +13,6 @@ LONG_CLASS_LINES, LONG_MODULE_LINES = 400, 600  # a class or a module past these
 # a module ("path") or class ("path::Class") past its bound, with why it may be for now; an entry goes when it fits
 TOO_LONG_ALLOWED = {
     "heterorl/cli.py": "the command line's table of contents: one parser and one short handler per command",
-    "heterorl/config.py": "every config section in one leaf module, so that one file is the reference of every key",
     "heterorl/training/session.py": "the session primitives and their data types, the public API in one place",
 }
 
@@ -26,10 +26,10 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The project modules ``name`` imports, anywhere in the file (inside functions too)."""
+def _imports_with_lines(name: str, path: Path, known: dict[str, Path]) -> list[tuple[int, str]]:
+    """(line, project module) of every import in ``name``'s file (inside functions too)."""
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    targets = set()
+    found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             candidates = [alias.name for alias in node.names]
@@ -44,8 +44,13 @@ def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
             while target and target not in known:
                 target = target.rpartition(".")[0]
             if target and target != name and not name.startswith(target + "."):
-                targets.add(target)
-    return targets
+                found.append((node.lineno, target))
+    return found
+
+
+def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules ``name`` imports, anywhere in the file (inside functions too)."""
+    return {target for _, target in _imports_with_lines(name, path, known)}
 
 
 def _graph() -> dict[str, set[str]]:
@@ -77,11 +82,67 @@ def test_no_module_imports_a_module_that_imports_it_back():
 
 def test_config_is_a_leaf_and_gepo_knows_nothing_of_heterorl():
     graph = _graph()
-    assert graph["heterorl.config"] <= {"heterorl.errors", "heterorl.deploy.settings", "gepo"}, graph["heterorl.config"]
-    assert graph["heterorl.deploy.settings"] <= {"heterorl.errors"}  # the `cluster` section: a leaf beside config
+    config = {target for name, targets in graph.items() if name.startswith("heterorl.config") for target in targets}
+    assert {t for t in config if not t.startswith("heterorl.config")} <= {"heterorl.errors", "gepo"}, config
     for name, targets in graph.items():
         if name.startswith("gepo"):
             assert not any(t.startswith("heterorl") for t in targets), (name, targets)
+
+
+def floors(text: str) -> dict[str, int]:
+    """The package → layer table of docs/ARCHITECTURE.md's "Dependencies" section."""
+    table = text[text.index("## Dependencies"):]
+    rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", table, re.M)
+    return {package: int(layer) for layer, packages in rows for package in re.findall(r"`([a-z_]+)`", packages)}
+
+
+def _package_of(module: str) -> str | None:
+    """`heterorl.transport.server` → ``transport``, `heterorl.cli` → ``cli``, `gepo.losses` → ``gepo``."""
+    parts = module.split(".")
+    if parts[0] == "gepo":
+        return "gepo"
+    return parts[1] if len(parts) > 1 else None  # heterorl/__init__.py: the package's version, above every floor
+
+
+def imports_against_the_floors(layers: dict[str, int], modules: dict[str, Path], root: Path = REPO) -> list[str]:
+    """Each import from a package to one on its own row or above, as "file:line: rule"; and each package the
+    table does not name."""
+    broken = []
+    for name, path in sorted(modules.items()):
+        source = _package_of(name)
+        if source is None:
+            continue
+        if source not in layers:
+            broken.append(f"{path.relative_to(root)}: package `{source}` has no row in docs/ARCHITECTURE.md's "
+                          "Dependencies table: give it one")
+            continue
+        for line, target in _imports_with_lines(name, path, modules):
+            imported = _package_of(target)
+            if imported in (None, source, "errors") or imported not in layers:
+                continue  # its own package; errors (every row may raise them); unknown ones are reported above
+            if layers[imported] >= layers[source]:
+                broken.append(f"{path.relative_to(root)}:{line}: `{source}` (row {layers[source]}) imports {target} "
+                              f"(`{imported}`, row {layers[imported]}): a package imports only from the rows below it")
+    return sorted(set(broken))
+
+
+def test_every_import_runs_down_the_floors_of_the_architecture_table(tmp_path):
+    layers = floors((REPO / "docs" / "ARCHITECTURE.md").read_text())
+    assert layers["gepo"] == 0 and layers["cli"] == max(layers.values()), layers  # the table was read
+    # the check sees an import that runs up, one sideways, and a package with no row
+    (tmp_path / "heterorl" / "low").mkdir(parents=True)
+    (tmp_path / "heterorl" / "low" / "a.py").write_text("from heterorl.high import b\nfrom heterorl.side import c\n")
+    (tmp_path / "heterorl" / "high").mkdir()
+    (tmp_path / "heterorl" / "high" / "b.py").write_text("")
+    (tmp_path / "heterorl" / "side.py").write_text("")
+    (tmp_path / "heterorl" / "new.py").write_text("")
+    fake = {"heterorl.low.a": tmp_path / "heterorl/low/a.py", "heterorl.high.b": tmp_path / "heterorl/high/b.py",
+            "heterorl.side": tmp_path / "heterorl/side.py", "heterorl.new": tmp_path / "heterorl/new.py"}
+    seen = imports_against_the_floors({"low": 1, "side": 1, "high": 2}, fake, root=tmp_path)
+    assert len(seen) == 3 and seen[0].startswith("heterorl/low/a.py:1: `low` (row 1) imports heterorl.high.b"), seen
+    assert seen[1].startswith("heterorl/low/a.py:2:") and "`new` has no row" in seen[2], seen
+    broken = imports_against_the_floors(layers, _modules())
+    assert not broken, "imports against the floors (docs/ARCHITECTURE.md, Dependencies):\n" + "\n".join(broken)
 
 
 def test_runtime_and_transport_functions_fit_a_screen_or_say_why():

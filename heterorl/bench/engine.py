@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from heterorl.engines import SamplingParams, TorchEngine
     from heterorl.policies import quiet_transformers
+    from heterorl.rollout.textcodec import encode_prompt
     from heterorl.tasks import make_task
-    from heterorl.training.textcodec import encode_prompt
 
     quiet_transformers()
     from heterorl.policies import load_policy
@@ -192,8 +192,8 @@ def _bench_episodes(repeats: int) -> int:
 
     from heterorl.config import load_config, packaged
     from heterorl.engines import SamplingParams
-    from heterorl.envs.episodes import EpisodeLimits, rollout_groups
     from heterorl.policies import load_policy, quiet_transformers
+    from heterorl.rollout.episodes import EpisodeLimits, rollout_groups
     from heterorl.tasks import make_task_from
     from heterorl.training.session import SamplingClient
 

@@ -55,8 +55,8 @@ class SampleOutput:
     the policy version that sampled each token, when the generation took in-flight weight updates
     (`WeightUpdates`); None when one set of weights sampled it all.
 
-    A multi-turn episode (heterorl.envs.episodes) is one completion too: its tokens are the policy's turns and the
-    environment's answers back to back, ``env_spans`` marks the answers (heterorl.envs.spans; their log-probs are
+    A multi-turn episode (heterorl.rollout.episodes) is one completion too: its tokens are the policy's turns and the
+    environment's answers back to back, ``env_spans`` marks the answers (heterorl.rollout.spans; their log-probs are
     0), ``versions`` is given when its turns were drawn by more than one version, and ``reward`` is the episode's
     reward, from its environment."""
 

@@ -40,8 +40,8 @@ from typing import Sequence
 
 from heterorl.engines.base import SampleOutput, SamplingParams, WeightUpdates, validate_prompts, validate_request
 from heterorl.engines.vllm_engine import VLLMEngine, _reload_in_worker, sample_output
-from heterorl.envs.event_loop import LoopThread
 from heterorl.errors import SamplingError
+from heterorl.loop_thread import LoopThread
 
 INFLIGHT_KV = ("recompute", "keep")
 POLL_S = 0.02  # how often `generate` looks for newer weights while its groups run

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 import torch
 
 from heterorl.config import Config
-from heterorl.envs.base import is_multi_turn
-from heterorl.envs.episodes import EpisodeLimits, demonstration_episode
-from heterorl.envs.spans import policy_token_weights
+from heterorl.rollout.episodes import EpisodeLimits, demonstration_episode
+from heterorl.rollout.spans import policy_token_weights
+from heterorl.rollout.textcodec import encode_prompt, encode_text
 from heterorl.tasks.base import Task
+from heterorl.tasks.environment import is_multi_turn
 from heterorl.training.evaluation import evaluate
 from heterorl.training.lr_schedule import learning_rate
 from heterorl.training.session import AdamParams, Datum, TrainingClient
-from heterorl.training.textcodec import encode_prompt, encode_text
 
 
 @dataclass

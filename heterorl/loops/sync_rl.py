@@ -17,8 +17,8 @@ import torch
 
 from heterorl.config import Config
 from heterorl.engines.base import SamplingParams
-from heterorl.envs.episodes import EpisodeLimits, rollout_groups
-from heterorl.envs.spans import policy_token_weights, turn_metrics
+from heterorl.rollout.episodes import EpisodeLimits, rollout_groups
+from heterorl.rollout.spans import policy_token_weights, turn_metrics
 from heterorl.runs import RunResult, StepRecorder
 from heterorl.tasks.base import Task
 from heterorl.tasks.rewards import outcome_counts, score_all

@@ -33,7 +33,7 @@ def load_policy(model: str, *, alphabet: str | None = None, tiny: TinyModelConfi
     (``maze-sft-base``: 5x5 mazes; ``maze4-sft-base``: 4x4; ``add3-sft-base``: 3-digit addition, digits;
     ``arith-hash-sft-base``: 3-digit addition, ``####`` answers; ``rg-arith-sft-base``: reasoning-gym's
     basic_arithmetic, two 2-digit numbers; ``maze-walk-sft-base``, ``calculator-sft-base``: the multi-turn
-    environments of heterorl.envs), or a local
+    environments of heterorl.tasks), or a local
     Hugging Face folder. Thread-safe: loads in one process run one at a time (`LOAD_LOCK`)."""
     with LOAD_LOCK:
         return _load_policy(model, alphabet, tiny, device)

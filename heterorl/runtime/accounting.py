@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from heterorl.envs.spans import turn_metrics
+from heterorl.rollout.spans import turn_metrics
 from heterorl.runs import RunResult, format_table, idle_fraction, outcomes_line, without_update_note
 
 if TYPE_CHECKING:

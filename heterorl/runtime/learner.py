@@ -32,9 +32,9 @@ import torch.distributed as dist
 import yaml
 
 from heterorl.config import Config, RolloutConfig, to_dict
-from heterorl.envs.episodes import EpisodeLimits
-from heterorl.envs.spans import policy_token_weights
 from heterorl.errors import HeteroRLError
+from heterorl.rollout.episodes import EpisodeLimits
+from heterorl.rollout.spans import policy_token_weights
 from heterorl.runs import StepRecorder, finish_run, idle_fraction
 from heterorl.runtime.accounting import LearnerResult, rollout_waste, step_metrics, weights_summary
 from heterorl.runtime.buffer import Group, GroupBuffer, Pacer, sampling_order

@@ -36,8 +36,8 @@ from pathlib import Path
 from heterorl.config import Config
 from heterorl.delay.links import DelayLink
 from heterorl.delay.queue import DelayQueue
-from heterorl.envs.episodes import EpisodeLimits, rollout_groups
 from heterorl.errors import HeteroRLError
+from heterorl.rollout.episodes import EpisodeLimits, rollout_groups
 from heterorl.runs import StepRecorder, idle_fraction, setup_run
 from heterorl.runtime.accounting import LearnerResult, RunTally, rollout_waste, step_metrics, weights_summary
 from heterorl.runtime.buffer import Group, GroupBuffer, Pacer

@@ -25,11 +25,11 @@ from collections import Counter
 from dataclasses import dataclass
 
 from heterorl.config import Config
-from heterorl.envs.episodes import fit_max_tokens
 from heterorl.errors import HeteroRLError, SamplingError
+from heterorl.rollout.episodes import fit_max_tokens
+from heterorl.rollout.textcodec import encode_prompt
 from heterorl.runtime.rollouts import sampling_params, stamp_groups
 from heterorl.tasks.rewards import outcome_counts
-from heterorl.training.textcodec import encode_prompt
 from heterorl.transport.protocol import MIN_LOGPROB
 
 log = logging.getLogger("heterorl.runtime.streaming")
@@ -213,7 +213,7 @@ class StreamingRollouts:
 
 def check_streaming(cfg: Config, engine_name: str, task) -> None:
     """Refuse a streaming run the loop cannot serve, naming the setting to change."""
-    from heterorl.envs.base import is_multi_turn
+    from heterorl.tasks.environment import is_multi_turn
 
     if engine_name != "vllm":
         raise HeteroRLError("runtime.vllm_streaming is on, but this worker's engine is "

@@ -43,10 +43,10 @@ import torch
 from heterorl.config import ENGINES, Config, TransportConfig, load_config
 from heterorl.delay.clock import delay_clock
 from heterorl.delay.links import DelayLink
-from heterorl.envs.episodes import EpisodeLimits, rollout_groups
 from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy, policy_folder
 from heterorl.policies.hf_folder import declared_vocab_size, load_hf_tokenizer
+from heterorl.rollout.episodes import EpisodeLimits, rollout_groups
 from heterorl.runtime.rollouts import (  # noqa: F401 (shard_rng, new_session: imported from here too)
     Pipeline,
     new_session,

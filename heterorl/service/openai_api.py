@@ -35,9 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from heterorl.engines.base import SampleOutput, SamplingParams, validate_request
 from heterorl.errors import SamplingError
+from heterorl.rollout.textcodec import encode_prompt
 from heterorl.service.openai_generation import Choice, Generation, RequestBatcher, finish_all
 from heterorl.training.session import SamplingClient
-from heterorl.training.textcodec import encode_prompt
 
 MAX_N = 128  # completions per prompt
 MAX_CHOICES = 1024  # prompts x n in one request

@@ -17,9 +17,9 @@ import torch
 import gepo
 from heterorl import errors
 from heterorl.engines.base import SampleOutput, SamplingParams
+from heterorl.policies.storage import storage_key
 from heterorl.runs import json_text
 from heterorl.training.session import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
-from heterorl.transport.weights import storage_key
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"

@@ -1,11 +1,9 @@
 """Tasks by name: ``make_task("maze", {"size": 6})`` builds a configured task.
 
 ``TASKS`` maps each name to its (task class, config class); options are the
-config dataclass's fields. The multi-turn tasks (``maze_walk``, ``calculator``)
-live in ``heterorl.envs`` and join ``TASKS`` on its first use: their modules
-import ``heterorl.tasks.base``, which runs this ``__init__`` first, so importing
-them here at the top would be an import circle whenever ``heterorl.envs`` is
-imported before ``heterorl.tasks``.
+config dataclass's fields. The multi-turn tasks (``maze_walk``, ``calculator``, ``cookbook_env``,
+``verifiers_multiturn``) are tasks like the others, with an environment (`heterorl.tasks.environment`) that
+answers the policy's turns (docs/ENVIRONMENTS.md).
 """
 
 from __future__ import annotations
@@ -17,41 +15,29 @@ from heterorl.config import TaskConfig
 from heterorl.errors import TaskError
 from heterorl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 from heterorl.tasks.base import Problem, Task
+from heterorl.tasks.calculator import CalculatorConfig, CalculatorTask
 from heterorl.tasks.code import CodeConfig, CodeTask
+from heterorl.tasks.cookbook_env import CookbookEnvConfig, CookbookEnvTask
 from heterorl.tasks.jsonl import JsonlConfig, JsonlTask
 from heterorl.tasks.maze import MazeConfig, MazeTask
+from heterorl.tasks.maze_walk import MazeWalkConfig, MazeWalkTask
 from heterorl.tasks.reasoning_gym import ReasoningGymConfig, ReasoningGymTask
 from heterorl.tasks.rewards import CustomRewardTask, load_reward_fn
 from heterorl.tasks.verifiers_env import VerifiersConfig, VerifiersTask
+from heterorl.tasks.verifiers_multiturn import VerifiersMultiTurnConfig, VerifiersMultiTurnTask
 
-_TASKS: dict[str, tuple[type, type]] = {
+TASKS: dict[str, tuple[type, type]] = {
     "maze": (MazeTask, MazeConfig),
     "arithmetic": (ArithmeticTask, ArithmeticConfig),
     "jsonl": (JsonlTask, JsonlConfig),
     "code": (CodeTask, CodeConfig),
     "reasoning_gym": (ReasoningGymTask, ReasoningGymConfig),
     "verifiers": (VerifiersTask, VerifiersConfig),
+    "maze_walk": (MazeWalkTask, MazeWalkConfig),
+    "calculator": (CalculatorTask, CalculatorConfig),
+    "cookbook_env": (CookbookEnvTask, CookbookEnvConfig),
+    "verifiers_multiturn": (VerifiersMultiTurnTask, VerifiersMultiTurnConfig),
 }
-
-
-def _tasks() -> dict[str, tuple[type, type]]:
-    """``TASKS``: the tasks above and, added on the first call, the multi-turn tasks of ``heterorl.envs``."""
-    if "maze_walk" not in _TASKS:
-        from heterorl.envs.calculator import CalculatorConfig, CalculatorTask
-        from heterorl.envs.cookbook_env import CookbookEnvConfig, CookbookEnvTask
-        from heterorl.envs.maze_walk import MazeWalkConfig, MazeWalkTask
-        from heterorl.envs.verifiers_multiturn import VerifiersMultiTurnConfig, VerifiersMultiTurnTask
-
-        _TASKS.update({"maze_walk": (MazeWalkTask, MazeWalkConfig), "calculator": (CalculatorTask, CalculatorConfig)})
-        _TASKS.update({"cookbook_env": (CookbookEnvTask, CookbookEnvConfig),
-                       "verifiers_multiturn": (VerifiersMultiTurnTask, VerifiersMultiTurnConfig)})
-    return _TASKS
-
-
-def __getattr__(name: str) -> Any:
-    if name == "TASKS":  # `from heterorl.tasks import TASKS` and `heterorl.tasks.TASKS`
-        return _tasks()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str | None = None,
@@ -66,7 +52,7 @@ def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str |
     TaskError for an unknown task name, an unknown or missing option, or a
     bad reward function path.
     """
-    tasks = _tasks()
+    tasks = TASKS
     if name not in tasks:
         raise TaskError(f"unknown task {name!r}; known tasks: {', '.join(sorted(tasks))}")
     task_cls, config_cls = tasks[name]

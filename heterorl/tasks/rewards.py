@@ -71,7 +71,7 @@ def score_all(task: Task, problems: Sequence[Problem], samples: Sequence) -> lis
 def outcome_counts(task: Task) -> Counter:
     """The programs ``task``'s reward has run so far, by outcome (the code task's `Sandbox.stats`: ok,
     wrong_answer, timeout, forbidden:socket, ...), and how a multi-turn task's episodes ended
-    (``episode_outcomes``, counted by heterorl.envs.episodes: done, max_turns, budget, timeout, error:TYPE,
+    (``episode_outcomes``, counted by heterorl.rollout.episodes: done, max_turns, budget, timeout, error:TYPE,
     bad_observation); empty for a task that counts neither."""
     return Counter(getattr(task, "stats", None) or {}) + Counter(getattr(task, "episode_outcomes", None) or {})
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from heterorl.engines.base import SamplingParams
-from heterorl.envs.episodes import EpisodeLimits, rollout_groups
+from heterorl.rollout.episodes import EpisodeLimits, rollout_groups
 from heterorl.tasks.base import Problem, Task
 from heterorl.tasks.rewards import score_all
 

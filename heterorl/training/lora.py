@@ -17,7 +17,7 @@ import torch
 
 from heterorl.config import LoraConfig
 from heterorl.errors import HeteroRLError
-from heterorl.transport.weights import storage_key
+from heterorl.policies.storage import storage_key
 
 LORA_A, LORA_B = "lora_A", "lora_B"
 

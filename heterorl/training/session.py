@@ -31,7 +31,7 @@ from heterorl.engines.logprobs import packed_completion_logprobs, pad_right, pro
 from heterorl.engines.torch_engine import TorchEngine
 from heterorl.errors import HeteroRLError, SamplingError
 from heterorl.files import write_atomically
-from heterorl.transport.weights import storage_key
+from heterorl.policies.storage import storage_key
 
 
 @dataclass

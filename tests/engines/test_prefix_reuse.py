@@ -10,10 +10,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from heterorl.engines import SamplingParams, TorchEngine
 from heterorl.engines.base import SamplingEngine, WeightUpdates
 from heterorl.engines.prefix_cache import PrefixStore
-from heterorl.envs.episodes import EpisodeLimits, rollout_groups
+from heterorl.rollout.episodes import EpisodeLimits, rollout_groups
 from heterorl.training.session import SamplingClient
 from tests.conftest import perturbed_state, teacher_forced
-from tests.envs.test_episodes import Toy
+from tests.rollout.test_episodes import Toy
 
 
 def _first_turn(engine, tok, seed=5):

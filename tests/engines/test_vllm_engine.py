@@ -13,7 +13,7 @@ from heterorl.engines import SamplingParams, TorchEngine
 from heterorl.engines.base import STOP_EOS, STOP_LENGTH, STOP_TOKEN
 from heterorl.errors import SamplingError
 from heterorl.policies import load_policy, shipped_policy
-from heterorl.training.textcodec import encode_prompt
+from heterorl.rollout.textcodec import encode_prompt
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm", reason="the vLLM lane: `make vllm`, then `make test-vllm`")
@@ -200,10 +200,10 @@ def test_episodes_play_on_vllm_with_exact_logprobs_and_the_answers_marked(engine
     """Multi-turn episodes on the vLLM engine (each turn's whole context handed to it; its prefix cache keeps the
     earlier turns): every policy token's log-prob is the learner's teacher-forced one given the whole context,
     the environment's answers included, and the answers are marked, with log-prob 0."""
-    from heterorl.envs.base import Environment, StepResult
-    from heterorl.envs.episodes import EpisodeLimits, rollout_groups
-    from heterorl.envs.spans import policy_token_mask
+    from heterorl.rollout.episodes import EpisodeLimits, rollout_groups
+    from heterorl.rollout.spans import policy_token_mask
     from heterorl.tasks.base import Problem
+    from heterorl.tasks.environment import Environment, StepResult
     from heterorl.training.session import SamplingClient
 
     class Adder(Environment):

@@ -13,7 +13,7 @@ import torch
 from heterorl.engines import SamplingParams
 from heterorl.errors import SamplingError
 from heterorl.policies import load_policy, shipped_policy
-from heterorl.training.textcodec import encode_prompt
+from heterorl.rollout.textcodec import encode_prompt
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm", reason="the vLLM lane: `make vllm`, then `make test-vllm`")

@@ -5,10 +5,10 @@ import json
 import pytest
 
 from heterorl.config import SFT_BASE, load_config, packaged
-from heterorl.envs.episodes import EpisodeLimits
 from heterorl.loops.sft import run_sft
 from heterorl.loops.sync_rl import rollout_datums, run_sync_rl
 from heterorl.policies import load_policy
+from heterorl.rollout.episodes import EpisodeLimits
 from heterorl.runs import read_metrics
 from heterorl.tasks import make_task_from
 from heterorl.training.evaluation import evaluate

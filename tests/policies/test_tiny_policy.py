@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from heterorl.errors import PolicyLoadError, SamplingError
 from heterorl.policies import TinyModelConfig, build_tiny_policy, load_policy, save_policy
-from heterorl.training.textcodec import encode_text
+from heterorl.rollout.textcodec import encode_text
 
 ALPHABET = "0123456789+=#\n .SGUDLR>"
 

@@ -11,9 +11,9 @@ import pytest
 
 from heterorl.config import load_config
 from heterorl.engines.base import SampleOutput
-from heterorl.envs.episodes import fit_max_tokens
 from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy
+from heterorl.rollout.episodes import fit_max_tokens
 from heterorl.runtime.learner import SKIPPED_BATCHES, Learner, learner_settings, trajectory_contract
 from heterorl.runtime.worker import RolloutWorker, WorkerOptions, sampling_params, stamp_groups
 from heterorl.tasks import make_task_from

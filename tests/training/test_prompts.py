@@ -12,10 +12,10 @@ from heterorl.errors import SamplingError
 from heterorl.loops.sft import demonstration_datums
 from heterorl.loops.sync_rl import rollout_datums
 from heterorl.policies import load_policy
+from heterorl.rollout.textcodec import encode_prompt
 from heterorl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 from heterorl.training.evaluation import evaluate
 from heterorl.training.session import TrainingClient
-from heterorl.training.textcodec import encode_prompt
 
 TASK = ArithmeticTask(ArithmeticConfig(digits=2, eval_size=4, answer_format="digits"))
 

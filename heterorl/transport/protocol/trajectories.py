@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from heterorl.envs.spans import MAX_ENV_SPANS, env_spans_problem, policy_token_mask
+from heterorl.rollout.spans import MAX_ENV_SPANS, env_spans_problem, policy_token_mask
 from heterorl.transport.protocol.fields import (
     ID_PATTERN,
     Limits,
@@ -65,7 +65,7 @@ class Trajectory(Message):
     the worker's clock except ``received_at`` (learner's clock, set on receipt).
 
     ``env_spans``: in a multi-turn episode, where the environment's answers lie among the completion tokens, as
-    flattened half-open ranges (heterorl.envs.spans); they carry log-prob 0 and the version of the policy token
+    flattened half-open ranges (heterorl.rollout.spans); they carry log-prob 0 and the version of the policy token
     before them, and are never trained. Empty for a single-turn completion (every token is the policy's).
     """
 
@@ -180,7 +180,7 @@ class Trajectory(Message):
 
 def _env_spans(name: str, value, completion_len: int) -> tuple[int, ...]:
     """A trajectory's ``env_spans``: a list of at most 2 × `MAX_ENV_SPANS` integers that mark environment spans
-    of its completion (heterorl.envs.spans); ProtocolError naming what is wrong otherwise."""
+    of its completion (heterorl.rollout.spans); ProtocolError naming what is wrong otherwise."""
     if not isinstance(value, list):
         raise ProtocolError(name, f"expected a list of integers, got {type(value).__name__}", "type")
     if len(value) > 2 * MAX_ENV_SPANS:

@@ -17,11 +17,10 @@ from heterorl.transport.weights.pack import (
     PackedWeights,
     dtype_name,
     pack_state_dict,
-    storage_key,
     unpack_state_dict,
     wire_dtype,
     wire_dtype_for,
 )
 
-__all__ = ["BF16_FROM_PARAMETERS", "WIRE_DTYPES", "PackedWeights", "dtype_name", "pack_state_dict", "storage_key",
+__all__ = ["BF16_FROM_PARAMETERS", "WIRE_DTYPES", "PackedWeights", "dtype_name", "pack_state_dict",
            "unpack_state_dict", "wire_dtype", "wire_dtype_for"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from heterorl.policies.storage import storage_key
 from heterorl.transport.protocol import TENSOR_DTYPES, ProtocolError, WeightsHeader, chunk_checksum
 
 _TORCH_DTYPES = {
@@ -69,14 +70,6 @@ class PackedWeights:
         if index not in self.checksums:
             self.checksums[index] = chunk_checksum(self.chunk(index))
         return self.checksums[index]
-
-
-def storage_key(tensor: torch.Tensor) -> tuple | None:
-    """What makes two tensors the same bytes (None for an empty one): tied weights share it. Every place that
-    keeps tied tensors one (packing, copies of a state dict, digests, saved files) keys them by it."""
-    if tensor.numel() == 0:
-        return None
-    return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
 
 
 def pack_state_dict(state: dict[str, torch.Tensor], version: int, chunk_bytes: int = 4 * 2**20,

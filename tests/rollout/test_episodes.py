@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from heterorl.engines.base import SamplingParams
-from heterorl.envs.base import Environment, StepResult
-from heterorl.envs.episodes import EpisodeLimits, demonstration_episode, rollout_groups
-from heterorl.envs.spans import env_spans_problem, policy_token_mask
+from heterorl.rollout.episodes import EpisodeLimits, demonstration_episode, rollout_groups
+from heterorl.rollout.spans import env_spans_problem, policy_token_mask
 from heterorl.runtime.buffer import Group
 from heterorl.runtime.learner import group_datums
 from heterorl.runtime.worker import stamp_groups
 from heterorl.tasks.base import Problem
+from heterorl.tasks.environment import Environment, StepResult
 from heterorl.tasks.rewards import outcome_counts
 from heterorl.training.session import SamplingClient
 from tests.conftest import teacher_forced

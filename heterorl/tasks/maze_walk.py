@@ -20,9 +20,9 @@ import math
 import random
 from dataclasses import dataclass
 
-from heterorl.envs.base import Environment, StepResult
 from heterorl.errors import TaskError
 from heterorl.tasks.base import GeneratedTask, Problem
+from heterorl.tasks.environment import Environment, StepResult
 from heterorl.tasks.maze import MOVES, MazeConfig, MazeTask
 
 MAX_SIDE = 10  # a cell is written as two digits

@@ -54,14 +54,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from heterorl.config import TaskConfig
-from heterorl.envs.base import EnvContractError, Environment, StepResult
-from heterorl.envs.event_loop import LoopThread
 from heterorl.errors import TaskError
+from heterorl.loop_thread import LoopThread
 from heterorl.tasks.base import FixedRows, Problem, check_split_options, held_out_split
+from heterorl.tasks.environment import EnvContractError, Environment, StepResult
 from heterorl.tasks.guarded import GuardedScore
 from heterorl.tasks.verifiers_env import _needs_runtime, import_verifiers
 
-log = logging.getLogger("heterorl.envs.verifiers_multiturn")
+log = logging.getLogger("heterorl.tasks.verifiers_multiturn")
 TOKEN_CAPS = ("max_input_tokens", "max_output_tokens", "max_total_tokens")
 
 

@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from heterorl.envs.base import EpisodeTask, is_multi_turn
-from heterorl.envs.maze_walk import MazeWalk, MazeWalkConfig, MazeWalkTask, walk_problem
 from heterorl.errors import TaskError
 from heterorl.tasks import make_task
+from heterorl.tasks.environment import EpisodeTask, is_multi_turn
 from heterorl.tasks.maze import maze_problem
+from heterorl.tasks.maze_walk import MazeWalk, MazeWalkConfig, MazeWalkTask, walk_problem
 
 GRID = ["S.#.",
         "....",

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from heterorl.envs.base import EpisodeTask, is_multi_turn
-from heterorl.envs.calculator import (
+from heterorl.errors import TaskError
+from heterorl.tasks import make_task
+from heterorl.tasks.calculator import (
     Calculator,
     CalculatorConfig,
     CalculatorTask,
@@ -16,8 +17,7 @@ from heterorl.envs.calculator import (
     calculator_problem,
     tool_answer,
 )
-from heterorl.errors import TaskError
-from heterorl.tasks import make_task
+from heterorl.tasks.environment import EpisodeTask, is_multi_turn
 
 
 def play(env: Calculator, turns):

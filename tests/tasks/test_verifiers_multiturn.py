@@ -12,16 +12,16 @@ pytest.importorskip("verifiers.v1", reason="verifiers is not installed (the [dev
 
 import verifiers.v1 as vf  # noqa: E402
 
-from heterorl.envs.base import EnvContractError, checked_step, is_multi_turn  # noqa: E402
-from heterorl.envs.verifiers_multiturn import (  # noqa: E402
+from heterorl.errors import TaskError  # noqa: E402
+from heterorl.tasks import make_task  # noqa: E402
+from heterorl.tasks.environment import EnvContractError, checked_step, is_multi_turn  # noqa: E402
+from heterorl.tasks.verifiers_multiturn import (  # noqa: E402
     VerifiersMultiTurnConfig,
     VerifiersMultiTurnTask,
     render_turn,
 )
-from heterorl.errors import TaskError  # noqa: E402
-from heterorl.tasks import make_task  # noqa: E402
 
-TASKSET = {"id": "vf-guess-fixture"}  # tests/envs/vf_guess_fixture.py, imported by the library as a top-level module
+TASKSET = {"id": "vf-guess-fixture"}  # tests/tasks/vf_guess_fixture.py, imported by the library as a top-level module
 
 
 @pytest.fixture(scope="module", autouse=True)

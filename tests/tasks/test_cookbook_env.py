@@ -14,16 +14,16 @@ from tinker_cookbook.exceptions import RendererError  # noqa: E402
 from tinker_cookbook.recipes.multiplayer_rl.twenty_questions.env import PLAYER_SYSTEM_PROMPT  # noqa: E402
 
 from heterorl.engines.base import SampleOutput, SamplingParams  # noqa: E402
-from heterorl.envs.base import EnvContractError, checked_step, is_multi_turn  # noqa: E402
-from heterorl.envs.cookbook_env import CookbookEnvConfig, CookbookEnvTask, observation_increment  # noqa: E402
-from heterorl.envs.episodes import EpisodeLimits, rollout_groups  # noqa: E402
 from heterorl.errors import TaskError  # noqa: E402
+from heterorl.rollout.episodes import EpisodeLimits, rollout_groups  # noqa: E402
 from heterorl.tasks import make_task  # noqa: E402
 from heterorl.tasks.base import Problem  # noqa: E402
+from heterorl.tasks.cookbook_env import CookbookEnvConfig, CookbookEnvTask, observation_increment  # noqa: E402
+from heterorl.tasks.environment import EnvContractError, checked_step, is_multi_turn  # noqa: E402
 from heterorl.tasks.rewards import outcome_counts  # noqa: E402
-from tests.envs.cookbook_fixture import CLEANED_UP, TOKENIZER_NAME, byte_tokenizer, renderer  # noqa: E402
+from tests.tasks.cookbook_fixture import CLEANED_UP, TOKENIZER_NAME, byte_tokenizer, renderer  # noqa: E402
 
-FIXTURE = "tests.envs.cookbook_fixture"
+FIXTURE = "tests.tasks.cookbook_fixture"
 TOKENIZER = byte_tokenizer()
 EOT = TOKENIZER.convert_tokens_to_ids("<|eot_id|>")
 
@@ -245,7 +245,7 @@ def test_what_the_task_refuses(questions):
     with pytest.raises(TaskError, match="no demonstrations"):
         questions.demonstration(questions.eval_problems()[0])
     with pytest.raises(TaskError, match="must look like 'package.module:name'"):
-        CookbookEnvConfig(source="tests.envs.cookbook_fixture")
+        CookbookEnvConfig(source="tests.tasks.cookbook_fixture")
     with pytest.raises(TaskError, match="stop_token_ids"):
         CookbookEnvConfig(source="a:b", stop_token_ids=[-1])
     with pytest.raises(TaskError, match="an eval set of 6 leaves no training rows of 6"):

@@ -48,10 +48,10 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from heterorl.envs.base import EnvContractError, Environment, StepResult
-from heterorl.envs.event_loop import LoopThread
 from heterorl.errors import TaskError
+from heterorl.loop_thread import LoopThread
 from heterorl.tasks.base import FixedRows, Problem, check_split_options, held_out_split
+from heterorl.tasks.environment import EnvContractError, Environment, StepResult
 
 INSTALL_HINT = "`make install` adds it: pip install --no-deps tinker-cookbook==0.6.1, its other imports in [dev]"
 

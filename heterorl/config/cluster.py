@@ -1,20 +1,16 @@
 """The ``cluster`` section of a run's config: what each process asks a cluster engine for, and each engine's own
-settings (docs/DEPLOY.md). A leaf beside `heterorl.config`, which holds it as ``Config.cluster``."""
+settings (docs/DEPLOY.md). Held as ``Config.cluster``."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
-from heterorl.errors import ConfigError
+from heterorl.config.checks import fail
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-
-
-def _fail(key: str, value: Any, requirement: str) -> None:
-    raise ConfigError(f"config key `{key}` = {value!r}: {requirement}")
 
 
 @dataclass
@@ -31,12 +27,12 @@ class ProcessResources:
 
     def validate(self, key: str) -> None:
         if self.num_cpus < 0 or self.num_gpus < 0:
-            _fail(f"{key}.num_cpus/num_gpus", (self.num_cpus, self.num_gpus), "must be >= 0")
+            fail(f"{key}.num_cpus/num_gpus", (self.num_cpus, self.num_gpus), "must be >= 0")
         if self.memory_gib is not None and not self.memory_gib > 0:
-            _fail(f"{key}.memory_gib", self.memory_gib, "must be > 0 (or null: not declared)")
+            fail(f"{key}.memory_gib", self.memory_gib, "must be > 0 (or null: not declared)")
         for name, amount in self.resources.items():
             if not isinstance(amount, (int, float)) or amount <= 0:
-                _fail(f"{key}.resources.{name}", amount, "must be a number > 0 (how much of that resource)")
+                fail(f"{key}.resources.{name}", amount, "must be a number > 0 (how much of that resource)")
 
 
 @dataclass
@@ -50,11 +46,11 @@ class RayConfig:
 
     def validate(self, key: str) -> None:
         if self.placement not in PLACEMENT_STRATEGIES:
-            _fail(f"{key}.placement", self.placement, f"must be one of {', '.join(PLACEMENT_STRATEGIES)}")
+            fail(f"{key}.placement", self.placement, f"must be one of {', '.join(PLACEMENT_STRATEGIES)}")
         if self.max_restarts < -1:
-            _fail(f"{key}.max_restarts", self.max_restarts, "must be >= -1 (-1: without limit, 0: never)")
+            fail(f"{key}.max_restarts", self.max_restarts, "must be >= -1 (-1: without limit, 0: never)")
         if not self.start_timeout_s > 0:
-            _fail(f"{key}.start_timeout_s", self.start_timeout_s, "must be > 0")
+            fail(f"{key}.start_timeout_s", self.start_timeout_s, "must be > 0")
 
 
 @dataclass
@@ -68,7 +64,7 @@ class SlurmConfig:
 
     def validate(self, key: str) -> None:
         if not re.fullmatch(r"(\d+-)?\d+(:\d{2}){0,2}", self.time):
-            _fail(f"{key}.time", self.time, 'give an sbatch time: "MINUTES", "HH:MM:SS" or "DAYS-HH:MM:SS"')
+            fail(f"{key}.time", self.time, 'give an sbatch time: "MINUTES", "HH:MM:SS" or "DAYS-HH:MM:SS"')
 
 
 @dataclass
@@ -87,16 +83,16 @@ class K8sConfig:
 
     def validate(self, key: str) -> None:
         if not self.run_dir_gib > 0:
-            _fail(f"{key}.run_dir_gib", self.run_dir_gib, "must be > 0 (GiB of the learner's run-dir volume)")
+            fail(f"{key}.run_dir_gib", self.run_dir_gib, "must be > 0 (GiB of the learner's run-dir volume)")
         for field_name in ("name", "namespace"):
             value = getattr(self, field_name)
             if not isinstance(value, str) or len(value) > 40 or not _DNS_LABEL.fullmatch(value):
-                _fail(f"{key}.{field_name}", value, "must be a DNS label of at most 40 characters: lower-case "
+                fail(f"{key}.{field_name}", value, "must be a DNS label of at most 40 characters: lower-case "
                       "letters, digits and '-', starting and ending with a letter or digit")
         if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
-            _fail(f"{key}.image_pull_policy", self.image_pull_policy, "must be one of Always, IfNotPresent, Never")
+            fail(f"{key}.image_pull_policy", self.image_pull_policy, "must be one of Always, IfNotPresent, Never")
         if self.workers_as not in ("Deployment", "Job"):
-            _fail(f"{key}.workers_as", self.workers_as, "must be Deployment or Job")
+            fail(f"{key}.workers_as", self.workers_as, "must be Deployment or Job")
 
 
 @dataclass
@@ -115,7 +111,7 @@ class ClusterConfig:
         self.learner.validate(f"{key}.learner")
         self.worker.validate(f"{key}.worker")
         if not 1 <= self.port <= 65534:
-            _fail(f"{key}.port", self.port, "must be in 1..65534 (the weights channel takes port + 1)")
+            fail(f"{key}.port", self.port, "must be in 1..65534 (the weights channel takes port + 1)")
         self.ray.validate(f"{key}.ray")
         self.slurm.validate(f"{key}.slurm")
         self.k8s.validate(f"{key}.k8s")

@@ -39,12 +39,12 @@ from typing import Callable, Sequence
 
 from heterorl.config import RolloutConfig
 from heterorl.engines.base import SampleOutput, SamplingParams
-from heterorl.envs.base import EnvContractError, check_observation, checked_step, is_multi_turn
 from heterorl.errors import HeteroRLError, SamplingError, TaskError
+from heterorl.rollout.textcodec import encode_prompt, encode_text
 from heterorl.tasks.base import Problem
-from heterorl.training.textcodec import encode_prompt, encode_text
+from heterorl.tasks.environment import EnvContractError, check_observation, checked_step, is_multi_turn
 
-log = logging.getLogger("heterorl.envs.episodes")
+log = logging.getLogger("heterorl.rollout.episodes")
 
 STRAGGLER_WAIT_S = 0.2  # after a round's first step returns, how long it waits for the others (fast ones: all)
 MAX_ABANDONED_STEPS = 8  # environment calls past their timeout (each leaves a stuck thread) before the run stops

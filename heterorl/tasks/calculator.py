@@ -18,9 +18,9 @@ import random
 import re
 from dataclasses import dataclass
 
-from heterorl.envs.base import Environment, StepResult
 from heterorl.errors import TaskError
 from heterorl.tasks.base import GeneratedTask, Problem
+from heterorl.tasks.environment import Environment, StepResult
 
 OPERATORS = "+-*"
 DIGITS = "0123456789"
