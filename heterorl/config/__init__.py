@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from heterorl.config.checks import fail
 from heterorl.config.cluster import ClusterConfig
 from heterorl.config.learning import (
+    LORA_TARGETS,
     SFT_BASE,
     LoggingConfig,
     LoraConfig,
@@ -39,6 +40,8 @@ from heterorl.config.learning import (
     TinyModelConfig,
 )
 from heterorl.config.system import (
+    BUFFER_POLICIES,
+    DELAY_KINDS,
     ENGINES,
     BufferConfig,
     DelayConfig,
@@ -172,7 +175,8 @@ def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
-__all__ = ["ENGINES", "SFT_BASE", "BufferConfig", "ClusterConfig", "Config", "ConfigError", "DelayConfig",
-           "LinkDelayConfig", "LoggingConfig", "LoraConfig", "LossConfig", "OptimConfig", "PolicyConfig", "RLConfig",
-           "RolloutConfig", "RuntimeConfig", "SFTConfig", "SimulateConfig", "TaskConfig", "TinyModelConfig",
-           "TransportConfig", "load_config", "load_trace", "packaged", "to_dict", "to_yaml", "worker_command_word"]
+__all__ = ["BUFFER_POLICIES", "DELAY_KINDS", "ENGINES", "LORA_TARGETS", "SFT_BASE", "BufferConfig", "ClusterConfig",
+           "Config", "ConfigError", "DelayConfig", "LinkDelayConfig", "LoggingConfig", "LoraConfig", "LossConfig",
+           "OptimConfig", "PolicyConfig", "RLConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig", "SimulateConfig",
+           "TaskConfig", "TinyModelConfig", "TransportConfig", "load_config", "load_trace", "packaged", "to_dict",
+           "to_yaml", "worker_command_word"]

@@ -108,7 +108,7 @@ class RolloutConfig:
     top_p: float = 1.0  # truncation the learner cannot reproduce: importance weights then drift from 1
     top_k: int = 0
     max_tokens: int = 32  # per generation: a multi-turn task's per policy turn
-    # multi-turn tasks (heterorl.tasks.environment, docs/ENVIRONMENTS.md): at most max_turns policy turns an episode; its
+    # multi-turn tasks (tasks/environment.py, docs/ENVIRONMENTS.md): at most max_turns policy turns an episode; its
     # completion, the environment's answers included, at most max_episode_tokens (null: what the context
     # leaves); an environment call that has not returned after env_step_timeout_s ends its episode with reward 0
     max_turns: int = 16
