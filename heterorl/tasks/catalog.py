@@ -57,7 +57,8 @@ def _columns(names: list[str], width: int) -> str:
     return "\n".join("  " + "".join(n.ljust(cell) for n in line).rstrip() for line in lines)
 
 
-def print_catalog(out: TextIO = sys.stdout) -> None:
+def print_catalog(out: TextIO | None = None) -> None:
+    out = out or sys.stdout  # looked up per call: a default bound at import outlives a replaced stdout
     width = min(120, shutil.get_terminal_size((100, 20)).columns)
     print("heterorl's tasks (task.name=NAME, task.options.OPTION=VALUE; `heterorl tasks --show NAME`):", file=out)
     for name, (cls, _) in TASKS.items():
@@ -74,8 +75,9 @@ def print_catalog(out: TextIO = sys.stdout) -> None:
     print(_columns(names, width), file=out)
 
 
-def show(name: str, out: TextIO = sys.stdout) -> None:
+def show(name: str, out: TextIO | None = None) -> None:
     """One task's options, or one reasoning-gym dataset's, with an example problem and its demonstration."""
+    out = out or sys.stdout
     if name in TASKS:
         cls, _ = TASKS[name]
         print(f"{name}: {summary_line(cls)}", file=out)

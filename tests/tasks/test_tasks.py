@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import random
 import re
+import sys
 import threading
 import time
 from collections import deque
@@ -670,3 +672,14 @@ def test_trl_style_batched_reward_functions_summed_with_weights():
         make_task("arithmetic", {"eval_size": 4}, reward_fn="tests.token_reward:trl_exact", reward_weights=[1, 2])
     with pytest.raises(ConfigError, match="`task.reward_weights`.*one weight per reward function \\(2 in"):
         load_config(None, ["task.reward_fn=a:b,c:d", "task.reward_weights=[1.0]"])
+
+
+def test_the_catalog_prints_to_the_stdout_of_the_call_not_the_one_at_import(monkeypatch):
+    from heterorl.tasks.catalog import print_catalog, show
+
+    now = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", now)
+    print_catalog()
+    show("maze")
+    text = now.getvalue()
+    assert "heterorl's tasks" in text and "maze: " in text
