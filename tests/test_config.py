@@ -173,3 +173,37 @@ def test_the_config_a_learner_sends_its_workers_is_in_the_form_the_previous_rele
     assert not {"max_log_ratio", "max_abs_reward"} & set(data["rl"]) and "worker_restarts" not in data["runtime"]
     assert not {"max_turns", "max_episode_tokens", "env_step_timeout_s"} & set(data["rollout"])  # (at defaults)
     assert to_yaml(load_config(text=sent)) == to_yaml(cfg)
+
+
+def test_a_key_s_scope_on_its_field_decides_whether_workers_receive_it():
+    """What a learner sends is derived from the fields: a learner-only key (or section) never travels, a key new
+    in this release travels once set, every other key always."""
+    from dataclasses import fields, is_dataclass
+
+    from heterorl.config import to_worker_dict
+    from heterorl.config.scope import LEARNER_ONLY, SCOPE, SENT_WHEN_SET
+
+    def scopes(section, prefix=""):
+        for f in fields(section):
+            value, key = getattr(section, f.name), prefix + f.name
+            yield key, f.metadata.get(SCOPE, "shared")
+            if is_dataclass(value) and SCOPE not in f.metadata:
+                yield from scopes(value, key + ".")
+
+    def sent(data, key):
+        for part in key.split("."):
+            if not isinstance(data, dict) or part not in data:
+                return False
+            data = data[part]
+        return True
+
+    declared = dict(scopes(Config()))
+    assert {"transport.group_timeout_s", "rl.max_log_ratio", "runtime.worker_restarts", "cluster"} <= {
+        k for k, s in declared.items() if s == LEARNER_ONLY}
+    at_defaults = to_worker_dict(Config())
+    for key, scope in declared.items():
+        assert sent(at_defaults, key) == (scope == "shared"), key
+    when_set = [k for k, s in declared.items() if s == SENT_WHEN_SET]
+    assert when_set and all(sent(to_worker_dict(load_config(None, [f"{k}=7"])), k) for k in when_set)
+    learner_only = load_config(None, ["transport.permit_lease_s=90", "runtime.worker_restarts=0"])
+    assert not sent(to_worker_dict(learner_only), "transport.permit_lease_s")

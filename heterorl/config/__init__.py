@@ -39,6 +39,7 @@ from heterorl.config.learning import (
     TaskConfig,
     TinyModelConfig,
 )
+from heterorl.config.scope import for_workers, learner_only
 from heterorl.config.system import (
     BUFFER_POLICIES,
     DELAY_KINDS,
@@ -83,7 +84,7 @@ class Config:
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # on a cluster engine (docs/DEPLOY.md)
+    cluster: ClusterConfig = learner_only(default_factory=ClusterConfig)  # on a cluster engine (docs/DEPLOY.md)
 
     def validate(self) -> None:
         """Every section's own checks, then those that span sections; raises ConfigError naming the key."""
@@ -175,8 +176,14 @@ def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
+def to_worker_dict(cfg: Config) -> dict:
+    """The run config as its rollout workers receive it: `to_dict` less the keys whose fields keep them from the
+    workers (`heterorl.config.scope`: the learner's own, and new keys left at their defaults)."""
+    return for_workers(cfg, to_dict(cfg))
+
+
 __all__ = ["BUFFER_POLICIES", "DELAY_KINDS", "ENGINES", "LORA_TARGETS", "SFT_BASE", "BufferConfig", "ClusterConfig",
            "Config", "ConfigError", "DelayConfig", "LinkDelayConfig", "LoggingConfig", "LoraConfig", "LossConfig",
            "OptimConfig", "PolicyConfig", "RLConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig", "SimulateConfig",
            "TaskConfig", "TinyModelConfig", "TransportConfig", "load_config", "load_trace", "packaged", "to_dict",
-           "to_yaml", "worker_command_word"]
+           "to_worker_dict", "to_yaml", "worker_command_word"]

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional
 
 import gepo
 from heterorl.config.checks import fail, one_of, optional_positive, positive
+from heterorl.config.scope import learner_only, sent_when_set
 from heterorl.errors import ConfigError
 
 SFT_BASE = "maze-sft-base"  # the shipped SFT base of the 5x5 maze (heterorl/assets/)
@@ -111,9 +112,9 @@ class RolloutConfig:
     # multi-turn tasks (tasks/environment.py, docs/ENVIRONMENTS.md): at most max_turns policy turns an episode; its
     # completion, the environment's answers included, at most max_episode_tokens (null: what the context
     # leaves); an environment call that has not returned after env_step_timeout_s ends its episode with reward 0
-    max_turns: int = 16
-    max_episode_tokens: Optional[int] = None
-    env_step_timeout_s: Optional[float] = 30.0
+    max_turns: int = sent_when_set(16)
+    max_episode_tokens: Optional[int] = sent_when_set(None)
+    env_step_timeout_s: Optional[float] = sent_when_set(30.0)
 
     def validate(self, key: str = "rollout") -> None:
         positive(self, key, "group_size", "max_tokens", "max_turns")
@@ -203,8 +204,8 @@ class RLConfig:
     # bounds on one group's weight in an update (docs/RELIABILITY.md, "Bounds on one group"): a group with a token
     # whose |log p − log q| exceeds max_log_ratio, or a reward with |r| > max_abs_reward, is dropped before the
     # loss and counted (optim/dropped_groups); null: no bound
-    max_log_ratio: Optional[float] = 10.0
-    max_abs_reward: Optional[float] = 10.0
+    max_log_ratio: Optional[float] = learner_only(10.0)
+    max_abs_reward: Optional[float] = learner_only(10.0)
 
     def validate(self, key: str = "rl") -> None:
         positive(self, key, "steps", "prompts_per_step", "updates_per_batch", "eval_every")

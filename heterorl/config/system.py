@@ -12,6 +12,7 @@ from typing import List, Optional
 import numpy as np
 
 from heterorl.config.checks import fail, one_of, optional_positive, positive
+from heterorl.config.scope import learner_only
 from heterorl.errors import DelayConfigError
 
 ENGINES = ("torch", "vllm")  # sampling engines a rollout worker can run (runtime.engines, --engine)
@@ -65,36 +66,39 @@ class TransportConfig:
     # the learner's weights serving (docs/RELIABILITY.md, "Weights serving"): bytes of chunk replies not yet handed
     # to the network, per worker and in all (a chunk request beyond either is answered with its header, and the
     # worker asks again shortly); 0 per worker: twice a fetch's pipeline (weights_chunk_bytes x weights_pipeline x 2)
-    weights_bytes_in_flight_per_worker: int = 0
-    weights_bytes_in_flight: int = 2 * 2**30
-    max_layouts: int = 8  # distinct slice layouts a sharded learner packs each publish; a hello beyond is refused
+    weights_bytes_in_flight_per_worker: int = learner_only(0)
+    weights_bytes_in_flight: int = learner_only(2 * 2**30)
+    # distinct slice layouts a sharded learner packs each publish; a hello beyond is refused
+    max_layouts: int = learner_only(8)
     max_retained_versions: int = 64  # packed versions kept for workers whose release is still delayed
     # send a version as deltas from the one a worker holds (heterorl.transport.weights.deltas): exact, checked, and a
     # full snapshot whenever the chain is missing, longer than a snapshot, or doubted. Off: every version whole
     weights_deltas: bool = True
     dedup_window: int = 1_000_000  # trajectory ids remembered for duplicate detection
     max_workers: int = 1024  # registry size; when full, the entry of the worker silent longest makes room
-    max_ids_per_key: int = 8  # worker ids one CURVE key may hold in the registry (docs/RELIABILITY.md)
+    max_ids_per_key: int = learner_only(8)  # worker ids one CURVE key may hold in the registry (docs/RELIABILITY.md)
     worker_expiry_s: float = 600.0  # a worker silent this long leaves the registry (it may say hello again)
     # per worker (docs/RELIABILITY.md, "Bounds per worker"): incomplete groups it may have at the learner, and
     # their bytes; a member beyond either is refused with its group
     open_groups_per_worker: int = 32
     open_group_bytes_per_worker: int = 256 * 2**20
-    group_timeout_s: float = 600.0  # a group still incomplete this long after its first member arrived is dropped
+    # a group still incomplete this long after its first member arrived is dropped (workers receive it as
+    # `buffer.partial_group_timeout_s`, the deprecated key that mirrors it and that the previous release reads)
+    group_timeout_s: float = learner_only(600.0)
     # ... or sooner: 4 x the slowest of its worker's recent groups took to arrive whole, at least this (seconds)
-    group_deadline_min_s: float = 5.0
+    group_deadline_min_s: float = learner_only(5.0)
     # admission permits are leases (docs/RELIABILITY.md, "Permits"): a worker that owes a group for 4 x its
     # measured seconds per group (within these bounds) stops holding its share; a probation permit lasts
     # permit_lease_s; at most probation_permits are out at once
-    permit_lease_s: float = 60.0
-    permit_lease_min_s: float = 5.0
-    probation_permits: int = 2
+    permit_lease_s: float = learner_only(60.0)
+    permit_lease_min_s: float = learner_only(5.0)
+    probation_permits: int = learner_only(2)
     # a connection with more refused messages than this within a second is throttled (its messages discarded
     # unread) for throttle_s, doubling each time; its worker is disconnected (and refused for the back-off) at
     # the throttles_before_disconnect-th throttle in a row (docs/RELIABILITY.md, "Work a peer makes")
-    max_refusals_per_s: int = 1000
-    throttle_s: float = 1.0
-    throttles_before_disconnect: int = 3
+    max_refusals_per_s: int = learner_only(1000)
+    throttle_s: float = learner_only(1.0)
+    throttles_before_disconnect: int = learner_only(3)
     max_trajectories_per_s: float = 0.0  # per worker, enforced through its credit; 0: no limit
     keys_reload_s: float = 2.0  # how often the learner re-reads its allowed-keys folder (revocation)
     linger_ms: int = 1000
@@ -298,7 +302,7 @@ class RuntimeConfig:
     worker_timeout_s: float = 300.0  # learner fails if no data arrives and no worker is alive for this long
     # `heterorl train` starts a worker that exits abnormally again, after a back-off, at most this many times per
     # worker in an hour; then gives it up (0: a failed worker leaves the fleet at once)
-    worker_restarts: int = 3
+    worker_restarts: int = learner_only(3)
     # before its first step the learner waits up to this long for `workers` workers to hold its weights, so
     # a run does not start on whichever worker loaded its model first (0: start on the first data)
     fleet_wait_s: float = 120.0

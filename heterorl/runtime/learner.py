@@ -2,9 +2,9 @@
 
     heterorl learner --bind tcp://*:5555 [--config F] [k=v ...]
 
-Each step: pull what the workers pushed into the staleness-aware buffer
-(heterorl.runtime.buffer), take ``rl.prompts_per_step`` whole groups when the buffer
-policy allows, run ``forward_backward`` + ``optim_step`` through the session
+Each step (`heterorl.runtime.learner_step`, the one step the simulated execution takes too): pull what the
+workers pushed into the staleness-aware buffer (heterorl.runtime.buffer), take ``rl.prompts_per_step`` whole
+groups when the buffer policy allows, run ``forward_backward`` + ``optim_step`` through the session
 primitives (the loss from gepo, by name), publish the new version. Staleness
 is measured on the learner's clock only — versions (current − oldest token
 version of a group) and seconds (now − when that version was published) — so
@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from heterorl.config import Config, RolloutConfig, to_dict
+from heterorl.config import Config, to_worker_dict
 from heterorl.errors import HeteroRLError
 from heterorl.rollout.episodes import EpisodeLimits
 from heterorl.rollout.spans import policy_token_weights
 from heterorl.runs import StepRecorder, finish_run, idle_fraction
-from heterorl.runtime.accounting import LearnerResult, rollout_waste, step_metrics, weights_summary
+from heterorl.runtime.accounting import LearnerResult, RunTally, rollout_waste, step_metrics, weights_summary
 from heterorl.runtime.buffer import Group, GroupBuffer, Pacer, sampling_order
 from heterorl.runtime.checkpoints import (
     CHECKPOINTS,
@@ -47,6 +47,7 @@ from heterorl.runtime.checkpoints import (
 )
 from heterorl.runtime.cores import PROBE_STEPS, Split, decide_split, machine_cores
 from heterorl.runtime.engine_stats import EngineTally, FleetEngines, tallies_to_json
+from heterorl.runtime.learner_step import learner_step
 from heterorl.runtime.publishing import Publisher
 from heterorl.tasks.base import Task
 from heterorl.training.evaluation import EvalResult, evaluate
@@ -103,6 +104,9 @@ def held_out_eval(cfg: Config, sampler: SamplingClient, task: Task) -> EvalResul
 
 
 class Learner:
+    """The live learner: a `StepHost` (`heterorl.runtime.learner_step`) over a `LearnerServer` and its fleet, on the
+    machine's clocks, with checkpoints and resume."""
+
     def __init__(self, cfg: Config, training: TrainingClient, task: Task, server: LearnerServer | None,
                  run_dir: str | Path, logger=None, progress=None, *, share_machine: bool = False) -> None:
         """``share_machine``: the workers run on this machine (`heterorl train`): split its cores between
@@ -118,7 +122,8 @@ class Learner:
         self.logger, self.progress = logger, progress
         self.buffer = GroupBuffer(cfg.buffer)
         self.pacer = Pacer(cfg.buffer)
-        self._starved = False  # during the last wait for a batch the fleet could start no group (out of permits)
+        self.starved = False  # during the last wait for a batch the fleet could start no group (out of permits)
+        self.run_start = 0.0  # when `run` started, on the monotonic clock, less a resumed run's elapsed time
         self._trained_here = 0  # trajectories this learner process trained (the waste report is per process)
         self._share_machine = share_machine and cfg.runtime.mode == "async" and cfg.runtime.thread_split == "adaptive"
         self._train_times: list[float] = []  # training seconds of the steps measured for the core split
@@ -173,6 +178,41 @@ class Learner:
                  self.state.step, checkpoint.training_state["version"], checkpoint.newest_published,
                  checkpoint.newest_published + 1)
 
+    # -- the step's host (`learner_step.StepHost`) ----------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
+
+    @property
+    def tally(self) -> RunTally:
+        return self.state.tally
+
+    def clock(self) -> float:
+        return time.monotonic()
+
+    def staleness_s(self, groups: list[Group]) -> list[float]:
+        now_wall = time.time()  # versions' publish times are wall times: a resumed learner's go on from before
+        return [now_wall - self.state.publish_wall_s.get(str(g.oldest_version), now_wall) for g in groups]
+
+    def publish(self) -> int:
+        return self.publisher.publish(self.state.publish_wall_s)
+
+    def training_time(self, step_start: float) -> float:
+        return time.monotonic() - step_start
+
+    def pace_fleet(self, train_s: float) -> None:
+        self._admit()
+        self._split_cores(train_s)
+
+    def end_step(self) -> None:
+        every = self.cfg.runtime.checkpoint_every
+        if (every and self.state.step % every == 0) or self.state.step == self.cfg.rl.steps:
+            self.save_checkpoint()
+
     # -- helpers ------------------------------------------------------------------------------------
     def _evaluate(self) -> EvalResult:
         if self.publisher.reshard:  # rank 0's whole copy is refreshed only here: every rank gathers into it
@@ -180,18 +220,9 @@ class Learner:
             self.training.refresh_full_model().result()
         return held_out_eval(self.cfg, self._eval_sampler, self.task)
 
-    def _publish(self) -> int:
-        return self.publisher.publish(self.state.publish_wall_s)
-
-    def _admit(self, waited_s: float = 0.0, train_s: float = 0.0) -> None:
-        """Hand the fleet its admission cap for the learner's current step, after letting the pacer see the
-        step's wait for data and training time (`Pacer.observe`)."""
+    def _admit(self) -> None:
+        """Hand the fleet its admission cap for the learner's current step at the pacer's pace."""
         per_step, steps = self.cfg.rl.prompts_per_step, self.cfg.rl.steps
-        # the first batch waits for start-up, and near the end the run's last step caps the permits
-        starved = self._starved and 1 < self.state.step < steps - self.pacer.ahead
-        if self.pacer.observe(waited_s, train_s, starved):
-            log.info("pace raised to %d step(s) ahead: the learner waited %.2f s for data while the fleet was out "
-                     "of permits", self.pacer.ahead, waited_s)
         cap = self.buffer.admission_limit(self.state.step, per_step, total_steps=steps, ahead_steps=self.pacer.ahead)
         if cap is not None:  # the server counts the groups started in this learner's life: the steps before it
             cap -= self._resumed_step * per_step  # consumed theirs, so the fleet stays as far ahead as ever
@@ -226,7 +257,7 @@ class Learner:
         pulling: the data then waits in the transport, whose credits hold the workers back (back-pressure)."""
         try:
             self._ingest_loop()
-        except BaseException as exc:  # surfaced by _next_batch: a learner must not wait on a dead thread
+        except BaseException as exc:  # surfaced by next_batch: a learner must not wait on a dead thread
             self._ingest_error = exc
             with self._buffer_lock:
                 self._buffer_lock.notify_all()
@@ -253,24 +284,26 @@ class Learner:
                         self.buffer.count_unassembled("partial", len(fresh))
                 self._buffer_lock.notify_all()
 
-    def _next_batch(self, version: int) -> list[Group] | None:
-        """Block until the buffer policy hands out a batch (None: a stop was requested meanwhile)."""
+    def next_batch(self, version: int) -> list[Group] | None:
+        """Block until the buffer policy hands out a batch (None: a stop was requested meanwhile); the wait is the
+        learner's idle time."""
         cfg = self.cfg
         silent_since, waiting_since, reported = None, time.monotonic(), 0
-        self._starved = False
+        self.starved = False
         with self._buffer_lock:
             while True:
                 groups = self.buffer.take(cfg.rl.prompts_per_step, version)
                 if groups is not None:
                     if cfg.runtime.mode == "sync":  # one seed, one result: sums run in the same order every run
                         groups.sort(key=sampling_order)
+                    self.state.tally.idle_s += time.monotonic() - waiting_since
                     return groups
                 if self.stopped_by:
                     return None
                 if self._ingest_error is not None:
                     raise HeteroRLError(f"the learner's ingest thread failed: {self._ingest_error!r}")
                 self._buffer_lock.wait(0.05)
-                self._starved = self._starved or self.server.permits_left() == 0
+                self.starved = self.starved or self.server.permits_left() == 0
                 now = time.monotonic()
                 if now - waiting_since > 30 * (reported + 1):
                     reported += 1
@@ -296,20 +329,20 @@ class Learner:
 
     def run(self) -> LearnerResult:
         cfg, state = self.cfg, self.state
-        start = time.monotonic() - state.tally.elapsed_s
+        self.run_start = time.monotonic() - state.tally.elapsed_s
         self.recorder = StepRecorder(cfg, self._evaluate, self.logger, self.progress, history=state.history,
                                      steps_without_update=state.steps_without_update)
         self.recorder.start()
         if not (self.run_dir / CHECKPOINTS / LEARNER_STATE).is_file():
             self.save_checkpoint()  # step 0: a learner killed before its first checkpoint can resume too
-        version = self._publish()
+        version = self.publish()
         self._admit()
         self._await_fleet()
         ingest = threading.Thread(target=self._ingest, name="heterorl-learner-ingest", daemon=True)
         ingest.start()
         try:
             while state.step < cfg.rl.steps and not self.stopped_by:
-                version = self._step(start, version)
+                version = learner_step(self, version)
             if self.stopped_by and state.step < cfg.rl.steps:
                 log.info("stopped at step %d of %d (%s); resume with --resume", state.step, cfg.rl.steps,
                          self.stopped_by)
@@ -359,31 +392,7 @@ class Learner:
                                  rejected=stats["rejected"], dropped_with_group=stats["dropped_trajectories"],
                                  already_trained=self.dropped_trained)
 
-    def _step(self, start: float, version: int) -> int:
-        """One learner step: batch → optimise → publish → record → checkpoint; returns the new version."""
-        wait_start = time.monotonic()
-        groups = self._next_batch(version)
-        if groups is None:
-            return version
-        waited = time.monotonic() - wait_start
-        self.state.tally.idle_s += waited
-        step_start = time.monotonic()
-        now_wall = time.time()
-        staleness = [version - g.oldest_version for g in groups]
-        staleness_s = [now_wall - self.state.publish_wall_s.get(str(g.oldest_version), now_wall) for g in groups]
-        metrics = self._optimise(groups, staleness, version)
-        self.state.step += 1
-        version = self._publish()
-        self._admit(waited, time.monotonic() - step_start)
-        self._split_cores(time.monotonic() - step_start)
-        self._record(groups, staleness, staleness_s, version, metrics, run_start=start, waited=waited,
-                     step_start=step_start)
-        every = self.cfg.runtime.checkpoint_every
-        if (every and self.state.step % every == 0) or self.state.step == self.cfg.rl.steps:
-            self.save_checkpoint()
-        return version
-
-    def _optimise(self, groups: list[Group], staleness: list[int], version: int) -> dict:
+    def optimise(self, groups: list[Group], staleness: list[int], version: int) -> dict:
         """Train every rank on the batch (`optimize_batch`); tally it by engine, keep what the loss refused, note
         its trajectories as trained; the optimiser's and the engines' metrics."""
         cfg = self.cfg
@@ -401,16 +410,6 @@ class Learner:
         self._trained_here += len(datums)
         return metrics
 
-    def _record(self, groups: list[Group], staleness: list[int], staleness_s: list[float], version: int,
-                metrics: dict, *, run_start: float, waited: float, step_start: float) -> None:
-        """Count the batch in the run's tally and log the step's metrics."""
-        tally = self.state.tally
-        tally.add_batch(groups, staleness, staleness_s)
-        tally.elapsed_s = time.monotonic() - run_start
-        metrics.update(self._step_metrics(groups, staleness, staleness_s, version))
-        metrics.update({"learner/wait_s": waited, "learner/train_s": time.monotonic() - step_start})
-        self.recorder.record(self.state.step, metrics, tally.elapsed_s)
-
     def _keep_skipped(self, groups: list[Group], skipped: list[SkippedUpdate]) -> None:
         """Append each minibatch the loss refused to ``RUN_DIR/skipped_batches.jsonl``: the step, the version,
         the reason and the ids of its trajectories (rows index `group_datums`' order), for inspection."""
@@ -423,8 +422,8 @@ class Learner:
                 f.write(json.dumps({"step": self.state.step + 1, "version": self.training.version,
                                     "reason": update.reason, "trajectory_ids": [ids[i] for i in update.rows]}) + "\n")
 
-    def _step_metrics(self, groups: list[Group], staleness: list[int], staleness_s: list[float],
-                      version: int) -> dict:
+    def step_metrics(self, groups: list[Group], staleness: list[int], staleness_s: list[float], version: int,
+                     waited_s: float, step_start: float) -> dict:
         """`step_metrics` on the learner's clock, and what only a live fleet has: its workers and transport."""
         state, workers, fleet = self.state, self.server.workers(), self.server.fleet_totals()
         busy, trajectories = fleet["busy_s"], fleet["trajectories"]
@@ -450,6 +449,7 @@ class Learner:
             "cores/learner_threads": torch.get_num_threads(),
             "rollouts/discarded_frac": self._waste(fleet)["discarded_frac"],
             **self._weights_metrics(),
+            "learner/wait_s": waited_s, "learner/train_s": time.monotonic() - step_start,
         }
 
     def _weights_metrics(self) -> dict:
@@ -518,25 +518,7 @@ def learner_settings(cfg: Config, contract: TrajectoryContract | None = None, ba
 
 
 def _config_for_workers(cfg: Config) -> str:
-    """The run config as workers receive it, in the form workers of the previous release read too: the group
-    timeout, a key of the learner's alone that they do not know, travels as ``buffer.partial_group_timeout_s``,
-    the deprecated key that mirrors it; the bounds on one group's weight (``rl.max_log_ratio``,
-    ``rl.max_abs_reward``) and on the ids of one key (``transport.max_ids_per_key``), the learner's alone too,
-    and the launchers' settings (worker restarts, the ``cluster`` section) stay home; the bounds of multi-turn
-    episodes (new in this release) travel only when they differ from their defaults."""
-    data = to_dict(cfg)
-    del data["transport"]["group_timeout_s"], data["transport"]["max_ids_per_key"]
-    for key in ("group_deadline_min_s", "permit_lease_s", "permit_lease_min_s", "probation_permits",
-                "max_refusals_per_s", "throttle_s", "throttles_before_disconnect"):
-        del data["transport"][key]  # the learner's admission, group deadlines and throttling alone
-    for key in ("weights_bytes_in_flight_per_worker", "weights_bytes_in_flight", "max_layouts"):
-        del data["transport"][key]  # the learner's weights serving alone
-    for key in ("max_log_ratio", "max_abs_reward"):
-        del data["rl"][key]
-    del data["runtime"]["worker_restarts"]  # `heterorl train`'s alone
-    del data["cluster"]  # the cluster launchers' alone
-    defaults = RolloutConfig()
-    for key in ("max_turns", "max_episode_tokens", "env_step_timeout_s"):  # multi-turn bounds: sent when set
-        if data["rollout"][key] == getattr(defaults, key):
-            del data["rollout"][key]
-    return yaml.safe_dump(data, sort_keys=False)
+    """The run config as workers receive it (`to_worker_dict`: each key's field declares whether it is sent), in the
+    form workers of the previous release read too: the group timeout travels as ``buffer.partial_group_timeout_s``,
+    the deprecated key that mirrors it, and the keys new in this release only when they are set."""
+    return yaml.safe_dump(to_worker_dict(cfg), sort_keys=False)

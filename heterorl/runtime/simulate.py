@@ -7,8 +7,9 @@ The same run as the live system (`heterorl train`), with the same semantics:
 - the same buffer policy (`GroupBuffer`: window, drop_stale, count_only, admission) and staleness accounting;
 - the same delay links, named ``worker-i/trajectories`` (up) and ``worker-i/weights`` (down) and seeded as in
   the live system, so a seed draws the same delays;
-- the same prompt shards, sampling seeds and trajectory stamps (`heterorl.runtime.worker`), the same optimizer step
-  (`heterorl.training.step.optimize_batch`) and metrics;
+- the same prompt shards, sampling seeds and trajectory stamps (`heterorl.runtime.worker`), the same learner step
+  (`heterorl.runtime.learner_step`: a `Simulation` is its `StepHost`, with a virtual clock and queues), the same
+  optimizer step (`heterorl.training.step.optimize_batch`) and metrics;
 - sync mode waits for each new version, async mode never waits, as the live workers do.
 
 With ``delay.fixed_lag_steps`` = k the fleet and its delays are replaced by a fixed staleness: each step's batch
@@ -42,6 +43,7 @@ from heterorl.runs import StepRecorder, idle_fraction, setup_run
 from heterorl.runtime.accounting import LearnerResult, RunTally, rollout_waste, step_metrics, weights_summary
 from heterorl.runtime.buffer import Group, GroupBuffer, Pacer
 from heterorl.runtime.learner import finish_learner_run, group_datums, held_out_eval, trajectory_contract
+from heterorl.runtime.learner_step import learner_step
 from heterorl.runtime.rollouts import sampling_params, shard_rng, stamp_groups
 from heterorl.tasks import Task
 from heterorl.tasks.rewards import outcome_counts
@@ -92,7 +94,8 @@ class _Worker:
 
 
 class Simulation:
-    """One run of learner + ``runtime.workers`` workers on a virtual clock; `run` returns a `LearnerResult`."""
+    """One run of learner + ``runtime.workers`` workers on a virtual clock; `run` returns a `LearnerResult`. The
+    learner's steps are `learner_step`'s, with this simulation as their `StepHost`."""
 
     def __init__(self, cfg: Config, training: TrainingClient, task: Task, logger=None, progress=None) -> None:
         if cfg.runtime.learner_ranks > 1:
@@ -122,10 +125,13 @@ class Simulation:
         self._published_s: dict[int, float] = {}
         self._started = 0  # groups the fleet started (admission control)
         self.pacer = Pacer(cfg.buffer)
-        self._starved = False  # the fleet could start no group while the learner waited (`Pacer.observe`)
+        self.starved = False  # the fleet could start no group while the learner waited (`Pacer.observe`)
         self._generated = 0  # trajectories sampled (`rollout_waste`)
         self.tally = RunTally()  # what was trained and how stale, on the virtual clock (elapsed_s: `_now`)
-        self._steps_done = 0  # learner steps finished and published
+        self.step = 0  # learner steps finished and published
+        self.run_start = 0.0  # the virtual clock starts at 0
+        self._base = 0  # the first version published (`run`)
+        self.recorder: StepRecorder | None = None  # made by `run`
         self._lost = 0  # trajectories their link dropped
         self._now = 0.0  # the virtual clock
         # one sampler for the whole fleet, over its own copy of the weights: each call loads its worker's version
@@ -297,30 +303,14 @@ class Simulation:
     def run(self) -> LearnerResult:
         cfg = self.cfg
         wall_start = time.monotonic()
-        recorder = StepRecorder(cfg, self._evaluate, self.logger, self.progress)
-        recorder.start()
+        self.recorder = StepRecorder(cfg, self._evaluate, self.logger, self.progress)
+        self.recorder.start()
         self._now = 0.0
-        version = self._publish(self._now)
-        lag, base = cfg.delay.fixed_lag_steps, version
-        for step in range(1, cfg.rl.steps + 1):
-            idle_before = self.tally.idle_s
-            groups = self._next_batch(step, version) if lag is None else self._lagged_batch(version - lag)
-            staleness = [version - g.oldest_version for g in groups]
-            staleness_s = [self._now - self._published_s.get(g.oldest_version, (g.oldest_version - base) * self.step_s)
-                           for g in groups]  # (a version before the base counts as published that many steps before)
-            self.tally.add_batch(groups, staleness, staleness_s)
-            metrics = optimize_batch(self.training, group_datums(groups), cfg, cfg.rl.steps * cfg.rl.updates_per_batch)
-            self._run_workers(self._now + self.step_s, before=True)  # calls started while the learner trains
-            self._now += self.step_s
-            self._steps_done = step
-            starved = self._starved and 1 < step < cfg.rl.steps - self.pacer.ahead  # as the live learner
-            self.pacer.observe(self.tally.idle_s - idle_before, self.step_s, starved)
-            version = self._publish(self._now)
-            self.tally.elapsed_s = self._now
-            metrics.update(self._step_metrics(groups, staleness, staleness_s, version))
-            recorder.record(step, metrics, self._now)
+        version = self._base = self.publish()
+        while self.step < cfg.rl.steps:
+            version = learner_step(self, version)
         busy, idle = sum(w.busy_s for w in self.workers), sum(w.idle_s for w in self.workers)
-        return recorder.result(
+        return self.recorder.result(
             LearnerResult, steps=cfg.rl.steps, minutes=(time.monotonic() - wall_start) / 60,
             **self.tally.summary_fields(), worker_idle_frac=idle_fraction(idle, busy),
             rollouts=rollout_waste(generated=self._generated, trained=self.tally.trajectories_trained,
@@ -331,15 +321,56 @@ class Simulation:
                                     cfg.transport.weights_deltas),
             reward_outcomes=dict(sorted((outcome_counts(self.task) - self._eval_outcomes).items())))
 
+    # -- the step's host (`learner_step.StepHost`) ------------------------------------------------
+    def clock(self) -> float:
+        return self._now
+
+    def next_batch(self, version: int) -> list[Group]:
+        lag = self.cfg.delay.fixed_lag_steps
+        return self._next_batch(self.step + 1, version) if lag is None else self._lagged_batch(version - lag)
+
+    def staleness_s(self, groups: list[Group]) -> list[float]:
+        # a version before the base counts as published that many steps before it
+        return [self._now - self._published_s.get(g.oldest_version, (g.oldest_version - self._base) * self.step_s)
+                for g in groups]
+
+    def optimise(self, groups: list[Group], staleness: list[int], version: int) -> dict:
+        """`optimize_batch`, then the step's virtual seconds, the fleet's calls that start meanwhile run."""
+        cfg = self.cfg
+        metrics = optimize_batch(self.training, group_datums(groups), cfg, cfg.rl.steps * cfg.rl.updates_per_batch)
+        self._run_workers(self._now + self.step_s, before=True)  # calls started while the learner trains
+        self._now += self.step_s
+        return metrics
+
+    def publish(self) -> int:
+        return self._publish(self._now)
+
+    def training_time(self, step_start: float) -> float:
+        return self.step_s
+
+    def pace_fleet(self, train_s: float) -> None:
+        """Nothing to send: a worker reads the admission cap at its next call (`_admission_cap`)."""
+
+    def step_metrics(self, groups: list[Group], staleness: list[int], staleness_s: list[float], version: int,
+                     waited_s: float, step_start: float) -> dict:
+        busy, idle = sum(w.busy_s for w in self.workers), sum(w.idle_s for w in self.workers)
+        shared = step_metrics(groups, staleness, staleness_s, version=version, buffer=self.buffer, tally=self.tally,
+                              workers_busy_s=busy, workers_idle_s=idle)
+        return {**shared, "sim/time_s": self._now, "sim/lost_trajectories": self._lost,
+                "pace/ahead_steps": self.pacer.ahead}
+
+    def end_step(self) -> None:
+        """Nothing: a simulation keeps no checkpoints."""
+
     def _admission_cap(self) -> int | None:
         """`GroupBuffer.admission_limit` at the pace of the run's `Pacer` (None: no admission control)."""
-        return self.buffer.admission_limit(self._steps_done, self.cfg.rl.prompts_per_step,
+        return self.buffer.admission_limit(self.step, self.cfg.rl.prompts_per_step,
                                            total_steps=self.cfg.rl.steps, ahead_steps=self.pacer.ahead)
 
     def _next_batch(self, step: int, version: int) -> list:
         """Run the fleet on the virtual clock until the buffer policy hands out a batch; the learner's wait counts
         as idle time."""
-        self._starved = False
+        self.starved = False
         while True:
             self._run_workers(self._now)
             self._ingest(self._now)
@@ -352,7 +383,7 @@ class Simulation:
                                     f"worker waiting ({len(self.buffer)} groups buffered); check buffer and delays")
             self.tally.idle_s += max(0.0, later - self._now)  # (an arrival held back by a full buffer is not "later")
             cap = self._admission_cap()
-            self._starved = self._starved or (cap is not None and cap <= self._started)
+            self.starved = self.starved or (cap is not None and cap <= self._started)
             self._now = max(self._now, later)
 
     def _lagged_batch(self, source: int) -> list[Group]:
@@ -376,13 +407,6 @@ class Simulation:
             self._generated += sum(map(len, stamped))
             groups += [Group(members[0].group_id, members, self._now) for members in stamped if members]
         return groups
-
-    def _step_metrics(self, groups: list, staleness: list[int], staleness_s: list[float], version: int) -> dict:
-        busy, idle = sum(w.busy_s for w in self.workers), sum(w.idle_s for w in self.workers)
-        shared = step_metrics(groups, staleness, staleness_s, version=version, buffer=self.buffer, tally=self.tally,
-                              workers_busy_s=busy, workers_idle_s=idle)
-        return {**shared, "sim/time_s": self._now, "sim/lost_trajectories": self._lost,
-                "pace/ahead_steps": self.pacer.ahead}
 
 
 def simulate_run(cfg: Config, progress=None) -> LearnerResult:

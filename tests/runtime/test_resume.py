@@ -170,7 +170,7 @@ def test_a_learner_killed_between_checkpoints_resumes_and_its_workers_carry_on(t
 
 
 class _Publisher:
-    """What `Learner._publish` and `_admit` need of a server: ``publish``, ``set_admission``."""
+    """What `Learner.publish` and `_admit` need of a server: ``publish``, ``set_admission``."""
 
     def __init__(self) -> None:
         self.published, self.admission, self.ahead = [], None, None
@@ -217,16 +217,16 @@ def test_a_resumed_learner_publishes_above_every_version_published_before(learne
     learner.save_checkpoint()  # step 0, version 0
     _train_once(training)
     learner.state.step = 3
-    learner._publish()
+    learner.publish()
     learner.save_checkpoint()  # step 3, version 1
     for _ in range(3):  # the learner publishes versions 2..4 and is killed before its next checkpoint
-        learner._publish()
+        learner.publish()
     checkpoint = read_checkpoint(tmp_path / "run")
     assert (checkpoint.state.step, checkpoint.training_state["version"], checkpoint.newest_published) == (3, 1, 4)
     assert set(checkpoint.published_wall_s) == {"2", "3", "4"}  # the staleness clock of the lost versions
     resumed, training2 = learner_parts()
     resumed.resume(checkpoint)
-    assert resumed._publish() == 5 and resumed.server.published == [5]
+    assert resumed.publish() == 5 and resumed.server.published == [5]
     resumed._admit()  # its server counts the groups started since the resume: the fleet may start two steps' worth,
     assert resumed.server.admission == 2 * GROUPS_PER_STEP  # as at the start of the run (max_staleness_steps 1)
     assert {"2", "3", "4", "5"} <= set(resumed.state.publish_wall_s)
@@ -243,11 +243,11 @@ def test_a_resumed_learner_publishes_above_every_version_published_before(learne
 def _two_checkpoints(learner_parts, tmp_path):
     learner, training = learner_parts()
     learner.state.step = 3
-    learner._publish()
+    learner.publish()
     learner.save_checkpoint()
     _train_once(training)
     learner.state.step = 6
-    learner._publish()
+    learner.publish()
     learner.save_checkpoint()
     return tmp_path / "run" / "checkpoints"
 
