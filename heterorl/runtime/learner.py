@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from heterorl.rollout.episodes import EpisodeLimits
 from heterorl.rollout.spans import policy_token_weights
 from heterorl.runs import StepRecorder, finish_run, idle_fraction
 from heterorl.runtime.accounting import LearnerResult, RunTally, rollout_waste, step_metrics, weights_summary
-from heterorl.runtime.buffer import Group, GroupBuffer, Pacer, sampling_order
+from heterorl.runtime.buffer import Group, Pacer
 from heterorl.runtime.checkpoints import (
     CHECKPOINTS,
     LEARNER_STATE,
@@ -46,7 +45,8 @@ from heterorl.runtime.checkpoints import (
     commit_checkpoint,
 )
 from heterorl.runtime.cores import PROBE_STEPS, Split, decide_split, machine_cores
-from heterorl.runtime.engine_stats import EngineTally, FleetEngines, tallies_to_json
+from heterorl.runtime.engine_stats import EngineTally, tallies_to_json
+from heterorl.runtime.learner_inbox import LearnerInbox
 from heterorl.runtime.learner_step import learner_step
 from heterorl.runtime.publishing import Publisher
 from heterorl.tasks.base import Task
@@ -120,26 +120,19 @@ class Learner:
                                 f"rl.updates_per_batch (now {cfg.rl.updates_per_batch})")
         self.run_dir = Path(run_dir)
         self.logger, self.progress = logger, progress
-        self.buffer = GroupBuffer(cfg.buffer)
+        self.inbox = LearnerInbox(cfg, server, lambda: self.stopped_by)  # the buffer, fed by the ingest thread
         self.pacer = Pacer(cfg.buffer)
-        self.starved = False  # during the last wait for a batch the fleet could start no group (out of permits)
         self.run_start = 0.0  # when `run` started, on the monotonic clock, less a resumed run's elapsed time
         self._trained_here = 0  # trajectories this learner process trained (the waste report is per process)
         self._share_machine = share_machine and cfg.runtime.mode == "async" and cfg.runtime.thread_split == "adaptive"
         self._train_times: list[float] = []  # training seconds of the steps measured for the core split
         self.split: Split | None = None  # the core split decided (`_split_cores`)
         self.state = LearnerState()
-        self._trained: set[str] = set()
         self._eval_sampler = training.live_sampling_client() if self.ranks.rank == 0 else None
         self.publisher = Publisher(cfg, training, self.ranks, self.run_dir, server)  # every version's way out
         self.recorder: StepRecorder | None = None  # made by `run`, over the (possibly resumed) state
-        self.dropped_trained = 0  # trajectories that arrived after being trained (before a restart): never twice
         self._resumed_step = 0  # the step this learner resumed at: its server counts the groups started since
-        self._buffer_lock = threading.Condition()
-        self._stop_ingest = threading.Event()
         self.stopped_by = ""  # why the run stopped before rl.steps (`request_stop`; "": it did not)
-        self._ingest_error: BaseException | None = None
-        self.engines = FleetEngines(lambda: self.server.workers())  # tallies by engine (under _buffer_lock)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
@@ -148,9 +141,9 @@ class Learner:
         folder = self.run_dir / CHECKPOINTS
         folder.mkdir(parents=True, exist_ok=True)
         state = self.state
-        state.trained_ids = sorted(self._trained)
-        with self._buffer_lock:
-            state.engines = tallies_to_json(self.engines.tallies)
+        with self.inbox.lock:
+            state.trained_ids = sorted(self.inbox.trained)
+            state.engines = tallies_to_json(self.inbox.engines.tallies)
         if self.recorder is not None:
             state.steps_without_update = self.recorder.steps_without_update
         suffix = ".dcp" if self.training.sharded else ".pt"  # sharded: a folder every rank writes its shards into
@@ -170,8 +163,8 @@ class Learner:
         self.state = checkpoint.state
         self.state.publish_wall_s.update(checkpoint.published_wall_s)
         self.publisher.since_checkpoint = dict(checkpoint.published_wall_s)
-        self._trained = set(self.state.trained_ids)
-        self.engines.tallies = {name: EngineTally.from_json(raw) for name, raw in self.state.engines.items()}
+        self.inbox.trained = set(self.state.trained_ids)
+        self.inbox.engines.tallies = {name: EngineTally.from_json(raw) for name, raw in self.state.engines.items()}
         self._resumed_step = self.state.step
         self.training.version = checkpoint.newest_published
         log.info("resumed at step %d from version %d; the newest version published was %d, the next is %d",
@@ -190,6 +183,17 @@ class Learner:
     @property
     def tally(self) -> RunTally:
         return self.state.tally
+
+    @property
+    def starved(self) -> bool:
+        return self.inbox.starved
+
+    def next_batch(self, version: int) -> list[Group] | None:
+        """`LearnerInbox.next_batch`; the wait is the learner's idle time (a step stopped meanwhile has none)."""
+        groups, waited = self.inbox.next_batch(version)
+        if groups is not None:
+            self.state.tally.idle_s += waited
+        return groups
 
     def clock(self) -> float:
         return time.monotonic()
@@ -223,7 +227,8 @@ class Learner:
     def _admit(self) -> None:
         """Hand the fleet its admission cap for the learner's current step at the pacer's pace."""
         per_step, steps = self.cfg.rl.prompts_per_step, self.cfg.rl.steps
-        cap = self.buffer.admission_limit(self.state.step, per_step, total_steps=steps, ahead_steps=self.pacer.ahead)
+        cap = self.inbox.buffer.admission_limit(self.state.step, per_step, total_steps=steps,
+                                                ahead_steps=self.pacer.ahead)
         if cap is not None:  # the server counts the groups started in this learner's life: the steps before it
             cap -= self._resumed_step * per_step  # consumed theirs, so the fleet stays as far ahead as ever
         runtime = self.cfg.runtime
@@ -251,76 +256,6 @@ class Learner:
                         "starts with them", ready, cfg.workers, gone, cfg.fleet_wait_s - (deadline - time.monotonic()),
                         cfg.fleet_wait_s)
 
-    def _ingest(self) -> None:
-        """Background thread: move arrived trajectories from the transport into the buffer while the learner
-        trains, so workers get their credits back at once. A full buffer (``buffer.max_groups``) stops the
-        pulling: the data then waits in the transport, whose credits hold the workers back (back-pressure)."""
-        try:
-            self._ingest_loop()
-        except BaseException as exc:  # surfaced by next_batch: a learner must not wait on a dead thread
-            self._ingest_error = exc
-            with self._buffer_lock:
-                self._buffer_lock.notify_all()
-
-    def _ingest_loop(self) -> None:
-        cfg = self.cfg
-        while not self._stop_ingest.is_set():
-            with self._buffer_lock:
-                room = cfg.buffer.max_groups - len(self.buffer)
-            if room <= 0:
-                self._stop_ingest.wait(0.01)
-                continue
-            arrived = self.server.get_groups(room * cfg.rollout.group_size, timeout_s=0.05)  # whole groups
-            now = time.monotonic()
-            with self._buffer_lock:
-                for group in arrived:
-                    fresh = [traj for traj in group if traj.key not in self._trained]
-                    self.dropped_trained += len(group) - len(fresh)  # already trained before a restart: never twice
-                    for traj in fresh:
-                        self.engines.tally(traj.sampler_id).received += 1
-                    if len(fresh) == len(group):
-                        self.buffer.add_group(fresh, now)
-                    elif fresh:  # (groups are trained whole: the rest of one trained in part can never complete)
-                        self.buffer.count_unassembled("partial", len(fresh))
-                self._buffer_lock.notify_all()
-
-    def next_batch(self, version: int) -> list[Group] | None:
-        """Block until the buffer policy hands out a batch (None: a stop was requested meanwhile); the wait is the
-        learner's idle time."""
-        cfg = self.cfg
-        silent_since, waiting_since, reported = None, time.monotonic(), 0
-        self.starved = False
-        with self._buffer_lock:
-            while True:
-                groups = self.buffer.take(cfg.rl.prompts_per_step, version)
-                if groups is not None:
-                    if cfg.runtime.mode == "sync":  # one seed, one result: sums run in the same order every run
-                        groups.sort(key=sampling_order)
-                    self.state.tally.idle_s += time.monotonic() - waiting_since
-                    return groups
-                if self.stopped_by:
-                    return None
-                if self._ingest_error is not None:
-                    raise HeteroRLError(f"the learner's ingest thread failed: {self._ingest_error!r}")
-                self._buffer_lock.wait(0.05)
-                self.starved = self.starved or self.server.permits_left() == 0
-                now = time.monotonic()
-                if now - waiting_since > 30 * (reported + 1):
-                    reported += 1
-                    alive = sum(w.alive for w in self.server.workers())
-                    log.info("waiting %.0f s for a batch of %d groups at version %d: %d groups buffered, %d "
-                             "trajectories at the transport, %d live workers, %s", now - waiting_since,
-                             cfg.rl.prompts_per_step, version, len(self.buffer), self.server.buffered(), alive,
-                             self.server.admission_state())
-                if any(w.alive for w in self.server.workers()):
-                    silent_since = None
-                elif silent_since is None:
-                    silent_since = now
-                elif now - silent_since > cfg.runtime.worker_timeout_s:
-                    raise HeteroRLError(
-                        f"no live rollout worker for {cfg.runtime.worker_timeout_s:.0f} s and no data; "
-                        f"start workers with `heterorl rollout --connect {self.server.control_endpoint}`")
-
     # -- the loop -----------------------------------------------------------------------------------
     def request_stop(self, why: str) -> None:
         """End the run after the step in progress (a batch not yet complete is not waited for), with a checkpoint
@@ -338,8 +273,7 @@ class Learner:
         version = self.publish()
         self._admit()
         self._await_fleet()
-        ingest = threading.Thread(target=self._ingest, name="heterorl-learner-ingest", daemon=True)
-        ingest.start()
+        self.inbox.start()
         try:
             while state.step < cfg.rl.steps and not self.stopped_by:
                 version = learner_step(self, version)
@@ -348,14 +282,13 @@ class Learner:
                          self.stopped_by)
                 self.save_checkpoint()
         finally:
-            self._stop_ingest.set()
-            ingest.join(5)
+            self.inbox.stop()
         self.ranks.share("stop")
         fleet = self.server.fleet_totals()
         return self.recorder.result(
             LearnerResult, steps=state.step, minutes=state.tally.elapsed_s / 60, **state.tally.summary_fields(),
             worker_idle_frac=idle_fraction(fleet["idle_s"], fleet["busy_s"]),
-            engines={name: t.summary(state.tally.elapsed_s) for name, t in sorted(self.engines.tallies.items())},
+            engines={name: t.summary(state.tally.elapsed_s) for name, t in sorted(self.inbox.engines.tallies.items())},
             rollouts=self._waste(fleet),
             weights=weights_summary(self.server.stats, self.server.weights_dtype, cfg.transport.weights_deltas,
                                     self.ranks.world if self.publisher.reshard else 1, fleet),
@@ -386,11 +319,12 @@ class Learner:
     def _waste(self, fleet: dict) -> dict:
         """`rollout_waste` of this learner process (a resumed learner counts from its restart)."""
         stats = self.server.stats
-        with self._buffer_lock:
+        inbox = self.inbox
+        with inbox.lock:
             return rollout_waste(generated=int(fleet["trajectories"]) + stats["rejected"], trained=self._trained_here,
-                                 buffer=self.buffer, left_over=self.buffer.held_trajectories + self.server.buffered(),
+                                 buffer=inbox.buffer, left_over=inbox.buffer.held_trajectories + self.server.buffered(),
                                  rejected=stats["rejected"], dropped_with_group=stats["dropped_trajectories"],
-                                 already_trained=self.dropped_trained)
+                                 already_trained=inbox.dropped_trained)
 
     def optimise(self, groups: list[Group], staleness: list[int], version: int) -> dict:
         """Train every rank on the batch (`optimize_batch`); tally it by engine, keep what the loss refused, note
@@ -401,12 +335,10 @@ class Learner:
         fresh: dict[int, list[float]] = {}
         metrics = optimize_batch(self.training, datums, cfg, cfg.rl.steps * cfg.rl.updates_per_batch,
                                  (self.ranks.rank, self.ranks.world), skipped=skipped, fresh_logprobs=fresh)
-        with self._buffer_lock:
-            metrics.update(self.engines.add_batch(groups, staleness, fresh, version))
+        with self.inbox.lock:
+            metrics.update(self.inbox.engines.add_batch(groups, staleness, fresh, version))
         self._keep_skipped(groups, skipped)
-        with self._buffer_lock:
-            for g in groups:
-                self._trained.update(t.key for t in g.trajectories)
+        self.inbox.mark_trained(groups)
         self._trained_here += len(datums)
         return metrics
 
@@ -427,8 +359,8 @@ class Learner:
         """`step_metrics` on the learner's clock, and what only a live fleet has: its workers and transport."""
         state, workers, fleet = self.state, self.server.workers(), self.server.fleet_totals()
         busy, trajectories = fleet["busy_s"], fleet["trajectories"]
-        with self._buffer_lock:
-            shared = step_metrics(groups, staleness, staleness_s, version=version, buffer=self.buffer,
+        with self.inbox.lock:
+            shared = step_metrics(groups, staleness, staleness_s, version=version, buffer=self.inbox.buffer,
                                   tally=state.tally, workers_busy_s=busy, workers_idle_s=fleet["idle_s"])
         return {
             **shared,
@@ -440,7 +372,7 @@ class Learner:
             "workers/version_held_max": max((w.version_held for w in workers if w.alive), default=-1),
             "transport/rejected": self.server.stats["rejected"],
             # since the learner started: ids it had already trained (before a restart) and ids it had already taken
-            "buffer/dropped_trained": self.dropped_trained,
+            "buffer/dropped_trained": self.inbox.dropped_trained,
             "transport/duplicates": self.server.stats["duplicates"],
             # incomplete groups the server dropped (docs/RELIABILITY.md, "Bounds per worker"): refused with a
             # member, timed out, or left behind by a worker that said hello again or left the registry

@@ -165,7 +165,7 @@ def test_a_hostile_worker_cannot_stop_the_learner_and_is_told_why(tmp_path):
 
     # the honest worker was told nothing, stated the same contract, and its data is what was trained
     assert outcome["honest_refused"] == [] and outcome["honest_contract"] == contract
-    trained = learner._trained
+    trained = learner.inbox.trained
     assert len(trained) == 48 and trained <= honest_sent | {t.key for t in FITS}
     assert len(trained & honest_sent) >= 44
 
