@@ -424,23 +424,27 @@ def openai_router(models: Models, *, owned_by: str = "heterorl", batching: bool 
     ``lookup``: finds a request's model instead of ``models()`` (`heterorl serve`'s: a use of it, for the memory
     budget's eviction, and why an id is not served)."""
     router = APIRouter(route_class=_OpenAIRoute)
-    first_listed: dict[str, int] = {}  # a model id's "created": when this router first served it
-    batchers: weakref.WeakKeyDictionary[SamplingClient, RequestBatcher] = weakref.WeakKeyDictionary()
 
-    def listed() -> list[dict]:
-        served, now = models(), int(time.time())
-        for model_id in [m for m in first_listed if m not in served]:
-            del first_listed[model_id]
-        return [{"id": m, "object": "model", "created": first_listed.setdefault(m, now), "owned_by": owned_by}
-                for m in sorted(served)]
+    def find(model_id: str) -> SamplingClient:
+        return _client(models, model_id, lookup)
 
-    def closed(model_id: str):
-        return lambda exc: RequestRefused(404, f"model {model_id!r} was closed while this request was served "
-                                          f"({exc}); list the served models again (GET /v1/models)", "model",
-                                          "model_not_found")
+    batchers = _Batchers(batching)
+    _model_routes(router, models, find, owned_by)
+    _completion_routes(router, find, batchers)
+    _chat_routes(router, find, batchers)
+    return router
 
-    async def generate(client: SamplingClient, body: _SamplingBody, prompts: list[list[int]],
-                       max_tokens: int | None, prompt_field: str) -> Generation:
+
+class _Batchers:
+    """A `RequestBatcher` per sampling client, made on its first request, which starts each request's generation
+    (``batching``: in one engine call with the other requests that can share it)."""
+
+    def __init__(self, batching: bool) -> None:
+        self.batching = batching
+        self._of: weakref.WeakKeyDictionary[SamplingClient, RequestBatcher] = weakref.WeakKeyDictionary()
+
+    def start(self, client: SamplingClient, body: _SamplingBody, prompts: list[list[int]], max_tokens: int | None,
+              prompt_field: str) -> Generation:
         """Start ``body.n`` completions of each prompt (in a batch with other requests where they can share it)."""
         max_tokens = _max_tokens(client, body.model, prompts, max_tokens, prompt_field)
         n = body.n or 1
@@ -449,18 +453,37 @@ def openai_router(models: Models, *, owned_by: str = "heterorl", batching: bool 
         _prompts_fit(client, prompts, params, n)
         generation = Generation(prompts, n, params, tokenizer=client.tokenizer, stops=body.stop,
                                 token_ids=bool(body.return_tokens_as_token_ids), stream=bool(body.stream))
-        batcher = batchers.get(client)
+        batcher = self._of.get(client)
         if batcher is None:
-            batcher = batchers[client] = RequestBatcher(client, batching=batching, on_closed=closed(body.model))
+            batcher = self._of[client] = RequestBatcher(client, batching=self.batching, on_closed=_closed(body.model))
         batcher.submit(generation)
         return generation
 
-    async def answer(request: Request, generation: Generation, body: _SamplingBody) -> tuple[list[Choice], dict]:
-        """The finished choices (prompt-major) and usage of a request that is not streamed."""
-        groups = await _unless_gone(request, generation)
-        choices = await asyncio.to_thread(finish_all, generation.tokenizer, generation.prompts, groups, body.stop,
-                                          bool(body.return_tokens_as_token_ids))
-        return choices, _usage(generation.prompts, choices)
+
+def _closed(model_id: str):
+    return lambda exc: RequestRefused(404, f"model {model_id!r} was closed while this request was served "
+                                      f"({exc}); list the served models again (GET /v1/models)", "model",
+                                      "model_not_found")
+
+
+async def _answer(request: Request, generation: Generation, body: _SamplingBody) -> tuple[list[Choice], dict]:
+    """The finished choices (prompt-major) and usage of a request that is not streamed."""
+    groups = await _unless_gone(request, generation)
+    choices = await asyncio.to_thread(finish_all, generation.tokenizer, generation.prompts, groups, body.stop,
+                                      bool(body.return_tokens_as_token_ids))
+    return choices, _usage(generation.prompts, choices)
+
+
+def _model_routes(router: APIRouter, models: Models, find: Callable[[str], SamplingClient], owned_by: str) -> None:
+    """``/v1/models``: the ids served, each "created" when this router first served it."""
+    first_listed: dict[str, int] = {}
+
+    def listed() -> list[dict]:
+        served, now = models(), int(time.time())
+        for model_id in [m for m in first_listed if m not in served]:
+            del first_listed[model_id]
+        return [{"id": m, "object": "model", "created": first_listed.setdefault(m, now), "owned_by": owned_by}
+                for m in sorted(served)]
 
     @router.get("/v1/models")
     async def list_models() -> dict:
@@ -468,18 +491,20 @@ def openai_router(models: Models, *, owned_by: str = "heterorl", batching: bool 
 
     @router.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict:
-        _client(models, model_id, lookup)
+        find(model_id)
         return next(entry for entry in listed() if entry["id"] == model_id)
 
+
+def _completion_routes(router: APIRouter, find: Callable[[str], SamplingClient], batchers: _Batchers) -> None:
+    """``/v1/completions``: prompts (text or token ids) completed."""
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        client = _client(models, body.model, lookup)
+        client = find(body.model)
         _refuse_unsupported(body)
         count = 1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)
         _check_size(count, body.n or 1, body.max_tokens or COMPLETION_MAX_TOKENS)  # (before tokenizing)
         prompts = await asyncio.to_thread(_completion_prompts, client.tokenizer, body.prompt)
-        generation = await generate(client, body, prompts, body.max_tokens or COMPLETION_MAX_TOKENS,
-                                    "prompt")
+        generation = batchers.start(client, body, prompts, body.max_tokens or COMPLETION_MAX_TOKENS, "prompt")
         k, kind = body.logprobs, {"object": "text_completion"}
         if body.stream:
             return _stream(generation, lambda: _head(body.model, "cmpl", generation.version) | kind,
@@ -487,18 +512,21 @@ def openai_router(models: Models, *, owned_by: str = "heterorl", batching: bool 
                                          None if k is None else _completion_logprobs(c, k, slice(i, i + 1))},
                            lambda c: {"text": "", "finish_reason": c.finish_reason, "logprobs": None},
                            _include_usage(body))
-        choices, usage = await answer(request, generation, body)
+        choices, usage = await _answer(request, generation, body)
         return _head(body.model, "cmpl", generation.version) | kind | {"usage": usage, "choices": [
             {"index": i, "text": c.text, "finish_reason": c.finish_reason,
              "logprobs": None if k is None else _completion_logprobs(c, k)} for i, c in enumerate(choices)]}
 
+
+def _chat_routes(router: APIRouter, find: Callable[[str], SamplingClient], batchers: _Batchers) -> None:
+    """``/v1/chat/completions``: messages rendered by the model's chat template, the assistant's turn completed."""
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        client = _client(models, body.model, lookup)
+        client = find(body.model)
         _refuse_unsupported(body)
         _check_size(1, body.n or 1, body.max_completion_tokens or body.max_tokens)  # (before rendering)
         prompts = [await asyncio.to_thread(_chat_prompt, client.tokenizer, body.messages, body.model)]
-        generation = await generate(client, body, prompts, body.max_completion_tokens or body.max_tokens,
+        generation = batchers.start(client, body, prompts, body.max_completion_tokens or body.max_tokens,
                                     "messages")
         k = body.top_logprobs or 0
         if body.stream:
@@ -510,14 +538,12 @@ def openai_router(models: Models, *, owned_by: str = "heterorl", batching: bool 
             return _stream(generation, lambda: _head(body.model, "chatcmpl", generation.version) | {
                 "object": "chat.completion.chunk"}, chunk,
                 lambda c: {"delta": {}, "finish_reason": c.finish_reason, "logprobs": None}, _include_usage(body))
-        choices, usage = await answer(request, generation, body)
+        choices, usage = await _answer(request, generation, body)
         return _head(body.model, "chatcmpl", generation.version) | {
             "object": "chat.completion", "usage": usage, "choices": [
                 {"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
                  "finish_reason": c.finish_reason, "logprobs": _chat_logprobs(c, k) if body.logprobs else None}
                 for i, c in enumerate(choices)]}
-
-    return router
 
 
 def _include_usage(body: _SamplingBody) -> bool:

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -30,8 +28,8 @@ from heterorl.engines.base import GenerationWatch, SampleOutput, SamplingEngine,
 from heterorl.engines.logprobs import packed_completion_logprobs, pad_right, prompt_groups, should_pack, token_logprobs
 from heterorl.engines.torch_engine import TorchEngine
 from heterorl.errors import HeteroRLError, SamplingError
-from heterorl.files import write_atomically
 from heterorl.policies.storage import storage_key
+from heterorl.training.states import TrainingStates, read_training_state
 
 
 @dataclass
@@ -285,6 +283,7 @@ class TrainingClient:
 
             ids = [self.device.index or 0] if self.device.type == "cuda" else None
             self._forward_model = DistributedDataParallel(self.model, device_ids=ids)  # syncs rank 0's weights
+        self._states = TrainingStates(self.model, self.lora, self.base_hash, self.device, self.sharded)
 
     def _setup_sharding(self) -> None:
         from heterorl.training import sharding
@@ -542,69 +541,18 @@ class TrainingClient:
 
     def state_dict(self) -> dict:
         """Weights (with LoRA: the adapter's, its config and the base's digest), optimizer, version, step, RNG."""
-        state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "version": self.version,
-            "step": self.step,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        }
-        if self.lora is not None:
-            from heterorl.training.lora import adapter_state
-
-            state.update(model=adapter_state(self.model), lora=self.lora.to_dict(), base_hash=self.base_hash)
-        return state
-
-    def _save_state(self, path) -> Path:
-        if self.sharded:
-            from heterorl.training.sharding import save_sharded
-
-            return save_sharded(path, self.model, self.optimizer, self.version, self.step)
-        state = self.state_dict()
-        return write_atomically(path, lambda f: torch.save(state, f))
+        return self._states.state_dict(self.optimizer, self.version, self.step)
 
     def save_state(self, path) -> Future:
         """Future of the path: weights, optimizer, version, step and RNG, written atomically (a temporary file
         renamed over ``path``: a killed process leaves the old state or the new one, never a torn one)."""
-        return self._executor.submit(self._save_state, path)
+        return self._executor.submit(lambda: self._states.save(path, self.optimizer, self.version, self.step))
 
     def _load_state(self, state) -> int:
-        if not isinstance(state, dict):
-            state = read_training_state(state, self.device)
-        if self.sharded or "sharded" in state:
-            return self._load_sharded(state)
-        from heterorl.training.lora import check_lora_state, load_adapter
-
-        check_lora_state(state, self.lora, self.base_hash)
-        try:
-            if self.lora is not None:
-                load_adapter(self.model, state["model"])
-            else:
-                self.model.load_state_dict(state["model"])
-            if state["optimizer"] is not None:
-                self.optimizer = torch.optim.AdamW(self.trainable_parameters())
-                self.optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise HeteroRLError(f"the training state does not fit this model ({_first_sentence(exc)}); was it "
-                                "saved from another policy?") from None
-        self.version, self.step = int(state["version"]), int(state["step"])
-        torch.set_rng_state(state["rng"]["torch"].cpu())
-        version, internal, gauss = state["rng"]["python"]
-        random.setstate((version, tuple(internal), gauss))
-        return self.version
-
-    def _load_sharded(self, state: dict) -> int:
-        from heterorl.training.sharding import load_sharded
-
-        if not self.sharded or "sharded" not in state:
-            saved = "sharded (a folder, by several ranks)" if "sharded" in state else "whole (one file)"
-            raise HeteroRLError(f"this training state is {saved}, but the client is "
-                                f"{'sharded' if self.sharded else 'not sharded'}: resume with the learner's "
-                                "sharding as it was (runtime.learner_sharding)")
-        self.optimizer, meta = load_sharded(state["sharded"], self.model, lambda: torch.optim.AdamW(
-            self.model.parameters()))
-        self.version, self.step = int(meta["version"]), int(meta["step"])
-        self._gather()  # rank 0's whole copy holds the loaded weights
+        self.optimizer, self.version, self.step = self._states.load(state, self.optimizer,
+                                                                    self.trainable_parameters())
+        if self.sharded:
+            self._gather()  # rank 0's whole copy holds the loaded weights
         return self.version
 
     def load_state(self, state) -> Future:
@@ -614,38 +562,6 @@ class TrainingClient:
 
     def close(self) -> None:
         self._executor.shutdown()
-
-
-_STATE_FIELDS = ("model", "optimizer", "version", "step", "rng")  # (LoRA states add "lora" and "base_hash")
-
-
-def _first_sentence(exc: BaseException) -> str:
-    text = str(exc).strip().split(". ")[0].splitlines()
-    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
-
-
-def read_training_state(path, map_location: str | torch.device = "cpu") -> dict:
-    """The training state `TrainingClient.save_state` wrote to ``path``, read with ``torch.load(weights_only=True)``:
-    tensors, numbers, strings and containers only (the model, the optimizer, the version, the step, torch's RNG
-    state and python's as a tuple of ints), so nothing in the file can run code. HeteroRLError naming the file
-    and what is wrong: missing, truncated or garbage, or a field absent."""
-    path = Path(path)
-    if path.is_dir():  # a sharded learner's state (`heterorl.training.sharding`): read when loaded
-        from heterorl.training.sharding import read_sharded_meta
-
-        return {"sharded": str(path), **read_sharded_meta(path)}
-    if not path.is_file():
-        raise HeteroRLError(f"no training state at {path}")
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # damaged bytes fail wherever the parser is (UnpicklingError, EOFError, IndexError, ...);
-        # with weights_only nothing in the file runs, so every failure means one thing: not a readable state
-        raise HeteroRLError(f"{path} cannot be read as a training state: it is truncated, not a checkpoint, or "
-                            f"holds more than tensors, numbers and strings ({_first_sentence(exc)})") from None
-    missing = [name for name in _STATE_FIELDS if not isinstance(state, dict) or name not in state]
-    if missing:
-        raise HeteroRLError(f"{path} is not a training state: it lacks {', '.join(missing)}")
-    return state
 
 
 __all__ = [

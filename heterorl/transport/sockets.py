@@ -2,7 +2,7 @@
 the I/O thread's wake-up pipe, and the transport's errors.
 
 Sockets are made here with a channel's high-water marks, linger and inbound size limit (`make_socket`); which
-pattern, HWM and timeouts each channel uses is stated where the learner binds it (`server.LearnerServer._open`)
+pattern, HWM and timeouts each channel uses is stated where the learner binds it (`learner_io.LearnerIO._open`)
 and where a worker connects it (`client.WorkerClient._connect`).
 """
 

@@ -109,7 +109,7 @@ def test_a_member_held_for_its_group_holds_only_its_own_bytes_not_its_whole_mess
             [taken] = take_all(server, 1)
             assert taken.trajectory_id == "big-0" and taken.completion_tokens.base is not None  # (a view, taken)
             # (the assembler's own view of what it holds: no public API hands out held members)
-            [held] = server._intake.groups._open["peer"]["open"].members.values()
+            [held] = server._rooms.intake.groups._open["peer"]["open"].members.values()
             for array in (held.prompt_tokens, held.completion_tokens, held.behaviour_logprobs,
                           held.policy_versions):
                 assert array.base is None, "a held member still views its message's frame"

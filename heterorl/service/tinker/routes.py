@@ -25,7 +25,9 @@ from heterorl.service.memory import OverMemoryBudget
 from heterorl.service.sessions import Service
 from heterorl.service.tinker import book as tinker_book
 from heterorl.service.tinker import protobuf
+from heterorl.service.tinker.checkpoints import CheckpointStore
 from heterorl.service.tinker.convert import ATTN, MLP
+from heterorl.service.tinker.names import SessionFinished, TinkerNames
 
 PREFIX = "/tinker"
 RETRIEVE_WAIT_S = 30.0  # a retrieve_future waits this long for its call (the SDK's read timeout is 45 s)
@@ -148,26 +150,41 @@ async def _json(request: Request, model: type[BaseModel], limit: int):
 
 def _refused(call: str, exc: Exception) -> JSONResponse:
     """A call this service will not run as asked: 4xx naming the call and why (a body the SDK shows)."""
-    status = 404 if isinstance(exc, NotFound) else 410 if isinstance(exc, tinker_book.SessionFinished) else \
+    status = 404 if isinstance(exc, NotFound) else 410 if isinstance(exc, SessionFinished) else \
         429 if isinstance(exc, TooBusy) else 507 if isinstance(exc, OverMemoryBudget) else 400
     return JSONResponse({"detail": f"{call}: {exc}", "call": call}, status_code=status)
+
+
+async def _guarded(call: str, fn, *args):
+    """``fn(*args)`` on the thread pool; a refusal (`HeteroRLError`, a bad protobuf) answered as `_refused`."""
+    try:
+        return await run_in_threadpool(fn, *args)
+    except (HeteroRLError, protobuf.ProtobufError) as exc:
+        return _refused(call, exc)
+
+
+def _future(request_id):
+    """A submit's answer: the future of its call (``{"request_id"}``), or the refusal."""
+    return {"request_id": request_id} if isinstance(request_id, str) else request_id
 
 
 def tinker_router(service: Service, limit: int) -> APIRouter:
     """The Tinker routes over ``service`` (`TinkerBook`); ``limit``: the body bound (--max-body-mb)."""
     book = tinker_book.TinkerBook(service)
     api = APIRouter(prefix=f"{PREFIX}/api/v1")
+    _client_routes(api, service, limit)
+    _session_routes(api, book.names, limit)
+    _model_routes(api, book, limit)
+    _weights_routes(api, book, limit)
+    _sampling_routes(api, book, limit)
+    _future_routes(api, service, limit)
+    _checkpoint_routes(api, book.store, limit)
+    _not_served_routes(api)  # (last: it answers every path the others do not)
+    return api
 
-    async def guarded(call: str, fn, *args):
-        try:
-            return await run_in_threadpool(fn, *args)
-        except (HeteroRLError, protobuf.ProtobufError) as exc:
-            return _refused(call, exc)
 
-    def future(request_id) -> dict:
-        return {"request_id": request_id} if isinstance(request_id, str) else request_id
-
-    # -- client set-up, sessions, telemetry --------------------------------------------------------------------
+def _client_routes(api: APIRouter, service: Service, limit: int) -> None:
+    """The SDK's set-up: its config, telemetry, health and the models served."""
     @api.post("/client/config")
     async def client_config(request: Request) -> dict:
         await read_body(request, limit)
@@ -182,40 +199,10 @@ def tinker_router(service: Service, limit: int) -> APIRouter:
         await read_body(request, limit)
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
-    @api.post("/create_session")
-    async def create_session(request: Request):
-        await _json(request, CreateSession, limit)
-        result = await guarded("create_session", book.create_session)
-        return result if isinstance(result, Response) else {"session_id": result, "type": "create_session"}
-
-    @api.post("/session_heartbeat")
-    async def heartbeat(request: Request):
-        body = await _json(request, SessionRef, limit)
-        result = await guarded("session_heartbeat", book.heartbeat, body.session_id)
-        return result if isinstance(result, Response) else {"type": "session_heartbeat"}
-
     @api.post("/telemetry")
     async def telemetry(request: Request) -> dict:
         await read_body(request, limit)  # (read within the bound, and not kept)
         return {"status": "accepted"}
-
-    @api.post("/sessions/{session_id}/finish")
-    async def finish(session_id: str, request: Request):
-        await read_body(request, limit)
-        result = await guarded("finish", book.finish, session_id)
-        return result if isinstance(result, Response) else {}
-
-    @api.get("/sessions")
-    def sessions(limit_: int = Query(default=100, alias="limit"), offset: int = Query(default=0, ge=0)) -> dict:
-        return {"sessions": book.session_ids()[offset:offset + max(0, min(limit_, 1000))]}
-
-    @api.get("/sessions/{session_id}")
-    async def describe_session(session_id: str):
-        try:
-            found = book.session(session_id, open_only=False)
-        except NotFound as exc:
-            return _refused("get_session", exc)
-        return {"training_run_ids": list(found.models), "sampler_ids": list(found.samplers)}
 
     @api.get("/healthz")
     def healthz() -> dict:
@@ -227,17 +214,52 @@ def tinker_router(service: Service, limit: int) -> APIRouter:
         return {"supported_models": [{"model_name": m["name"], "trainable": True, "sampleable": True}
                                      for m in models]}
 
-    # -- models and training -----------------------------------------------------------------------------------
+
+def _session_routes(api: APIRouter, names: TinkerNames, limit: int) -> None:
+    """Sessions: created, kept alive, finished, listed."""
+    @api.post("/create_session")
+    async def create_session(request: Request):
+        await _json(request, CreateSession, limit)
+        result = await _guarded("create_session", names.create_session)
+        return result if isinstance(result, Response) else {"session_id": result, "type": "create_session"}
+
+    @api.post("/session_heartbeat")
+    async def heartbeat(request: Request):
+        body = await _json(request, SessionRef, limit)
+        result = await _guarded("session_heartbeat", names.heartbeat, body.session_id)
+        return result if isinstance(result, Response) else {"type": "session_heartbeat"}
+
+    @api.post("/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request):
+        await read_body(request, limit)
+        result = await _guarded("finish", names.finish, session_id)
+        return result if isinstance(result, Response) else {}
+
+    @api.get("/sessions")
+    def sessions(limit_: int = Query(default=100, alias="limit"), offset: int = Query(default=0, ge=0)) -> dict:
+        return {"sessions": names.session_ids()[offset:offset + max(0, min(limit_, 1000))]}
+
+    @api.get("/sessions/{session_id}")
+    async def describe_session(session_id: str):
+        try:
+            found = names.session(session_id, open_only=False)
+        except NotFound as exc:
+            return _refused("get_session", exc)
+        return {"training_run_ids": list(found.models), "sampler_ids": list(found.samplers)}
+
+
+def _model_routes(api: APIRouter, book: tinker_book.TinkerBook, limit: int) -> None:
+    """Models: created, described, trained (forward, forward_backward, optim_step)."""
     @api.post("/create_model")
     async def create_model(request: Request):
         body = await _json(request, CreateModel, limit)
-        return future(await guarded("create_model", book.create_model, body.session_id, body.model_seq_id,
-                                    body.base_model, body.lora_config, body.user_metadata))
+        return _future(await _guarded("create_model", book.create_model, body.session_id, body.model_seq_id,
+                                      body.base_model, body.lora_config, body.user_metadata))
 
     @api.post("/get_info")
     async def get_info(request: Request):
         body = await _json(request, ModelRef, limit)
-        return await guarded("get_info", book.info, body.model_id)
+        return await _guarded("get_info", book.info, body.model_id)
 
     @api.post("/forward_backward")
     async def forward_backward(request: Request):
@@ -251,7 +273,7 @@ def tinker_router(service: Service, limit: int) -> APIRouter:
             raise RequestValidationError([{"loc": ("body",), "msg": f"not a ForwardBackwardRequest: {exc}",
                                            "type": "protobuf"}]) from None
         call = "forward" if message.forward_only else "forward_backward"
-        return future(await guarded(call, book.forward_backward, message))
+        return _future(await _guarded(call, book.forward_backward, message))
 
     @api.post("/optim_step")
     async def optim_step(request: Request):
@@ -259,45 +281,50 @@ def tinker_router(service: Service, limit: int) -> APIRouter:
         if body.adam_params is None:
             return _refused("optim_step", BadRequest(f"optimizer {(body.optimizer_params or {}).get('type')!r} is "
                                                      "not supported: heterorl steps with AdamW (AdamParams)"))
-        return future(await guarded("optim_step", book.optim_step, body.model_id, body.seq_id, body.adam_params))
+        return _future(await _guarded("optim_step", book.optim_step, body.model_id, body.seq_id, body.adam_params))
 
+
+def _weights_routes(api: APIRouter, book: tinker_book.TinkerBook, limit: int) -> None:
+    """A model's weights saved (for sampling, or with its optimizer) and loaded (into it, or into a new model)."""
     @api.post("/save_weights_for_sampler")
     async def save_for_sampler(request: Request):
         body = await _json(request, SaveForSampler, limit)
-        return future(await guarded("save_weights_for_sampler", book.save_for_sampler, body.model_id, body.seq_id,
-                                    body.path, body.sampling_session_seq_id))
+        return _future(await _guarded("save_weights_for_sampler", book.save_for_sampler, body.model_id, body.seq_id,
+                                      body.path, body.sampling_session_seq_id))
 
     @api.post("/save_weights")
     async def save_weights(request: Request):
         body = await _json(request, SaveWeights, limit)
-        return future(await guarded("save_state", book.save_state, body.model_id, body.seq_id, body.path,
-                                    body.overwrite))
+        return _future(await _guarded("save_state", book.save_state, body.model_id, body.seq_id, body.path,
+                                      body.overwrite))
 
     @api.post("/load_weights")
     async def load_weights(request: Request):
         body = await _json(request, LoadWeights, limit)
         if body.model_id is not None:
-            return future(await guarded("load_state", book.load_state, body.model_id, body.seq_id or 0, body.path,
-                                        body.optimizer))
+            return _future(await _guarded("load_state", book.load_state, body.model_id, body.seq_id or 0, body.path,
+                                          body.optimizer))
         if body.session_id is None or body.model_seq_id is None:
             return _refused("load_weights", BadRequest("give model_id (load into a model) or session_id and "
                                                        "model_seq_id (a new model from the checkpoint)"))
-        return future(await guarded("create_training_client_from_state", book.create_from_state, body.session_id,
-                                    body.model_seq_id, body.path, body.optimizer, body.user_metadata))
+        return _future(await _guarded("create_training_client_from_state", book.create_from_state, body.session_id,
+                                      body.model_seq_id, body.path, body.optimizer, body.user_metadata))
 
-    # -- sampling ------------------------------------------------------------------------------------------------
+
+def _sampling_routes(api: APIRouter, book: tinker_book.TinkerBook, limit: int) -> None:
+    """Sampling sessions: created, described, sampled."""
     @api.post("/create_sampling_session")
     async def create_sampling_session(request: Request):
         body = await _json(request, CreateSamplingSession, limit)
-        result = await guarded("create_sampling_client", book.create_sampling_session, body.session_id,
-                               body.sampling_session_seq_id, body.model_path, body.base_model)
+        result = await _guarded("create_sampling_client", book.sampling.create_sampling_session, body.session_id,
+                                body.sampling_session_seq_id, body.model_path, body.base_model)
         return result if isinstance(result, Response) else {"sampling_session_id": result,
                                                              "type": "create_sampling_session"}
 
     @api.get("/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str):
         try:
-            found = book.sampler(sampler_id)
+            found = book.names.sampler(sampler_id)
         except NotFound as exc:
             return _refused("get_sampler", exc)
         return {"sampler_id": sampler_id, "base_model": found.base_model, "model_path": found.model_path}
@@ -306,12 +333,14 @@ def tinker_router(service: Service, limit: int) -> APIRouter:
     async def asample(request: Request):
         body = await _json(request, Sample, limit)
         try:
-            request_id, n = book.sample(body.model_dump())  # (on the loop: it joins the sampler's batches)
+            request_id, n = book.sampling.sample(body.model_dump())  # (on the loop: it joins the sampler's batches)
         except HeteroRLError as exc:
             return _refused("sample", exc)
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(n)]}
 
-    # -- futures ------------------------------------------------------------------------------------------------
+
+def _future_routes(api: APIRouter, service: Service, limit: int) -> None:
+    """Futures: a call's result, long-polled."""
     @api.post("/retrieve_future")
     async def retrieve_future(request: Request):
         body = await _json(request, RetrieveFuture, limit)
@@ -331,32 +360,34 @@ def tinker_router(service: Service, limit: int) -> APIRouter:
             return Response(value, media_type=PROTOBUF)
         return JSONResponse(finite_or_null(value))
 
-    # -- checkpoints and runs ------------------------------------------------------------------------------------
+
+def _checkpoint_routes(api: APIRouter, store: CheckpointStore, limit: int) -> None:
+    """Training runs and their checkpoints on disk (the SDK's ``RestClient``): listed, described, deleted."""
     @api.get("/training_runs")
     async def training_runs(limit_: int = Query(default=20, alias="limit"), offset: int = Query(default=0, ge=0)):
-        ids = await run_in_threadpool(book.store.training_runs)
+        ids = await run_in_threadpool(store.training_runs)
         count = max(0, min(int(limit_), 1000))
-        runs = [await run_in_threadpool(book.store.training_run, m) for m in ids[offset:offset + count]]
+        runs = [await run_in_threadpool(store.training_run, m) for m in ids[offset:offset + count]]
         return {"training_runs": runs, "cursor": {"offset": offset, "limit": count, "total_count": len(ids)}}
 
     @api.get("/training_runs/{model_id}")
     async def training_run(model_id: str):
-        return await guarded("get_training_run", book.store.training_run, model_id)
+        return await _guarded("get_training_run", store.training_run, model_id)
 
     @api.get("/training_runs/{model_id}/checkpoints")
     async def list_checkpoints(model_id: str):
-        found = await guarded("list_checkpoints", book.store.checkpoints, model_id)
+        found = await _guarded("list_checkpoints", store.checkpoints, model_id)
         return found if isinstance(found, Response) else {"checkpoints": found}
 
     @api.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(model_id: str, checkpoint_id: str):
-        result = await guarded("delete_checkpoint", book.store.delete_checkpoint, model_id, checkpoint_id)
+        result = await _guarded("delete_checkpoint", store.delete_checkpoint, model_id, checkpoint_id)
         return result if isinstance(result, Response) else {}
 
     @api.get("/checkpoints")
     async def user_checkpoints(limit_: int = Query(default=100, alias="limit"), offset: int = Query(default=0, ge=0)):
-        ids = await run_in_threadpool(book.store.training_runs)
-        every = [c for m in ids for c in await run_in_threadpool(book.store.checkpoints, m)]
+        ids = await run_in_threadpool(store.training_runs)
+        every = [c for m in ids for c in await run_in_threadpool(store.checkpoints, m)]
         count = max(0, min(int(limit_), 1000))
         return {"checkpoints": every[offset:offset + count],
                 "cursor": {"offset": offset, "limit": count, "total_count": len(every)}}
@@ -366,21 +397,22 @@ def tinker_router(service: Service, limit: int) -> APIRouter:
         body = await _json(request, WeightsInfo, limit)
 
         def info() -> dict:
-            model_id, _, _, _ = book.store.checkpoint(body.tinker_path)
-            meta = book.store.run_meta(model_id)
+            model_id, _, _, _ = store.checkpoint(body.tinker_path)
+            meta = store.run_meta(model_id)
             lora = meta.get("lora") or {}
             targets = set(lora.get("target_modules") or ())
             return {"base_model": meta["base_model"], "is_lora": meta["is_lora"], "lora_rank": meta.get("lora_rank"),
                     "train_unembed": False, "train_attn": bool(targets & set(ATTN)),
                     "train_mlp": bool(targets & set(MLP)), "optimizer_config": {"type": "adamw"}}
 
-        return await guarded("weights_info", info)
+        return await _guarded("weights_info", info)
 
+
+def _not_served_routes(api: APIRouter) -> None:
+    """Every other path: a 404 naming the Tinker feature not served, or saying there is no such route."""
     @api.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def not_served(rest: str):
         feature = next((what for key, what in NOT_SERVED.items() if key in rest), None)
         why = f"{feature} is not supported by heterorl serve" if feature else "no such Tinker route here"
         return JSONResponse({"detail": f"/api/v1/{rest[:200]}: {why} (docs/SERVICE.md, 'From Tinker', lists what is "
                                        "served)"}, status_code=404)
-
-    return api

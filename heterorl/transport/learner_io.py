@@ -1,0 +1,325 @@
+"""The learner's I/O thread (`LearnerIO`): it binds both channels of the learner's end, takes in what arrives —
+hands each control message to its room, answers each weights request — and, at least every 50 ms, sends each live
+worker what the rooms say it is owed (acks, credit, permits, weights notices); on close, a bye to every live
+worker. It owns both sockets and is the only one to send (the rooms return what is to be sent), and it takes the
+rooms' lock (`Rooms`) around every room it touches. `LearnerServer` starts it and is the API the learner calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from heterorl.config import TransportConfig
+from heterorl.errors import ConfigError, HeteroRLError
+from heterorl.transport.membership import REVOKED, refusal
+from heterorl.transport.protocol import (
+    BYE_LEARNER_STOPPING,
+    Ack,
+    Bye,
+    Heartbeat,
+    Hello,
+    Limits,
+    Message,
+    ProtocolError,
+    Trajectory,
+    TrajectoryBatch,
+    WeightsNotice,
+    WeightsRequest,
+    decode,
+    encode,
+)
+from heterorl.transport.rooms import Rooms
+from heterorl.transport.sockets import (
+    CurveConfig,
+    TransportError,
+    Wakeup,
+    make_socket,
+    port_of,
+    receive_waiting,
+    send_frames,
+)
+from heterorl.transport.throttle import Verdict
+
+log = logging.getLogger("heterorl.transport")
+
+
+def bind_router(ctx: zmq.Context, address: str, hwm: int, config: TransportConfig, limits: Limits,
+                curve: CurveConfig | None) -> tuple[zmq.Socket, str]:
+    """A ROUTER bound to ``address`` (port 0: any free one), ROUTER_MANDATORY so that a send to a vanished
+    worker is an error we count, not a silent drop; CURVE server when keys are given. Returns it and the
+    endpoint it bound."""
+    sock = make_socket(ctx, zmq.ROUTER, hwm, config, limits)
+    try:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if curve is not None:
+            public, secret = curve.keypair()
+            sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+        if address.endswith(":0"):
+            port = sock.bind_to_random_port(address.rsplit(":", 1)[0])
+            address = f"{address.rsplit(':', 1)[0]}:{port}"
+        else:
+            sock.bind(address)
+    except BaseException as exc:
+        sock.close(0)  # left open, it would hold up ctx.term() in `_run`, and the constructor with it
+        if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EADDRINUSE:
+            raise TransportError(f"{address} is in use by another process: choose another port (the weights "
+                                 "channel takes the control port + 1) or stop the process that holds it") from None
+        raise
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT) or address
+
+
+class LearnerIO:
+    """The I/O thread of one `LearnerServer` (see the module): `start` binds and starts it, `close` stops it."""
+
+    def __init__(self, rooms: Rooms, address: str, weights_address: str | None, config: TransportConfig,
+                 limits: Limits, curve: CurveConfig | None, settings: dict[str, Any],
+                 clock: Callable[[], float]) -> None:
+        """``settings``: the run's, told to each worker that joins; ``clock``: the weights links' delays' clock.
+        The other arguments are `LearnerServer`'s."""
+        self._rooms, self.config, self.limits = rooms, config, limits
+        self._address, self._weights_address = address, weights_address
+        self._curve, self._settings, self._clock = curve, settings, clock
+        self.stats = rooms.stats
+        self._stop, self._ready = threading.Event(), threading.Event()
+        self._error: BaseException | None = None
+        self._bye_reason = BYE_LEARNER_STOPPING
+        self.control_endpoint = self.weights_endpoint = ""
+        self._wakeup = Wakeup()
+        self._thread = threading.Thread(target=self._run, name="heterorl-learner-io", daemon=True)
+
+    def start(self) -> None:
+        """Bind both channels and serve them on the thread; the bind's error, if any, is raised here."""
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def wake(self) -> None:
+        """Run the loop now, not at the next poll timeout (credits freed, for one)."""
+        self._wakeup.wake()
+
+    def close(self, reason: str) -> None:
+        """Say bye with ``reason`` to every live worker, wake whoever waits on the rooms, and stop the thread."""
+        self._bye_reason = reason
+        self._stop.set()
+        self._wakeup.wake()
+        with self._rooms.lock:
+            self._rooms.lock.notify_all()
+        self._thread.join(timeout=10)
+
+    # -- the thread -----------------------------------------------------------------------------
+    def _open(self, ctx: zmq.Context) -> tuple[ThreadAuthenticator | None, zmq.Socket, zmq.Socket]:
+        """Start CURVE authentication (when keys are given) and bind both channels; on failure, undo and raise."""
+        auth, sockets = None, []
+        try:
+            if self._curve is not None:
+                allowed = self._curve.allowed_keys_dir
+                if not allowed or not Path(allowed).is_dir():
+                    raise ConfigError(f"allowed_keys_dir {allowed!r} is not a folder of worker public keys "
+                                      "(*.key files made by `heterorl keys`)")
+                auth = self._rooms.registry.auth = ThreadAuthenticator(ctx, log=logging.getLogger("heterorl.auth"))
+                auth.start()
+                self._rooms.registry.reload_keys()
+            # control + trajectories: ROUTER ↔ a DEALER per worker; hello/ready, heartbeats, trajectories up, acks
+            # (credit) down. HWM control_hwm messages each way; a worker silent for heartbeat_timeout_s is dead.
+            control, self.control_endpoint = bind_router(ctx, self._address, self.config.control_hwm, self.config,
+                                                         self.limits, self._curve)
+            sockets.append(control)
+            # weights: ROUTER (PORT+1 unless given) ↔ a DEALER per worker; header and chunk requests up, one reply
+            # each down. HWM weights_hwm messages; the worker restarts a fetch after fetch_timeout_s without a chunk.
+            host = self._address.rsplit(":", 1)[0]
+            weights_address = self._weights_address or (
+                f"{host}:{0 if self._address.endswith(':0') else port_of(self._address) + 1}")
+            weights, self.weights_endpoint = bind_router(ctx, weights_address, self.config.weights_hwm, self.config,
+                                                         self.limits, self._curve)
+            return auth, control, weights
+        except BaseException:
+            for s in sockets:
+                s.close(0)
+            if auth is not None:
+                auth.stop()
+            raise
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        try:
+            auth, control, weights = self._open(ctx)
+        except BaseException as exc:  # surfaced to the constructor
+            self._error = exc if isinstance(exc, HeteroRLError) else TransportError(
+                f"cannot bind {self._address}: {exc}")
+            ctx.term()
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._serve(control, weights)
+        finally:
+            bye = encode(Bye("learner", self._bye_reason))
+            for worker in list(self._rooms.registry.workers.values()):
+                if worker.alive:
+                    send_frames(control, [worker.routing_id, *bye], self.stats, "bye")
+            control.close(self.config.linger_ms)
+            weights.close(self.config.linger_ms)
+            if auth is not None:
+                auth.stop()
+            ctx.term()
+            self._wakeup.close()
+
+    def _serve(self, control: zmq.Socket, weights: zmq.Socket) -> None:
+        """Until closed: take in what arrives (waking at least every 50 ms), then send acks, credit and notices."""
+        poller = zmq.Poller()
+        poller.register(control, zmq.POLLIN)
+        poller.register(weights, zmq.POLLIN)
+        poller.register(self._wakeup.read_fd, zmq.POLLIN)
+        last_beat = 0.0
+        while not self._stop.is_set():
+            events = dict(poller.poll(timeout=50))
+            if self._wakeup.read_fd in events:
+                self._wakeup.drain()
+            if control in events:
+                receive_waiting(control, self._on_control)
+            if weights in events:
+                receive_waiting(weights, self._on_weights)
+            now = time.monotonic()
+            beat = now - last_beat >= self.config.heartbeat_interval_s
+            if beat:
+                last_beat = now
+            self._housekeeping(control, now, beat)
+
+    def _on_control(self, sock: zmq.Socket, frames: list) -> None:
+        """A control message: discarded unread while its connection is throttled; else handled, and its refusals
+        counted against its connection (`PeerThrottle`), which may throttle it (`Membership.throttled`)."""
+        rooms = self._rooms
+        routing_id, now = frames[0].bytes, time.monotonic()
+        self.stats["received"] += 1
+        if rooms.throttle.discards(routing_id, now):
+            self.stats["throttled/discarded"] += 1
+            return
+        refused = self.stats["rejected"]
+        try:
+            self._handle_control(sock, routing_id, frames)
+        finally:
+            verdict = rooms.throttle.count(routing_id, self.stats["rejected"] - refused, now)
+            if verdict is not Verdict.OK:
+                self.stats[f"throttled/{verdict.value}"] += 1
+                with rooms.lock:
+                    bye = rooms.membership.throttled(routing_id, verdict, now)
+                if bye is not None:
+                    self._send(sock, routing_id, bye)
+
+    def _handle_control(self, sock: zmq.Socket, routing_id: bytes, frames: list) -> None:
+        rooms = self._rooms
+        try:
+            message = decode(frames[1:], self.limits)
+        except ProtocolError as exc:
+            worker_id = rooms.registry.by_routing.get(routing_id)
+            rooms.reject(exc.reason, f"from {worker_id or 'unknown peer'}: {exc}")
+            return
+        user_id = frames[1].get("User-Id") if self._curve is not None else None
+        with rooms.lock:
+            if not rooms.registry.key_allowed(user_id):
+                rooms.reject("revoked_key", f"{message.kind} from a key no longer in the allowed folder")
+                if isinstance(message, Hello):
+                    self._send(sock, routing_id, refusal(REVOKED))
+                return
+            if isinstance(message, Hello):
+                answer = rooms.membership.hello(routing_id, message, user_id, time.monotonic(), self._settings,
+                                                port_of(self.weights_endpoint))
+                self._send(sock, routing_id, answer)
+                return
+            worker = rooms.registry.of_connection(routing_id)
+            if worker is None:
+                rooms.reject("unknown_peer", f"{message.kind} from a peer that has not said hello")
+                return
+            now = worker.last_seen = time.monotonic()
+            if not worker.alive:
+                worker.alive = True
+                rooms.registry.events("back", "worker %s is back", worker.worker_id)
+            if isinstance(message, (TrajectoryBatch, Trajectory)):
+                batch = message if isinstance(message, TrajectoryBatch) else TrajectoryBatch([message])
+                rooms.intake.take_batch(worker, batch, time.time(), now, rooms.release.store.newest)
+                rooms.lock.notify_all()
+            elif isinstance(message, Heartbeat):
+                if message.sender_id != worker.worker_id:
+                    rooms.reject("forged_id", f"heartbeat names {message.sender_id!r} on {worker.worker_id}'s link")
+                    return
+                rooms.registry.heartbeat(worker, message)
+            elif isinstance(message, Bye):
+                rooms.membership.left(worker, message.failed, message.reason)
+            else:
+                rooms.reject("unexpected_kind", f"{message.kind} is not sent by workers", worker)
+
+    def _on_weights(self, sock: zmq.Socket, frames: list) -> None:
+        rooms = self._rooms
+        routing_id = frames[0].bytes
+        try:
+            request = decode(frames[1:], self.limits)
+        except ProtocolError as exc:
+            return rooms.reject(exc.reason, f"on the weights channel: {exc}")
+        if not isinstance(request, WeightsRequest):
+            return rooms.reject("unexpected_kind", f"{request.kind} on the weights channel")
+        user_id = frames[1].get("User-Id") if self._curve is not None else None
+        with rooms.lock:
+            worker = rooms.registry.workers.get(request.worker_id)
+            if worker is None or not (rooms.registry.owns(worker, user_id) and rooms.registry.key_allowed(user_id)):
+                rooms.reject("unknown_peer", f"weights request for unknown worker {request.worker_id!r}")
+                return
+            if not rooms.release.in_session(worker, request.session):
+                rooms.reject("wrong_session", f"weights request for {request.worker_id!r} without the token of its "
+                             "current session (a connection that is not its session's)")
+                return
+            reply = rooms.release.reply(request, worker)
+        if reply is not None:
+            frames, carried = reply
+            if send_frames(sock, [routing_id, *frames], self.stats, "weights_chunk" if carried else "weights_header"):
+                self.stats["weights/bytes_sent"] += carried
+
+    def _housekeeping(self, sock: zmq.Socket, now: float, beat: bool) -> None:
+        """Revoke removed keys, time out workers and their incomplete groups, release due notices, and send each
+        live worker what it is owed: notices, and an ack when it has acks, refusals, new credit or permits (or
+        on the heartbeat)."""
+        rooms = self._rooms
+        clock_now = self._clock()
+        outgoing = []
+        with rooms.lock:
+            if rooms.registry.keys_due(now) and rooms.registry.reload_keys():
+                for routing_id, message in rooms.membership.revoke():
+                    self._send(sock, routing_id, message)
+            live = []
+            for worker in list(rooms.registry.workers.values()):
+                if not rooms.membership.check_alive(worker, now):
+                    continue
+                released = rooms.release.release_due(worker, clock_now)
+                if not worker.alive:
+                    continue
+                if released:
+                    outgoing.append((worker.routing_id, rooms.release.notice(worker)))
+                live.append(worker)
+            rooms.admission.grant_all(now, rooms.intake.waits_on_learner)
+            for worker in live:
+                limit = rooms.intake.credit_limit(worker, now)
+                start_limit = rooms.admission.limit_of(worker)
+                if (worker.acks or worker.rejects or limit != worker.last_credit_sent
+                        or start_limit != worker.last_start_limit_sent or beat):
+                    outgoing.append((worker.routing_id, Ack(worker.acks, worker.rejects, limit, start_limit,
+                                                            rooms.admission.threads_for(worker))))
+                    worker.acks, worker.rejects, worker.last_credit_sent = [], [], limit
+                    worker.last_start_limit_sent = start_limit
+            if any(isinstance(m, WeightsNotice) for _, m in outgoing):
+                rooms.release.trim()  # released notices may free versions no worker can still be given
+        for routing_id, message in outgoing:
+            self._send(sock, routing_id, message)
+
+    def _send(self, sock: zmq.Socket, routing_id: bytes, message: Message) -> None:
+        send_frames(sock, [routing_id, *encode(message)], self.stats, message.kind)
