@@ -317,8 +317,8 @@ class RuntimeConfig:
     vllm_max_model_len: Optional[int] = None  # prompt + completion vLLM makes room for (None: the model's context)
     # a vLLM worker keeps its engine full: a group is submitted whenever a permit allows and there is room (at most
     # stream_max_groups in flight; None: 2 x groups_per_call), and sent as soon as its last sample ends, with no
-    # batch barrier (heterorl/runtime/streaming.py; single-turn tasks). With inflight_updates (async) new weights
-    # load while groups run, each token stamped with its version; vllm_inflight_kv: recompute (the requests in
+    # batch barrier (heterorl/runtime/rollout_strategies.py; single-turn tasks). With inflight_updates (async) new
+    # weights load while groups run, each token stamped with its version; vllm_inflight_kv: recompute (the requests in
     # flight are prefilled again with the new weights: exact log-probs) | keep (their old keys and values stay:
     # faster, log-probs after an update belong to neither version). max_versions_per_sample: a group whose samples
     # would span more versions is started again from its prompt on the new weights (0: no bound)

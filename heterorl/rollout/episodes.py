@@ -1,6 +1,11 @@
 """Rollouts of any task: one completion per sample, or, for a multi-turn task, one episode per sample played with
-its environment (`rollout_groups`, the one function every rollout path calls: workers, the simulation, the
-synchronous loop, evaluation).
+its environment (`rollout_groups`, the one function every rollout path calls: a batch worker, the simulation, the
+synchronous loop, evaluation). The one path that does not is a streaming vLLM worker (``runtime.vllm_streaming``),
+which calls `start_group` instead: `rollout_groups` returns when the slowest completion of its batch has ended,
+and that barrier is what streaming removes (each group is sent as soon as its own last sample ends, while the
+others run on). `start_group` makes the request `rollout_groups` makes for one single-turn problem (the same
+prompt encoding and ``max_tokens`` cap, `single_turn_requests`) and returns its future at once; multi-turn
+episodes advance in rounds and are not streamed (a streaming run of a multi-turn task is refused at start).
 
 An episode's trajectory is one token array: the first observation is the prompt; then each turn appends the
 policy's tokens (with their behaviour log-probs and the version that drew each) and the environment's answer
@@ -135,15 +140,35 @@ def rollout_groups(sampler, task, problems: Sequence[Problem], num_samples: int,
     `SamplingClient.sample` takes them); the samples are scored later (`heterorl.tasks.rewards.score_all`). A
     multi-turn task: episodes played with its environments under ``limits``, each sample scored (its
     ``reward``); ``between_turns`` is called before every round after the first (a worker loads newer weights
-    there, so later turns are drawn, and stamped, with them)."""
+    there, so later turns are drawn, and stamped, with them).
+
+    Every rollout path calls it except a streaming vLLM worker, which starts each group with `start_group`: this
+    call returns with its batch's slowest completion, and a streaming worker sends each group as its own ends."""
     limits = limits or EpisodeLimits()
     if not is_multi_turn(task):
-        prompts = [encode_prompt(sampler.tokenizer, p.prompt, chat_template) for p in problems]
-        params = fit_max_tokens(params, prompts, limits.max_context)
+        prompts, params = single_turn_requests(sampler.tokenizer, problems, params, chat_template, limits.max_context)
         updates = {} if weight_updates is None else {"weight_updates": weight_updates}
         return prompts, sampler.sample(prompts, num_samples, params, **updates).result()
     player = _EpisodePlayer(sampler, task, limits, chat_template, weight_updates)
     return player.play(problems, num_samples, params, between_turns)
+
+
+def start_group(engine, tokenizer, problem: Problem, num_samples: int, params: SamplingParams, *,
+                chat_template: bool = False, max_context: int | None = None) -> tuple[list[int], Future]:
+    """(prompt, future): one single-turn group started on a streaming engine (``engine.submit``,
+    `StreamingVLLMEngine`) and not waited for: its prompt tokens, and a future of its ``num_samples`` samples,
+    done when the last one ends. The request is the one `rollout_groups` makes for the problem (see the module's
+    docstring for why a streaming worker calls this instead); the samples come back without ``text``."""
+    (prompt,), params = single_turn_requests(tokenizer, [problem], params, chat_template, max_context)
+    return prompt, engine.submit(prompt, params, num_samples)
+
+
+def single_turn_requests(tokenizer, problems: Sequence[Problem], params: SamplingParams, chat_template: bool,
+                         max_context: int | None) -> tuple[list[list[int]], SamplingParams]:
+    """(prompts, params): single-turn problems' prompts encoded (`encode_prompt`), and ``params`` with
+    ``max_tokens`` fitted to the longest of them (`fit_max_tokens`)."""
+    prompts = [encode_prompt(tokenizer, p.prompt, chat_template) for p in problems]
+    return prompts, fit_max_tokens(params, prompts, max_context)
 
 
 def fit_max_tokens(params: SamplingParams, contexts: list[list[int]], max_context: int | None) -> SamplingParams:

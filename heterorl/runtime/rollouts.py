@@ -1,6 +1,6 @@
-"""What every rollout path shares — a worker's loops (heterorl/runtime/worker.py, streaming.py) and the simulated
-execution (simulate.py): each worker's prompt shard, the sampling seeds, the stamping of scored groups into
-trajectories, and the scoring thread that runs beside generation."""
+"""What every rollout path shares — a worker's loop and its strategies (heterorl/runtime/worker.py,
+rollout_strategies.py) and the simulated execution (simulate.py): each worker's prompt shard, the sampling seeds,
+the stamping of scored groups into trajectories, and the scoring thread that runs beside generation."""
 
 from __future__ import annotations
 

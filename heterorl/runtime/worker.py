@@ -18,10 +18,11 @@ Weights are applied between generations (one policy version per group), or,
 with ``runtime.inflight_updates`` in async mode, between decode steps of a
 generation in progress (each token stamped with the version that drew it; the
 torch engine). A vLLM worker with ``runtime.vllm_streaming`` has no batch barrier at all: groups are submitted
-and sent one by one, weights loaded while they run (heterorl/runtime/streaming.py). A worker never waits
-forever for new weights: in async mode it
-keeps generating with what it has; in sync mode (the on-policy baseline) it
-waits for the next version after each share of a batch, with a timeout.
+and sent one by one, weights loaded while they run. Both are strategies under the worker's one loop
+(`run_rollouts`; heterorl/runtime/rollout_strategies.py), which owns what they share: the exit when the learner
+stays silent, the sync shares, the admission permits, the scoring hand-off. A worker never waits forever for new
+weights: in async mode it keeps generating with what it has; in sync mode (the on-policy baseline) it waits for
+the next version after each share of a batch, with a timeout.
 
 With ``--serve-openai PORT`` the worker also serves an OpenAI-compatible API over the weights it holds, so an
 agent harness can generate with its current policy (`served_models`, docs/SERVICE.md).
@@ -46,8 +47,15 @@ from heterorl.delay.links import DelayLink
 from heterorl.errors import HeteroRLError
 from heterorl.policies import load_policy, policy_folder
 from heterorl.policies.hf_folder import declared_vocab_size, load_hf_tokenizer
-from heterorl.rollout.episodes import EpisodeLimits, rollout_groups
-from heterorl.runtime.rollouts import (  # noqa: F401 (shard_rng, new_session: imported from here too)
+from heterorl.runtime.rollout_strategies import (
+    BatchRollouts,
+    RolloutStrategy,
+    SampledGroups,
+    StreamingRollouts,
+    TurnTime,
+    check_streaming,
+)
+from heterorl.runtime.rollouts import (  # noqa: F401 (sampling_params, new_session: imported from here too)
     Pipeline,
     new_session,
     sampling_params,
@@ -55,7 +63,6 @@ from heterorl.runtime.rollouts import (  # noqa: F401 (shard_rng, new_session: i
     stamp_groups,
 )
 from heterorl.runtime.signals import signal_handlers
-from heterorl.runtime.streaming import StreamingRollouts, check_streaming
 from heterorl.tasks import make_task_from
 from heterorl.tasks.rewards import outcome_counts
 from heterorl.training import lora
@@ -83,9 +90,11 @@ class WorkerOptions:
 
 
 class RolloutWorker:
-    """One worker's loop. ``run`` returns when the learner says the run is over or stays silent too long."""
+    """One worker: set up from the learner's config, then its loop (`run_rollouts`) over a rollout strategy, to
+    which it is the `WorkerPort`. ``run`` returns when the learner says the run is over or stays silent too
+    long. ``client``: the transport to the learner (default: a `WorkerClient` to ``options.address``)."""
 
-    def __init__(self, options: WorkerOptions) -> None:
+    def __init__(self, options: WorkerOptions, client: WorkerClient | None = None) -> None:
         if options.throttle < 1:
             raise HeteroRLError(f"--throttle {options.throttle}: must be >= 1 (2 = a device half as fast)")
         if options.engine not in ENGINES:
@@ -95,8 +104,8 @@ class RolloutWorker:
         self.sampler: SamplingClient | None = None
         self.openai_server = self._serve_openai()  # first: a port in use fails before the learner is contacted
         transport = TransportConfig(allow_plaintext=options.allow_plaintext)
-        self.client = WorkerClient(options.address, options.worker_id, transport, curve=options.curve,
-                                   engine=options.engine)
+        self.client = client or WorkerClient(options.address, options.worker_id, transport, curve=options.curve,
+                                             engine=options.engine)
         self.version = -1
         self.learner_timeout_s = 300.0  # from the learner's config once it answers
         self.contract: TrajectoryContract | None = None  # what the learner takes, from its ready answer
@@ -109,7 +118,9 @@ class RolloutWorker:
         self._merger: lora.Merger | None = None  # a LoRA run's adapters merged into this worker's base
         self._lora_digest: str | None = None  # the digest of this worker's base (a LoRA run)
         self._scoring = Pipeline()  # a batch is scored and sent while the next one is sampled
-        self._streaming: StreamingRollouts | None = None  # runtime.vllm_streaming's loop
+        self.strategy: RolloutStrategy | None = None  # how its groups are sampled, once the loop runs
+        self._task = None  # the task whose groups it scores (`hand_off`), once it runs
+        self._turn_waited_s = 0.0  # the loop's waits in its current turn (`_wait`)
         self._closing = threading.Event()
 
     def _serve_openai(self):
@@ -174,7 +185,17 @@ class RolloutWorker:
         lora.inject(engine.model, cfg.lora)
         engine.adapter_loader = functools.partial(lora.load_adapter, engine.model)
 
-    def _for_engine(self, state: dict) -> dict:
+    # -- what a rollout strategy may ask of its worker (`WorkerPort`) --------------------------------
+    @property
+    def worker_id(self) -> str:
+        return self.options.worker_id
+
+    @property
+    def max_context(self) -> int | None:
+        """The learner's max_sequence_len, from its ready answer (None before it)."""
+        return self.contract.max_sequence_len if self.contract is not None else None
+
+    def weights_for_engine(self, state: dict) -> dict:
         """A version as the engine loads it: a LoRA adapter checked against this worker's base (`LoraError`
         naming both when it is another's), then merged into the base unless kept unmerged."""
         if isinstance(state, AdapterWeights):
@@ -183,11 +204,37 @@ class RolloutWorker:
                 return self._merger.merge(state, state.adapter)
         return state
 
-    def _apply(self, got) -> None:
-        version, state = got
-        self.sampler.load_weights(version, self._for_engine(state))
+    def hold_version(self, version: int) -> None:
+        """The engine samples with ``version`` now: held, and told to the learner (its heartbeats)."""
         self.version = version
         self.client.set_version_held(version)
+
+    def count_busy(self, seconds: float) -> None:
+        self.busy_s += seconds
+        self.client.busy_s = self.busy_s
+
+    def count_idle(self, seconds: float) -> None:
+        self.idle_s += seconds
+        self.client.idle_s = self.idle_s
+
+    def hand_off(self, sampled: SampledGroups) -> None:
+        """Score ``sampled`` and send it on the scoring thread, while the next groups are sampled (`Pipeline`);
+        a group the learner will never see (no completion left, or dropped whole by the trajectory delay link)
+        has its admission permit returned."""
+        task, worker_id, session = self._task, self.options.worker_id, self.session
+        floor = self.contract.min_logprob if self.contract is not None else MIN_LOGPROB
+
+        def score_and_send() -> None:
+            stamped = stamp_groups(task, worker_id, sampled.first_index, sampled.version, sampled.problems,
+                                   sampled.prompts, sampled.groups, sampled.start_wall, sampled.end_wall, floor,
+                                   session=session)
+            outcomes = dict(outcome_counts(task))  # the programs its reward ran, by outcome
+            if outcomes != self.client.reward_outcomes:
+                self.client.reward_outcomes = outcomes  # told to the learner in the next heartbeat
+            never = sum(not group or self._send(list(group)) == 0 for group in stamped)
+            if never:  # groups the learner will never see: their admission permits are free again
+                self.client.return_starts(never)
+        self._scoring.submit(score_and_send)
 
     def _follow_thread_advice(self, cfg: Config) -> None:
         """Use the torch threads the learner advises a worker on its own machine (`heterorl train`,
@@ -197,29 +244,21 @@ class RolloutWorker:
             log.info("worker %s: %d torch threads, as the learner advises", self.options.worker_id, advised)
             torch.set_num_threads(advised)
 
-    def _inflight_weights(self):
-        """In-flight updates: the newest version received since the generation began, or None; the engine
-        loads it between two decode steps."""
-        got = self.client.latest_weights()
-        if got is not None:
-            self.version = got[0]
-            self.client.set_version_held(got[0])
-            return got[0], self._for_engine(got[1])
-        return got
-
-    def _take_newer_weights(self) -> None:
-        """Between two turns of a batch of episodes (in-flight updates): load the newest version received."""
-        got = self.client.latest_weights()
-        if got is not None:
-            self._apply(got)
-
     def _wait(self, fn, *args):
+        """``fn(*args)``, a wait of the loop's turn (counted with the turn: `RolloutStrategy.count_turn`)."""
         start = time.monotonic()
         try:
             return fn(*args)
         finally:
-            self.idle_s += time.monotonic() - start
-            self.client.idle_s = self.idle_s
+            self._turn_waited_s += time.monotonic() - start
+
+    def _idle(self, fn, *args):
+        """``fn(*args)``, counted as idle time at once (outside the loop's turns, or on the scoring thread)."""
+        start = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.count_idle(time.monotonic() - start)
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -229,10 +268,12 @@ class RolloutWorker:
         if cfg.runtime.vllm_streaming:
             check_streaming(cfg, self.options.engine, task)
         self.sampler = self._load_sampler(cfg, task)
-        got = self._wait(self.client.wait_weights, -1, cfg.runtime.learner_timeout_s)
+        got = self._idle(self.client.wait_weights, -1, cfg.runtime.learner_timeout_s)
         if got is None:
             raise HeteroRLError(f"no weights from the learner within {cfg.runtime.learner_timeout_s} s")
-        self._apply(got)
+        version, state = got
+        self.sampler.load_weights(version, self.weights_for_engine(state))
+        self.hold_version(version)
         log.info("worker %s (session %s): version %d, task %s, mode %s, %.1f s after the worker started", worker_id,
                  self.session, self.version, task.name, cfg.runtime.mode, time.monotonic() - self._born)
         if cfg.runtime.inflight_updates and not (self.sampler.engine.supports_inflight_updates or
@@ -240,66 +281,86 @@ class RolloutWorker:
             log.warning("worker %s: runtime.inflight_updates is on, but the %s engine takes new weights only "
                         "between generations (and between the turns of episodes); this worker does so", worker_id,
                         self.options.engine)
+        return self.run_rollouts(cfg, task)
+
+    def run_rollouts(self, cfg: Config, task) -> int:
+        """The loop, once the sampler holds its first weights: until the learner ends the run (0) or stays silent
+        ``learner_timeout_s`` (1). Each turn: weights (`RolloutStrategy.take_weights`), ended groups handed off,
+        then as many new groups as the admission permits, the strategy's room and, in sync mode, the share left
+        of the version being sampled allow (a share is sampled in as many turns as its permits take)."""
+        worker_id = self.options.worker_id
+        self.strategy = strategy = self._strategy(cfg, task)
+        self._task, self._scoring.max_pending = task, strategy.scoring_depth
         rng = shard_rng(cfg.seed, worker_id)
-        if cfg.runtime.vllm_streaming:
-            return self._run_streaming(cfg, task, rng)
         sync = cfg.runtime.mode == "sync"
         share = cfg.rl.prompts_per_step // cfg.runtime.workers
         last_heard = time.monotonic()
         used_version, owed = -1, 0  # sync: the version of the share being sampled, and its groups still to start
         while not self.client.finished.is_set():
-            got = self.client.latest_weights()
-            if got is not None:
-                self._apply(got)
-            self._follow_thread_advice(cfg)
-            if not self.client.learner_alive:
-                if time.monotonic() - last_heard > cfg.runtime.learner_timeout_s:
-                    log.error("worker %s: learner silent for %.0f s; exiting", worker_id, cfg.runtime.learner_timeout_s)
-                    return 1
-                self._wait(time.sleep, 0.1)
-                continue
-            last_heard = time.monotonic()
-            if sync and owed == 0:
-                if self.version <= used_version:
-                    got = self._wait(self.client.wait_weights, used_version, 1.0)
-                    if got is not None:
-                        self._apply(got)
+            turn_start, in_flight_at_start, self._turn_waited_s = time.monotonic(), strategy.groups_in_flight(), 0.0
+            try:
+                strategy.take_weights()
+                strategy.harvest()
+                self._follow_thread_advice(cfg)
+                if not self.client.learner_alive:
+                    if time.monotonic() - last_heard > cfg.runtime.learner_timeout_s:
+                        log.error("worker %s: learner silent for %.0f s; exiting", worker_id,
+                                  cfg.runtime.learner_timeout_s)
+                        return 1
+                    self._wait(time.sleep, 0.1)
                     continue
-                used_version, owed = self.version, share
-            # admission permits may come a few at a time: a sync share is sampled in as many calls as it takes
-            n = self._wait(self.client.acquire_starts, owed if sync else cfg.runtime.groups_per_call, 1.0)
-            if n == 0:
-                self._scoring.check()
-                continue
-            owed -= n if sync else 0
-            self._generate_and_send(cfg, task, [task.sample_train(rng) for _ in range(n)])
+                last_heard = time.monotonic()
+                if sync and owed == 0:  # the next share is sampled by the next version, once this one's have ended
+                    if strategy.groups_in_flight():
+                        strategy.wait_for_groups()
+                        continue
+                    if self.version <= used_version:
+                        got = self._wait(self.client.wait_weights, used_version, 1.0)
+                        if got is not None:
+                            strategy.load(got)
+                        continue
+                    used_version, owed = self.version, share
+                room = strategy.room()
+                if room <= 0:
+                    strategy.wait_for_groups()
+                    continue
+                n = self._wait(self.client.acquire_starts, min(room, owed if sync else cfg.runtime.groups_per_call),
+                               strategy.permit_wait_s)
+                if n == 0:
+                    self._scoring.check()
+                    continue
+                owed -= n if sync else 0
+                problems = [task.sample_train(rng) for _ in range(n)]
+                first, self.groups_sent = self.groups_sent, self.groups_sent + n
+                strategy.start(problems, first)
+            finally:
+                strategy.count_turn(TurnTime(time.monotonic() - turn_start, self._turn_waited_s,
+                                             bool(in_flight_at_start)))
+        strategy.finish()
         self._scoring.drain()
         if self.client.refused:
             raise HeteroRLError(f"the learner refused worker {worker_id}: {self.client.refused}")
         log.info("worker %s: the learner ended the run after %s", worker_id, self.tally())
         return 0
 
-    def _run_streaming(self, cfg: Config, task, rng) -> int:
-        """``runtime.vllm_streaming``: groups submitted and sent one by one (heterorl/runtime/streaming.py)."""
-        worker_id = self.options.worker_id
-        if self.options.throttle > 1:
-            log.warning("worker %s: --throttle is ignored by a streaming vLLM worker (it has no calls to slow down)",
-                        worker_id)
-        self._streaming = StreamingRollouts(self, cfg, task, rng)
-        code = self._streaming.run()
-        if self.client.refused:
-            raise HeteroRLError(f"the learner refused worker {worker_id}: {self.client.refused}")
-        log.info("worker %s: the learner ended the run after %s", worker_id, self.tally())
-        return code
+    def _strategy(self, cfg: Config, task) -> RolloutStrategy:
+        """How this worker samples its groups: streamed (``runtime.vllm_streaming``) or in batches."""
+        if cfg.runtime.vllm_streaming:
+            if self.options.throttle > 1:
+                log.warning("worker %s: --throttle is ignored by a streaming vLLM worker (it has no calls to slow "
+                            "down)", self.options.worker_id)
+            return StreamingRollouts(self, cfg, task)
+        return BatchRollouts(self, cfg, task, throttle=self.options.throttle)
 
     def tally(self) -> str:
         """What this worker did: groups sent, the version it holds, the versions it received and how."""
         stats = self.client.stats
-        streamed = f"; streaming: {self._streaming.tally()}" if self._streaming is not None else ""
+        incidents = self.strategy.tally() if self.strategy is not None else None
+        told = f"; {self.strategy.name}: {incidents}" if incidents is not None else ""
         return (f"{self.groups_sent} groups (holding version {self.version}; weights: "
                 f"{stats['weights/full_received']} versions whole, {stats['weights/deltas_applied']} as deltas, "
                 f"{stats['weights/resyncs']} resyncs, {stats['weights/checksum_failures']} checksum failures"
-                f"{streamed})")
+                f"{told})")
 
     def _load_sampler(self, cfg: Config, task) -> SamplingClient:
         """The policy (checked against the learner's model and, in a LoRA run, its base), cast to the sampling
@@ -365,37 +426,6 @@ class RolloutWorker:
                                 f"{self.contract.vocab_size}: its trajectories would be rejected; start the worker "
                                 "with the learner's policy (or a --policy with the same tokenizer)")
 
-    def _generate_and_send(self, cfg: Config, task, problems) -> None:
-        worker_id = self.options.worker_id
-        params = sampling_params(cfg, worker_id, self.groups_sent)
-        limits = EpisodeLimits.of(cfg.rollout, self.contract.max_sequence_len if self.contract is not None else None)
-        start_wall, start, version = time.time(), time.monotonic(), self.version
-        inflight = cfg.runtime.inflight_updates and cfg.runtime.mode == "async"
-        within_turns = inflight and self.sampler.engine.supports_inflight_updates
-        prompts, groups = rollout_groups(
-            self.sampler, task, problems, cfg.rollout.group_size, params, chat_template=cfg.task.chat_template,
-            limits=limits, weight_updates=self._inflight_weights if within_turns else None,
-            between_turns=self._take_newer_weights if inflight else None)
-        elapsed = time.monotonic() - start
-        if self.options.throttle > 1:
-            time.sleep((self.options.throttle - 1) * elapsed)  # a slower device: counted as busy time
-        self.busy_s += time.monotonic() - start
-        self.client.busy_s = self.busy_s
-        floor = self.contract.min_logprob if self.contract is not None else MIN_LOGPROB
-        first, end_wall = self.groups_sent, time.time()
-        self.groups_sent += len(problems)
-
-        def score_and_send() -> None:  # while the next batch is sampled (`Pipeline`)
-            stamped = stamp_groups(task, worker_id, first, version, problems, prompts, groups, start_wall, end_wall,
-                                   floor, session=self.session)
-            outcomes = dict(outcome_counts(task))  # the programs its reward ran, by outcome
-            if outcomes != self.client.reward_outcomes:
-                self.client.reward_outcomes = outcomes  # told to the learner in the next heartbeat
-            never = sum(not group or self._send(list(group)) == 0 for group in stamped)
-            if never:  # groups the learner will never see: their admission permits are free again
-                self.client.return_starts(never)
-        self._scoring.submit(score_and_send)
-
     def _send(self, group: list[Trajectory]) -> int:
         """Queue a group's trajectories in one call, waiting out back-pressure; how many were queued: 0 when the
         trajectory delay link dropped them all (what a timeout got through counts as queued). HeteroRLError once
@@ -403,7 +433,7 @@ class RolloutWorker:
         silent_since, queued = None, 0
         while group and not self.client.finished.is_set() and not self._closing.is_set():
             try:
-                return queued + self._wait(self.client.send_many, group, 1.0)
+                return queued + self._idle(self.client.send_many, group, 1.0)
             except TransportTimeout as exc:  # back-pressure (the learner is behind) or the learner is gone
                 group, queued = group[exc.done:], queued + exc.done
                 if self.client.learner_alive:

@@ -1,7 +1,8 @@
-"""The streaming worker loop's bookkeeping (heterorl/runtime/streaming.py) without vLLM: a group whose request
-failed is dropped and counted and its permit returned; a refused version leaves the worker on its weights; a
-streaming run the loop cannot serve is refused by name. The loop itself runs on vLLM in the vLLM lane
-(tests/runtime/test_vllm_fleet.py, tests/engines/test_vllm_stream.py)."""
+"""The streaming strategy's bookkeeping (heterorl/runtime/rollout_strategies.py) without vLLM: a group whose
+request failed is dropped and counted and its permit returned; a refused version leaves the worker on its weights;
+a streaming run the loop cannot serve is refused by name. The worker's loop runs it over a fake streaming engine in
+tests/runtime/test_worker_loop.py, and on vLLM in the vLLM lane (tests/runtime/test_vllm_fleet.py,
+tests/engines/test_vllm_stream.py)."""
 
 import concurrent.futures
 from collections import Counter
@@ -11,7 +12,7 @@ import pytest
 
 from heterorl.config import load_config
 from heterorl.errors import ConfigError, HeteroRLError, SamplingError
-from heterorl.runtime.streaming import StreamingRollouts, check_streaming
+from heterorl.runtime.rollout_strategies import StreamingRollouts, check_streaming
 from heterorl.tasks import make_task_from
 
 
@@ -42,14 +43,30 @@ class _Engine:
         self.version = version
 
 
+class _Port:
+    """A `WorkerPort`: what the strategy may ask of its worker, recorded."""
+
+    worker_id, max_context = "w0", None
+
+    def __init__(self, client, sampler):
+        self.client, self.sampler, self.version, self.handed_off = client, sampler, 3, []
+
+    def weights_for_engine(self, state):
+        return state
+
+    def hold_version(self, version):
+        self.version = version
+        self.client.set_version_held(version)
+
+    def hand_off(self, sampled):
+        self.handed_off.append(sampled)
+
+
 def _loop(**runtime):
     cfg = load_config(None, ["runtime.mode=async", *[f"runtime.{k}={v}" for k, v in runtime.items()]])
     engine, client = _Engine(), _Client()
-    sampler = SimpleNamespace(engine=engine, tokenizer=None, version=3)
-    worker = SimpleNamespace(sampler=sampler, client=client, contract=None, version=3, _for_engine=lambda s: s,
-                             _scoring=SimpleNamespace(max_pending=1),
-                             options=SimpleNamespace(worker_id="w0"))
-    return StreamingRollouts(worker, cfg, task=None, rng=None), worker, client, engine
+    port = _Port(client, SimpleNamespace(engine=engine, tokenizer=None, version=3))
+    return StreamingRollouts(port, cfg, task=None), port, client, engine
 
 
 def test_a_failed_group_is_dropped_counted_and_its_permit_returned():
@@ -57,7 +74,7 @@ def test_a_failed_group_is_dropped_counted_and_its_permit_returned():
     failed = concurrent.futures.Future()
     failed.set_exception(SamplingError("vLLM failed this group's request: ValueError: boom"))
     loop.in_flight[failed] = SimpleNamespace(index=7, session=1)
-    loop._harvest()
+    loop.harvest()
     assert loop.counts["request_errors"] == 1 and client.returned == 1 and not loop.in_flight
     assert "request_errors 1" in loop.tally()
 
@@ -65,10 +82,10 @@ def test_a_failed_group_is_dropped_counted_and_its_permit_returned():
 def test_a_version_that_does_not_fit_is_refused_and_the_worker_keeps_its_weights():
     loop, worker, client, engine = _loop(inflight_updates="true")
     client.weights = (4, "misfit")
-    loop._take_weights()
+    loop.take_weights()
     assert loop.counts["weights_refused"] == 1 and worker.version == 3 and client.held is None
     client.weights = (5, "fits")
-    loop._take_weights()
+    loop.take_weights()
     assert engine.loaded == [5] and worker.version == 5 and client.held == 5
 
 
@@ -77,10 +94,10 @@ def test_without_inflight_updates_a_version_waits_for_the_groups_in_flight():
     running = concurrent.futures.Future()
     loop.in_flight[running] = object()
     client.weights = (4, "fits")
-    loop._take_weights()
+    loop.take_weights()
     assert engine.loaded == [] and loop._pending is not None  # held back while a group runs on version 3
     loop.in_flight.clear()
-    loop._take_weights()
+    loop.take_weights()
     assert engine.loaded == [4] and worker.version == 4
 
 
@@ -128,5 +145,6 @@ def test_a_group_started_before_the_worker_rejoined_is_dropped_not_sent():
     ended.set_result([])
     loop.in_flight[ended] = SimpleNamespace(index=3, session=1)
     client.sessions = 2  # rejoined while the group ran
-    loop._harvest()
+    loop.harvest()
     assert loop.counts["dropped_at_rejoin"] == 1 and not loop.in_flight and client.returned == 0
+    assert loop.port.handed_off == []
