@@ -396,12 +396,11 @@ def _finish_sweep(sweep, failed: list[str]) -> int:
 
 
 def cmd_serve(args) -> int:
+    from heterorl.addresses import parse_host_port
     from heterorl.service.server import is_loopback, serve
     from heterorl.service.sessions import Service
 
-    host, _, port = args.bind.rpartition(":")
-    if not host or not port.isdigit():
-        raise HeteroRLError(f"--bind {args.bind!r}: give HOST:PORT, e.g. 127.0.0.1:8765")
+    host, port = parse_host_port(args.bind, "--bind", "127.0.0.1:8765")
     api_key = None
     if args.api_key_file:
         path = Path(args.api_key_file)
@@ -434,7 +433,7 @@ def cmd_serve(args) -> int:
 
     stopped_by = None
     try:
-        stopped_by = serve(service, host.strip("[]"), int(port), api_key=api_key,
+        stopped_by = serve(service, host.strip("[]"), port, api_key=api_key,
                            max_body_bytes=int(args.max_body_mb * 2**20), log_level=args.log_level,
                            on_listening=listening, docs=args.docs, batching=not args.no_openai_batching,
                            grace_s=args.shutdown_grace_s)

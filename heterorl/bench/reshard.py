@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from heterorl.errors import HeteroRLError
+from heterorl.addresses import parse_host_port
+from heterorl.bench.weight_workers import applied_times, load_versions
 
 BF16 = torch.bfloat16
 TIMEOUT_S = 300.0
@@ -65,24 +66,17 @@ class Uplinks:
         return max(link.schedule(now_s, size_bytes) for link in self.links)
 
 
-def _worker(client, versions: int, reports: queue.Queue) -> None:
-    """A worker: load each version into its own bf16 tensors, say when."""
+def _own_copy():
+    """A worker's load: each version copied into its own bf16 tensors (made at the first)."""
     target: dict[str, torch.Tensor] = {}
-    held = -1
-    try:
-        for _ in range(versions + 1):
-            got = client.wait_weights(held, TIMEOUT_S)
-            if got is None:
-                raise TimeoutError(f"{client.worker_id}: no version after {held} in {TIMEOUT_S:.0f} s")
-            held, state = got
-            for name, tensor in state.items():
-                if name not in target:
-                    target[name] = torch.empty_like(tensor)
-                target[name].copy_(tensor)
-            reports.put((held, time.perf_counter(), None))
-            del got, state
-    except Exception as exc:
-        reports.put((held, None, exc))
+
+    def load(state: dict[str, torch.Tensor]) -> None:
+        for name, tensor in state.items():
+            if name not in target:
+                target[name] = torch.empty_like(tensor)
+            target[name].copy_(tensor)
+
+    return load
 
 
 def _publish(mode: str, version: int, model, rank: int, world: int, endpoint) -> None:
@@ -111,7 +105,7 @@ def _servers(mode: str, rank: int, world: int, bits: float, latency_s: float, co
     uplinks, server, port = None, None, 0
     if rank > 0 and mode == "reshard":  # a free port of its own, told to rank 0
         server = ShardServer("tcp://127.0.0.1:0", rank, world, config)
-        port = int(server.endpoint.rsplit(":", 1)[1])
+        port = parse_host_port(server.endpoint, f"rank {rank}'s weights endpoint", "tcp://127.0.0.1:0")[1]
     ports = [0] * world
     dist.all_gather_object(ports, port)
     if rank == 0:
@@ -137,7 +131,8 @@ def _measure(mode: str, workers: int, bits: float, args, model, rank: int, world
             clients = [WorkerClient(server.control_endpoint, f"w{i}", config) for i in range(workers)]
             for client in clients:
                 client.wait_ready(TIMEOUT_S)
-                threading.Thread(target=_worker, args=(client, args.versions, reports), daemon=True).start()
+                threading.Thread(target=load_versions, args=(client, _own_copy(), args.versions, TIMEOUT_S, reports),
+                                 daemon=True).start()
         for version in range(args.versions + 1):
             with torch.no_grad():
                 for p in model.parameters():  # every weight changes, as after an optimizer step
@@ -149,7 +144,7 @@ def _measure(mode: str, workers: int, bits: float, args, model, rank: int, world
                 uplinks.armed = version > 0
             _publish(mode, version, model, rank, world, server)
             if rank == 0:
-                done = [_report(reports, version) for _ in range(workers)]
+                done = applied_times(reports, version, workers, TIMEOUT_S)
                 if version > 0:
                     seconds.append(max(done) - start)
             dist.barrier()  # (the next step starts once every worker has this version)
@@ -159,15 +154,6 @@ def _measure(mode: str, workers: int, bits: float, args, model, rank: int, world
         if server is not None:
             server.close()
     return seconds
-
-
-def _report(reports: queue.Queue, version: int) -> float:
-    held, at, error = reports.get(timeout=TIMEOUT_S)
-    if error is not None:
-        raise HeteroRLError(f"a worker failed at version {held}: {error}") from error
-    if held != version:
-        raise HeteroRLError(f"a worker loaded version {held} while {version} was published")
-    return at
 
 
 def _rank_main(rank: int, world: int, folder: str, args) -> None:

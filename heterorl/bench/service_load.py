@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from heterorl.addresses import parse_host_port
 from heterorl.bench.service import BASE, _completions_rate, start_service
 
 KEY = "bench-serve-load"
@@ -166,7 +167,7 @@ class Abuser:
             self._first_cycle.set()
 
     def _cycle(self) -> None:
-        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        host, port = parse_host_port(self.url, "the service's url", "http://127.0.0.1:8765")
         auth = {"Authorization": f"Bearer {KEY}"}
         huge = {"prompt_tokens": [self.prompt] * 1024, "num_samples": 1,
                 "sampling_params": {"max_tokens": 240, "ignore_eos": True}}  # near the most one call may ask
@@ -185,7 +186,7 @@ class Abuser:
                     self._note("abandoned OpenAI requests", r.status_code)
                 except httpx.TimeoutException:
                     self._note("abandoned OpenAI requests", "dropped")
-                self._note("declared 200 MB bodies", _raw_status(host, int(port), (
+                self._note("declared 200 MB bodies", _raw_status(host, port, (
                     f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
                     f"Content-Type: application/json\r\nContent-Length: {200 * 2**20}\r\n\r\n{{").encode()))
                 r = http.post("/v1/completions", headers=auth | {"Content-Type": "application/json"},
@@ -196,7 +197,7 @@ class Abuser:
                 r = http.post("/v1/completions", headers=auth, json={"model": self.model, "prompt": "1" * 300_000})
                 self._note("300,000-character prompts", r.status_code)
                 while len(self._held) < self.slow_connections and not self._stop.is_set():
-                    sock = socket.create_connection((host, int(port)))
+                    sock = socket.create_connection((host, port))
                     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # (the headers never end)
                     self._held.append(sock)
                     self._note("half-sent headers", "held")

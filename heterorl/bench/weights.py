@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from heterorl.bench.weight_workers import applied_times, load_versions
 from heterorl.config import Config, TransportConfig, load_config, packaged
 from heterorl.errors import HeteroRLError
 
@@ -244,39 +245,6 @@ class MeteredLink:
         return self.link.schedule(now_s, size_bytes)
 
 
-def _worker(client, model: torch.nn.Module, versions: int, timeout_s: float, reports: queue.Queue) -> None:
-    """A rollout worker's side: wait for each version, load it into the bf16 model, report when applied."""
-    held = -1
-    try:
-        for _ in range(versions + 1):
-            got = client.wait_weights(held, timeout_s)
-            if got is None:
-                raise TimeoutError(f"{client.worker_id}: no weights newer than version {held} in {timeout_s:.0f} s")
-            held = got[0]
-            model.load_state_dict(got[1])
-            reports.put((held, time.perf_counter(), None))
-            del got  # its receive buffer can take a later version
-            client.set_version_held(held)
-    except Exception as exc:  # handed to the publishing thread, which raises it
-        reports.put((held, None, exc))
-
-
-def _applied(reports: queue.Queue, version: int, workers: int, timeout_s: float) -> list[float]:
-    """When each worker applied ``version``."""
-    times = []
-    for _ in range(workers):
-        try:
-            held, at, error = reports.get(timeout=timeout_s)
-        except queue.Empty:
-            raise HeteroRLError(f"version {version}: a worker reported nothing in {timeout_s:.0f} s") from None
-        if error is not None:
-            raise HeteroRLError(f"a worker failed at version {held}: {error}") from error
-        if held != version:
-            raise HeteroRLError(f"a worker applied version {held} while version {version} was the newest")
-        times.append(at)
-    return times
-
-
 def replay(folder: Path, versions: int, models: list, bits_per_s: float, deltas: bool, bf16_bytes: int) -> TransferRow:
     """Publish versions 0..``versions`` from ``folder`` to one worker per model (bf16 copies of the policy)."""
     from heterorl.transport import LearnerServer, WorkerClient
@@ -296,7 +264,8 @@ def replay(folder: Path, versions: int, models: list, bits_per_s: float, deltas:
     try:
         for client in clients:
             client.wait_ready(TIMEOUT_S)
-        threads = [threading.Thread(target=_worker, args=(c, m, versions, timeout_s, reports), daemon=True)
+        threads = [threading.Thread(target=load_versions, args=(c, m.load_state_dict, versions, timeout_s, reports),
+                                    daemon=True)
                    for c, m in zip(clients, models)]
         for thread in threads:
             thread.start()
@@ -307,7 +276,7 @@ def replay(folder: Path, versions: int, models: list, bits_per_s: float, deltas:
             start = time.perf_counter()
             server.publish(version, state, dtype=BF16)
             published = time.perf_counter()
-            applied = _applied(reports, version, len(clients), timeout_s)
+            applied = applied_times(reports, version, len(clients), timeout_s)
             if version:
                 seconds.append(max(applied) - start)
                 publish_s.append(published - start)

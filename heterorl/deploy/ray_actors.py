@@ -23,6 +23,7 @@ from pathlib import Path
 
 import ray
 
+from heterorl.addresses import parse_host_port
 from heterorl.files import write_atomically
 from heterorl.runtime.supervise import stop_process
 
@@ -159,7 +160,7 @@ class LearnerRank(RunProcess):
                 for line in f.read().decode(errors="replace").splitlines():
                     if line.startswith(LISTENING):
                         address = line.split()[3]
-                        host, _, port = address.partition("://")[2].rpartition(":")
+                        host, port = parse_host_port(address, "the address the learner printed", "tcp://127.0.0.1:5555")
                         if host in ("*", "0.0.0.0", "[::]", "::"):
                             address = f"tcp://{self.node['ip']}:{port}"
                         return address

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from heterorl.addresses import parse_host_port
 from heterorl.config import Config, to_yaml, worker_command_word
 from heterorl.errors import HeteroRLError
 from heterorl.files import write_atomically
@@ -192,7 +193,7 @@ class RayRun:
         for name, status in zip(["learner"] + [f"learner-rank{r}" for r in range(1, ranks)], statuses):
             self._event("placed", name, status)
         host = statuses[0]["ip"]
-        port = self.cfg.runtime.address.rpartition(":")[2]
+        port = parse_host_port(self.cfg.runtime.address, "runtime.address", "tcp://127.0.0.1:5555")[1]
         one_node = sum(node.get("Alive", False) for node in self.ray.nodes()) == 1
         argv = ["learner", "--config", str(self.run_dir / "train_config.yaml"), "--bind", f"tcp://{host}:{port}",
                 *(["--resume"] if self.resume else []),
@@ -396,12 +397,9 @@ def _probe(address: str) -> None:
     """HeteroRLError at once when nothing listens at a HOST:PORT address (Ray itself retries for minutes)."""
     if address == "auto" or ":" not in address:
         return
-    host, _, port = address.split("://", 1)[-1].rpartition(":")
-    if not port.isdigit():
-        raise HeteroRLError(f"--address {address}: give HOST:PORT (the head's GCS port, 6379 by default), "
-                            "ray://HOST:PORT or auto")
+    host, port = parse_host_port(address, "--address", "HEAD:6379 (the head's GCS port), ray://HEAD:10001 or auto")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        socket.create_connection((host.strip("[]"), port), timeout=5).close()
     except OSError as exc:
         raise HeteroRLError(f"no Ray cluster at {address}: {exc.strerror or exc}. Start one (`ray start --head`) "
                             "and pass its address, or leave --address out to start a local one") from None

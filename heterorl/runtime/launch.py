@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from heterorl.addresses import parse_host_port
 from heterorl.config import Config, to_yaml, worker_command_word
 from heterorl.errors import HeteroRLError
 from heterorl.files import write_atomically
@@ -35,6 +36,7 @@ log = logging.getLogger("heterorl.runtime.launch")
 
 ENDPOINTS = "endpoints.json"
 METRICS = "metrics.jsonl"
+BIND, BIND_EXAMPLE = "--bind (or runtime.address)", "tcp://127.0.0.1:5555"  # the learner's address, as it is named
 
 
 def _init_ranks(cfg: Config) -> int:
@@ -64,14 +66,14 @@ def bind_shard_channels(cfg: Config, bind: str, curve=None, allow_plaintext: boo
         return None, []
     from heterorl.transport.weights.shards import ShardServer
 
-    host, rank, server, mine = _host_port(bind)[0], dist.get_rank(), None, None
     if not bind.startswith("tcp://"):
         raise HeteroRLError(f"a learner that reshards needs a tcp:// address, not {bind}: every rank binds its own "
                             "weights channel on that host (--bind, runtime.address; or runtime.weights_fanout=gather)")
+    host, rank, server, mine = parse_host_port(bind, BIND, BIND_EXAMPLE)[0], dist.get_rank(), None, None
     if rank > 0:
         try:
             server = ShardServer(f"tcp://{host}:0", rank, world, _transport_config(cfg, allow_plaintext), curve=curve)
-            mine = _host_port(server.endpoint)[1]
+            mine = parse_host_port(server.endpoint, f"learner rank {rank}'s weights endpoint", BIND_EXAMPLE)[1]
         except Exception as exc:  # told to every rank, which all stop
             mine = f"learner rank {rank} cannot bind its weights channel on tcp://{host}:0: {exc}"
     shared: list = [None] * world
@@ -188,29 +190,24 @@ def refuse_busy_ports(cfg: Config, bind: str, resume: bool) -> None:
     """HeteroRLError naming the address when another process listens on the learner's control address or its
     weights one (`learner_addresses`): for `heterorl learner` and `heterorl train` to say at once, before the
     seconds that loading libraries and the model take, what the bind would say after them.
-    Port 0 (free ports are picked) and addresses that are not tcp:// are left to the bind."""
+    Port 0 (free ports are picked) and addresses that are not tcp:// are left to the bind; a tcp:// one without
+    a numeric port is a ConfigError (`parse_host_port`)."""
     control, weights = learner_addresses(cfg, bind, resume)
-    host, port = _host_port(control)
-    if not control.startswith("tcp://") or not port:
+    if not control.startswith("tcp://"):
+        return
+    host, port = parse_host_port(control, BIND, BIND_EXAMPLE)
+    if not port:
         return
     for channel, address in (("control", control), ("weights", weights or f"tcp://{host}:{port + 1}")):
-        if _in_use(*_host_port(address)):
+        if _in_use(*parse_host_port(address, f"the learner's {channel} address", BIND_EXAMPLE)):
             raise HeteroRLError(f"{address} (the learner's {channel} channel) is in use by another process: choose "
                                 "another port (--bind, or runtime.address; the weights channel takes port + 1, and "
                                 "port 0 picks free ones) or stop the process that holds it")
 
 
-def _host_port(address: str) -> tuple[str, int | None]:
-    """HOST and PORT of ``tcp://HOST:PORT``; PORT None when it is not a number."""
-    host, _, port = address.partition("://")[2].rpartition(":")
-    return host, int(port) if port.isdigit() else None
-
-
-def _in_use(host: str, port: int | None) -> bool:
+def _in_use(host: str, port: int) -> bool:
     """Whether binding ``host:port`` fails because another socket listens there; False when that cannot be told
-    (no port; a host only ZeroMQ resolves, such as an interface name; a port this user may not bind)."""
-    if port is None:
-        return False
+    (a host only ZeroMQ resolves, such as an interface name; a port this user may not bind)."""
     try:
         family, kind, proto, _, where = socket.getaddrinfo("0.0.0.0" if host == "*" else host.strip("[]"), port,
                                                            type=socket.SOCK_STREAM)[0]

@@ -43,17 +43,19 @@ make_envs()`` gives the G envs of one group) and an ``RLDataset`` (``get_batch(i
 
 from __future__ import annotations
 
-import importlib
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from heterorl.errors import TaskError
+from heterorl.import_paths import import_object, split_import_path
 from heterorl.loop_thread import LoopThread
 from heterorl.tasks.base import FixedRows, Problem, check_split_options, held_out_split
 from heterorl.tasks.environment import EnvContractError, Environment, StepResult
 
 INSTALL_HINT = "`make install` adds it: pip install --no-deps tinker-cookbook==0.6.1, its other imports in [dev]"
+SOURCE_NAMES = ("an RLDatasetBuilder class, or a function returning an RLDatasetBuilder, an RLDataset or a list of "
+                "EnvGroupBuilders")  # what `source` must name
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,7 @@ class CookbookEnvConfig:
     stop_token_ids: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        module, sep, attr = self.source.partition(":") if isinstance(self.source, str) else ("", "", "")
-        if not (sep and module and attr):
-            raise TaskError(f"cookbook_env option source={self.source!r} must look like 'package.module:name', "
-                            "naming an RLDatasetBuilder class, or a function returning an RLDatasetBuilder, an "
-                            "RLDataset or a list of EnvGroupBuilders")
+        split_import_path(self.source, "cookbook_env option source", SOURCE_NAMES)
         if not isinstance(self.source_args, Mapping) or not all(isinstance(k, str) for k in self.source_args):
             raise TaskError(f"cookbook_env option source_args={self.source_args!r} must be a mapping of argument "
                             "names to values")
@@ -223,23 +221,11 @@ def _clean_up(loop: LoopThread, builder) -> None:
     loop.submit(builder.cleanup())
 
 
-def _import_source(spec: str):
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise TaskError(f"cookbook_env source {spec!r}: cannot import module {module_name!r} ({err}); check the name "
-                        "and that it is installed or on PYTHONPATH") from err
-    if not callable(getattr(module, attr, None)):
-        raise TaskError(f"cookbook_env source {spec!r}: module {module_name!r} has no function or class {attr!r}")
-    return getattr(module, attr)
-
-
 def load_builders(types, spec: str, args: Mapping, max_groups: int | None,
                   loop: LoopThread) -> tuple[list, list | None]:
     """The train builders and, when the source gives a test dataset, the test builders (module docstring); an
     ``RLDatasetBuilder`` runs on ``loop``, where the episodes will."""
-    target = _import_source(spec)
+    target = import_object(spec, "cookbook_env option source", SOURCE_NAMES)
     try:
         built, test = target(**args), None
         if isinstance(built, types.RLDatasetBuilder):

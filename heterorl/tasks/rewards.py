@@ -15,7 +15,6 @@ it.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import numbers
@@ -27,6 +26,7 @@ from typing import Callable, Sequence
 
 from heterorl.config import TaskConfig
 from heterorl.errors import TaskError
+from heterorl.import_paths import import_object
 from heterorl.tasks.base import Problem, Task
 
 RewardFn = Callable[..., float]
@@ -83,35 +83,9 @@ def _describe(fn: object) -> str:
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """Import ``"package.module:function"`` and return the function.
-
-    Raises TaskError when the spec has no ``:``, the module cannot be
-    imported, it has no such attribute, or the attribute is not callable.
-    """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise TaskError(f"reward function {spec!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise TaskError(
-            f"reward function {spec!r}: cannot import module {module_name!r} ({err}); "
-            "check the name and that it is on PYTHONPATH"
-        ) from err
-    except Exception as err:
-        raise TaskError(
-            f"reward function {spec!r}: importing module {module_name!r} raised "
-            f"{type(err).__name__}: {err}"
-        ) from err
-    if not hasattr(module, attr):
-        raise TaskError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}")
-    fn = getattr(module, attr)
-    if not callable(fn):
-        raise TaskError(
-            f"reward function {spec!r}: {attr!r} is a {type(fn).__name__}, not a function; "
-            "name a callable (prompt, completion, answer) -> float"
-        )
-    return fn
+    """The function ``"package.module:function"`` names, imported (`import_object`: TaskError naming the path and
+    the fix when it cannot be)."""
+    return import_object(spec, "reward function", "a function (prompt, completion, answer) -> float")
 
 
 class CallTimedOut(Exception):

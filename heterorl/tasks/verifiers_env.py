@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib
 import inspect
 import itertools
 import logging
@@ -28,11 +27,13 @@ from dataclasses import dataclass, field
 
 from heterorl.config import TaskConfig
 from heterorl.errors import TaskError
+from heterorl.import_paths import import_object, split_import_path
 from heterorl.tasks.base import FixedRows, Problem, check_split_options, held_out_split
 from heterorl.tasks.guarded import GuardedScore
 
 log = logging.getLogger("heterorl.tasks.verifiers_env")
 INSTALL_HINT = "pip install 'heterorl[verifiers]'"
+ENV_NAMES = "a function that returns a verifiers Taskset (or Env), or a Taskset class"  # what `env` must name
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,7 @@ class VerifiersConfig:
     answer_field: str = "answer"
 
     def __post_init__(self) -> None:
-        module, sep, attr = self.env.partition(":") if isinstance(self.env, str) else ("", "", "")
-        if not (sep and module and attr):
-            raise TaskError(f"verifiers option env={self.env!r} must look like 'package.module:function', naming a "
-                            "function that returns a verifiers Taskset (or Env), or a Taskset class")
+        split_import_path(self.env, "verifiers option env", ENV_NAMES)
         for key in ("env_args", "eval_env_args"):
             value = getattr(self, key)
             if value is None and key == "eval_env_args":
@@ -83,34 +81,17 @@ def import_verifiers():
     return vf
 
 
-def _load_attr(spec: str):
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise TaskError(f"verifiers env {spec!r}: cannot import module {module_name!r} ({err}); check the name and "
-                        "that it is installed or on PYTHONPATH") from err
-    except Exception as err:
-        raise TaskError(f"verifiers env {spec!r}: importing {module_name!r} raised {type(err).__name__}: "
-                        f"{err}") from err
-    if not hasattr(module, attr):
-        raise TaskError(f"verifiers env {spec!r}: module {module_name!r} has no attribute {attr!r}")
-    return getattr(module, attr)
-
-
 def build_taskset(vf, spec: str, args: Mapping):
     """The ``vf.Taskset`` that ``spec`` names, built with ``args`` (see `VerifiersConfig`)."""
-    target = _load_attr(spec)
+    target = import_object(spec, "verifiers option env", ENV_NAMES)
     try:
         if isinstance(target, type) and issubclass(target, vf.Taskset):
             from verifiers.v1.utils.generic import concrete_type  # how the library finds a taskset's config type
 
             config_type = concrete_type(target, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
             built = target(config_type.model_validate(dict(args)))
-        elif callable(target):
-            built = target(**args)
         else:
-            raise TaskError(f"verifiers env {spec!r} is a {type(target).__name__}; name a function or a Taskset class")
+            built = target(**args)
     except TaskError:
         raise
     except Exception as err:

@@ -18,6 +18,7 @@ from typing import Callable
 import zmq
 import zmq.auth
 
+from heterorl.addresses import parse_host_port
 from heterorl.config import TransportConfig
 from heterorl.errors import ConfigError, HeteroRLError
 from heterorl.transport.protocol import Limits
@@ -95,6 +96,7 @@ def make_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
 
 
 REVOKED = "revoked"  # the subfolder of an allowed-keys folder where `revoke_key` moves a key
+ADDRESS_EXAMPLE = "tcp://127.0.0.1:5555"  # an address a bad one is told to look like
 
 
 def revoke_key(allowed_dir: str | Path, name: str) -> Path:
@@ -117,12 +119,12 @@ def revoke_key(allowed_dir: str | Path, name: str) -> Path:
 def _host_of(address: str) -> str:
     if "://" not in address:
         raise ConfigError(f"address {address!r} must look like tcp://HOST:PORT")
-    scheme, rest = address.split("://", 1)
+    scheme = address.split("://", 1)[0]
     if scheme in ("ipc", "inproc"):
         return "localhost"
     if scheme != "tcp":
         raise ConfigError(f"address {address!r}: only tcp://, ipc:// and inproc:// are supported")
-    return rest.rsplit(":", 1)[0].strip("[]")
+    return parse_host_port(address, "address", ADDRESS_EXAMPLE)[0].strip("[]")
 
 
 def is_loopback(address: str) -> bool:
@@ -146,10 +148,7 @@ def require_security(address: str, curve: CurveConfig | None, config: TransportC
 
 
 def port_of(address: str) -> int:
-    try:
-        return int(address.rsplit(":", 1)[1])
-    except (IndexError, ValueError):
-        raise ConfigError(f"address {address!r} has no numeric port") from None
+    return parse_host_port(address, "address", ADDRESS_EXAMPLE)[1]
 
 
 def make_socket(ctx: zmq.Context, kind: int, hwm: int, config: TransportConfig, limits: Limits) -> zmq.Socket:

@@ -1,13 +1,13 @@
 """calculator: arithmetic with a calculator tool; the tool's answers computed by hand (precedence, parentheses,
 unary minus), malformed and oversized expressions answered with the error marker, the call limit, the final
-answer's reward, the expert scoring exactly 1.0, the alphabet, the held-out split."""
+answer's reward, the options. What it holds as every multi-turn task does (the expert, the alphabet, the
+held-out split): tests/tasks/test_episode_tasks.py."""
 
 import random
 
 import pytest
 
 from heterorl.errors import TaskError
-from heterorl.tasks import make_task
 from heterorl.tasks.calculator import (
     Calculator,
     CalculatorConfig,
@@ -17,17 +17,7 @@ from heterorl.tasks.calculator import (
     calculator_problem,
     tool_answer,
 )
-from heterorl.tasks.environment import EpisodeTask, is_multi_turn
-
-
-def play(env: Calculator, turns):
-    """The observations of ``turns`` played through ``env``, and the last step's result."""
-    observations, result = [], None
-    for turn in turns:
-        assert result is None or not result.done, "a step after the episode ended"
-        result = env.step(turn)
-        observations.append(result.observation)
-    return observations, result
+from tests.tasks.test_episode_tasks import play
 
 
 @pytest.mark.parametrize("expression, value", [
@@ -102,53 +92,12 @@ def test_calls_past_max_calls_are_refused_and_the_episode_ends_after_max_calls_p
     assert observations == ["\n=2\n", "\n=limit\n", ""] and result.done and result.reward == 0.0
 
 
-def test_the_expert_answers_every_eval_problem_for_exactly_one():
-    task = make_task("calculator")
-    assert isinstance(task, CalculatorTask) and isinstance(task, EpisodeTask) and is_multi_turn(task)
-    for problem in task.eval_problems()[:50]:
-        env = task.environment(problem)
-        assert env.reset(problem) == problem.prompt
-        observations, result = play(env, task.demonstration(problem))
-        assert observations[0] == f"\n={problem.answer}\n"
-        assert result.done and result.reward == 1.0, problem.prompt
-
-
-def test_the_alphabet_covers_every_prompt_action_and_observation():
-    task, rng = CalculatorTask(), random.Random(0)
-    seen = set()
-    for _ in range(200):
-        problem = task.sample_train(rng)
-        env = task.environment(problem)
-        seen |= set(env.reset(problem))
-        actions = task.demonstration(problem)
-        observations, _ = play(env, actions)
-        seen |= set("".join(actions) + "".join(observations))
-    env.reset(problem)
-    refused, _ = play(env, ["<calc>(</calc>", "<calc>1</calc>", "<calc>(1)</calc>"])  # error, value, limit
-    seen |= set("".join(refused) + "<calc>(1)</calc>")
-    assert {"-", "*", "+", "(", ")"} <= seen
-    assert seen <= set(task.alphabet()), seen - set(task.alphabet())
-
-
-def test_held_out_problems_are_stable_and_never_drawn_for_training():
-    task = CalculatorTask(CalculatorConfig(digits=1, eval_size=64))  # a small space: 1,000 * 9 expressions
-    held_out = {p.prompt for p in task.eval_problems()}
-    assert held_out == {p.prompt for p in CalculatorTask(CalculatorConfig(digits=1, eval_size=64)).eval_problems()}
-    rng = random.Random(1)
-    assert not held_out & {task.sample_train(rng).prompt for _ in range(2000)}
-
-
 def test_problems_follow_the_config():
     task, rng = CalculatorTask(CalculatorConfig(digits=3, ops="*", terms=4)), random.Random(2)
     for _ in range(20):
         expression = task.sample_train(rng).data["expression"]
         numbers = expression.split("*")
         assert len(numbers) == 4 and all(0 <= int(n) <= 999 for n in numbers)
-
-
-def test_a_single_completion_is_not_scored():
-    with pytest.raises(TaskError, match="scored by its environment"):
-        CalculatorTask().reward(calculator_problem("1+1"), "2")
 
 
 @pytest.mark.parametrize("options, field", [

@@ -459,13 +459,13 @@ def test_load_reward_fn_and_wrap(reward_module):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("tt_rewards_mod.exact", "package.module:function"),
-        (":exact", "package.module:function"),
-        ("tt_rewards_mod:", "package.module:function"),
+        ("tt_rewards_mod.exact", "package.module:name"),
+        (":exact", "package.module:name"),
+        ("tt_rewards_mod:", "package.module:name"),
         ("tt_no_such_pkg_xyz:f", "No module named 'tt_no_such_pkg_xyz'"),
         ("tt_broken_mod:f", "tt_no_such_module_xyz"),
         ("tt_rewards_mod:missing", "no attribute 'missing'"),
-        ("tt_rewards_mod:NOT_CALLABLE", "not a function"),
+        ("tt_rewards_mod:NOT_CALLABLE", "not callable"),
     ],
 )
 def test_load_reward_fn_failures(reward_module, spec, message):

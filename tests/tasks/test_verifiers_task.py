@@ -141,7 +141,7 @@ def test_a_taskset_class_an_env_and_an_infinite_taskset(monkeypatch):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"env": f"{ENVS}.load_environment"}, "must look like 'package.module:function'"),
+    ({"env": f"{ENVS}.load_environment"}, "must look like 'package.module:name'"),
     ({"env": "no_such_module_here:load"}, "cannot import module 'no_such_module_here'"),
     ({"env": f"{ENVS}:no_such_function"}, "has no attribute 'no_such_function'"),
     ({"env": f"{ENVS}:not_a_taskset"}, "returned a dict, not a verifiers Taskset or Env"),

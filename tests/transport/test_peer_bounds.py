@@ -5,6 +5,7 @@ without a restart)."""
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,6 +44,20 @@ def whole(worker: str, group: str, size: int = 4) -> list:
 def told(client: WorkerClient) -> dict[str, str]:
     """{trajectory or group id: reason} of what the learner told ``client`` it refused or dropped."""
     return {r.split(": ")[0]: r.split(": ")[1] for r in client.rejections if ": " in r}
+
+
+def curve_keys(folder: Path, workers) -> tuple[CurveConfig, dict[str, CurveConfig], Path]:
+    """Keys made in ``folder``: the learner's CURVE config allowing each of ``workers``, each worker's CURVE
+    config (by name), and the learner's allowed-keys folder."""
+    keys, allowed = folder / "keys", folder / "allowed"
+    allowed.mkdir()
+    learner_pub, learner_secret = make_keypair(keys, "learner")
+    curves = {}
+    for name in workers:
+        public, secret = make_keypair(keys, name)
+        shutil.copy(public, allowed / public.name)
+        curves[name] = CurveConfig(str(secret), server_key_file=str(learner_pub))
+    return CurveConfig(str(learner_secret), allowed_keys_dir=str(allowed)), curves, allowed
 
 
 def take_all(server: LearnerServer, n: int) -> list:
@@ -253,20 +268,12 @@ def test_a_rate_limit_paces_an_honest_worker_through_its_credit_and_refuses_one_
 
 
 def test_a_revoked_key_is_refused_without_a_restart_live_connections_included(tmp_path):
-    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
-    allowed.mkdir()
-    learner_pub, learner_secret = make_keypair(keys, "learner")
-    secrets = {}
-    for name in ("w1", "w2"):
-        public, secrets[name] = make_keypair(keys, name)
-        shutil.copy(public, allowed / public.name)
+    curve, curves, allowed = curve_keys(tmp_path, ("w1", "w2"))
     config = TransportConfig(**QUICK, keys_reload_s=0.1)
 
     def client(name: str) -> WorkerClient:
-        return WorkerClient(server.control_endpoint, name, config,
-                            curve=CurveConfig(str(secrets[name]), server_key_file=str(learner_pub)))
+        return WorkerClient(server.control_endpoint, name, config, curve=curves[name])
 
-    curve = CurveConfig(str(learner_secret), allowed_keys_dir=str(allowed))
     with LearnerServer("tcp://127.0.0.1:0", config, curve=curve) as server:
         w1, w2 = client("w1"), client("w2")
         clients = [w1, w2]

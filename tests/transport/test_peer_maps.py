@@ -2,7 +2,6 @@
 names, engine names, worker ids under one CURVE key, and log lines (docs/RELIABILITY.md, "Maps a peer fills")."""
 
 import logging
-import shutil
 import time
 
 import pytest
@@ -11,11 +10,19 @@ import zmq
 from heterorl.config import TransportConfig
 from heterorl.runtime.engine_stats import MAX_NEW_ENGINES, OTHER_ENGINE, FleetEngines
 from heterorl.tasks import sandbox_judge
-from heterorl.transport import CurveConfig, LearnerServer, TransportTimeout, WorkerClient, make_keypair
+from heterorl.transport import LearnerServer, TransportTimeout, WorkerClient
 from heterorl.transport.outcomes import KNOWN_OUTCOMES, MAX_NEW_OUTCOMES, MAX_NEW_OUTCOMES_PER_WORKER
 from heterorl.transport.protocol import Bye, Heartbeat, Hello, Ready, decode, encode
 from tests.conftest import wait_until
-from tests.transport.test_peer_bounds import ADDRESS, QUICK, hello_socket, member, say_hello, take_all
+from tests.transport.test_peer_bounds import (
+    ADDRESS,
+    QUICK,
+    curve_keys,
+    hello_socket,
+    member,
+    say_hello,
+    take_all,
+)
 
 
 def joined(sock: zmq.Socket) -> None:
@@ -96,19 +103,11 @@ def test_workers_naming_fresh_engines_get_a_bounded_number_of_engine_tallies():
 def test_one_curve_key_holds_at_most_max_ids_per_key_worker_ids(tmp_path):
     """A third worker id under a key that holds two live ones is told busy, naming `max_ids_per_key`; another
     key is not affected; when one of the key's workers leaves, the third gets its place."""
-    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
-    allowed.mkdir()
-    learner_pub, learner_secret = make_keypair(keys, "learner")
-    secrets = {}
-    for name in ("shared", "own"):
-        public, secrets[name] = make_keypair(keys, name)
-        shutil.copy(public, allowed / public.name)
+    curve, curves, _ = curve_keys(tmp_path, ("shared", "own"))
     config = TransportConfig(**QUICK, max_ids_per_key=2)
-    curve = CurveConfig(str(learner_secret), allowed_keys_dir=str(allowed))
     with LearnerServer(ADDRESS, config, curve=curve) as server:
         def client(worker_id: str, key: str) -> WorkerClient:
-            clients.append(WorkerClient(server.control_endpoint, worker_id, config,
-                                        curve=CurveConfig(str(secrets[key]), server_key_file=str(learner_pub))))
+            clients.append(WorkerClient(server.control_endpoint, worker_id, config, curve=curves[key]))
             return clients[-1]
 
         clients = []

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import zmq
 
+from heterorl.addresses import parse_host_port
 from heterorl.config import TransportConfig
 from heterorl.delay.clock import Clock, RealClock
 from heterorl.transport.client.outbox import Outbox, SendBuffers
@@ -38,6 +39,7 @@ from heterorl.transport.protocol import (
     encode,
 )
 from heterorl.transport.sockets import (
+    ADDRESS_EXAMPLE,
     CurveConfig,
     DelaySchedule,
     Endpoint,
@@ -358,8 +360,8 @@ class WorkerClient(Endpoint):
         if session and session == self._receiver.fetch.session and self.learner_alive:
             self.stats["ready_repeated"] += 1  # the answer to a hello sent again before the first was answered:
             return  # the session this worker is in already (`Membership.hello`)
-        host = self.address.rsplit(":", 1)[0]
-        self._receiver.join(host, ready.settings)
+        host = parse_host_port(self.address, "the learner's address", ADDRESS_EXAMPLE)[0]
+        self._receiver.join(f"tcp://{host}", ready.settings)
         self._receiver.fetch.new_session(session)
         with self._lock:
             first = self._ready is None

@@ -34,6 +34,7 @@ import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from heterorl.addresses import parse_host_port
 from heterorl.config import TransportConfig
 from heterorl.errors import ConfigError, HeteroRLError
 from heterorl.transport.protocol import DEFAULT_LIMITS, Limits, ProtocolError, WeightsHeader, WeightsRequest, decode
@@ -183,9 +184,10 @@ class ShardServer(Endpoint):
                 auth.configure_curve(domain="*", location=str(allowed))
                 public, secret = self._curve.keypair()
                 sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
-            host, _, port = self._address.rpartition(":")
-            if port == "0":
-                self._address = f"{host}:{sock.bind_to_random_port(host)}"
+            host, port = parse_host_port(self._address, f"learner rank {self.rank}'s weights address",
+                                         "tcp://127.0.0.1:0")
+            if port == 0:
+                self._address = f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}"
             else:
                 sock.bind(self._address)
         except BaseException as exc:
