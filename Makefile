@@ -27,15 +27,18 @@ install: $(STAMP)
 demo: $(STAMP)
 	WANDB_MODE=offline $(VENV)/bin/heterorl demo
 
+# the suite in TEST_WORKERS processes (pytest-xdist): most slow tests are live fleets that mostly wait; tests that
+# share something of the whole machine stay in one worker (tests/conftest.py, SERIAL_GROUPS). TEST_WORKERS=0: one.
+TEST_WORKERS ?= 4
 test: $(STAMP)
-	WANDB_MODE=offline $(PY) -m pytest -q --durations=25
+	WANDB_MODE=offline $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 # ruff, configured in pyproject.toml (line length 120, pyflakes, pycodestyle, isort, bugbear, pyupgrade)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test-fast: $(STAMP)
-	WANDB_MODE=offline $(PY) -m pytest -q -m "not slow"
+	WANDB_MODE=offline $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 bench: $(STAMP)
 	$(VENV)/bin/heterorl bench engine

@@ -161,3 +161,47 @@ def perturbed_state(model, seed: int, scale: float = 0.05) -> dict:
 
     gen = torch.Generator().manual_seed(seed)
     return {name: t + scale * torch.randn(t.shape, generator=gen) for name, t in model.state_dict().items()}
+
+
+TEST_TIMES = os.environ.get("HETERORL_TEST_TIMES")  # a JSONL file: each test's wall and CPU seconds (scripts/)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``HETERORL_TEST_TIMES=FILE``: append one line per test (setup, call and teardown together): its wall
+    seconds and the CPU seconds of this process and of the children it waited for (`scripts/test_times.py` ranks
+    and classifies them)."""
+    if not TEST_TIMES:
+        yield
+        return
+    import json
+    import resource
+
+    def cpu(who):
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
+    wall, own, children = time.monotonic(), cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
+    yield
+    line = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall, 3),
+            "cpu_s": round(cpu(resource.RUSAGE_SELF) - own, 3),
+            "children_cpu_s": round(cpu(resource.RUSAGE_CHILDREN) - children, 3),
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
+    with open(TEST_TIMES, "a") as f:  # one short append per line: lines of parallel workers do not interleave
+        f.write(json.dumps(line) + "\n")
+
+
+# Tests that share something of the whole machine run in one xdist worker, one after another (`make test` runs
+# the suite with `--dist loadgroup`): each group, the files that hold it, and what they share.
+SERIAL_GROUPS = {
+    "netlab": ("tests/netlab/",),  # network namespaces and links shaped to measured bandwidths (timing they assert)
+    "ray": ("tests/deploy/test_ray_launcher.py",),  # Ray clusters: each head takes Ray's fixed default ports
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
+        for group, prefixes in SERIAL_GROUPS.items():
+            if path.startswith(prefixes):
+                item.add_marker(pytest.mark.xdist_group(group))

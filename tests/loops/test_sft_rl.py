@@ -46,16 +46,18 @@ def test_shipped_base_is_deliberately_partial(config, base):
 @pytest.mark.slow
 @pytest.mark.parametrize("config, base", SHIPPED_BASES)
 def test_short_remake_of_the_base_follows_the_recorded_curve(config, base):
-    cfg = load_config(packaged(config), ["sft.steps=60", "sft.eval_every=1000"])
+    """The first 30 steps of each base's recipe retrace its recorded losses (the recipe and its seed make the
+    base), and it learns: loss at step 30 / step 1, recorded: 0.42 (maze-walk) to 0.76 (add3), asserted < 0.8."""
+    cfg = load_config(packaged(config), ["sft.steps=30", "sft.eval_every=1000"])
     task = _task(cfg)
     model, tok = load_policy("tiny", alphabet=task.alphabet(), tiny=cfg.policy.tiny)
     losses = {}
     run_sft(cfg, TrainingClient(model, tok, seed=cfg.seed), task,
             progress=lambda s, m: losses.update({s: m["sft/loss"]}))
     recorded = {r["step"]: r["sft/loss"] for r in read_metrics(packaged(base) / "sft_metrics.jsonl")}
-    for step in (1, 10, 30, 60):
+    for step in (1, 10, 20, 30):
         assert losses[step] == pytest.approx(recorded[step], rel=0.02), step
-    assert losses[60] < 0.7 * losses[1]  # it learns (maze: 0.5x; add3: 0.61x)
+    assert losses[30] < 0.8 * losses[1]
 
 
 def test_sft_gives_the_same_weights_again_and_nearly_the_same_on_another_number_of_threads():
