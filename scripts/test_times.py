@@ -28,7 +28,8 @@ def read_times(path: Path) -> dict[str, dict]:
             row = json.loads(line)
             times[row["test"]] = row
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise SystemExit(f"{path}:{number}: not a line of HETERORL_TEST_TIMES ({exc}); rerun the suite with it")
+            raise SystemExit(f"{path}:{number}: not a line of HETERORL_TEST_TIMES ({exc}); "
+                             "rerun the suite with it") from None
     return times
 
 
