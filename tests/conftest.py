@@ -200,6 +200,8 @@ SERIAL_GROUPS = {
 
 
 def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):  # (the vLLM lane's venv runs in one process, without it)
+        return
     for item in items:
         path = Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
         for group, prefixes in SERIAL_GROUPS.items():
