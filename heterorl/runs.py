@@ -83,9 +83,10 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """The records of a ``metrics.jsonl`` file."""
+    """The records of a ``metrics.jsonl`` file; of a live run's, those written whole (a last line not yet ended
+    by its newline is still being written, and is left out)."""
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.strip() and line.endswith("\n")]
 
 
 

@@ -380,8 +380,10 @@ def ray_session(ray, address: str | None, cfg: Config):
         if started_here:
             wanted = (cfg.cluster.learner.num_cpus * cfg.runtime.learner_ranks
                       + cfg.cluster.worker.num_cpus * cfg.runtime.workers)
-            ray.init(num_cpus=max(os.cpu_count() or 1, int(wanted + 0.999)), include_dashboard=False,
-                     log_to_driver=False, namespace="heterorl")
+            # "local": a Ray of its own, even where a cluster started by `ray start` runs on this machine (without
+            # it, ray.init joins that one, and refuses the num_cpus given for a new one)
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(wanted + 0.999)),
+                     include_dashboard=False, log_to_driver=False, namespace="heterorl")
         else:
             ray.init(address=address, log_to_driver=False, namespace="heterorl")
     except ConnectionError as exc:
