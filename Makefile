@@ -27,9 +27,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	WANDB_MODE=offline $(VENV)/bin/heterorl demo
 
-# the suite in TEST_WORKERS processes (pytest-xdist): most slow tests are live fleets that mostly wait; tests that
-# share something of the whole machine stay in one worker (tests/conftest.py, SERIAL_GROUPS). TEST_WORKERS=0: one.
-TEST_WORKERS ?= 4
+# the suite in TEST_WORKERS processes (pytest-xdist; 0: in this one): most slow tests are live fleets that mostly
+# wait; tests that share something of the whole machine stay in one worker (tests/conftest.py, SERIAL_GROUPS).
+# One process by default until every test holds under the load of four (docs/COMMANDS.md)
+TEST_WORKERS ?= 0
 test: $(STAMP)
 	WANDB_MODE=offline $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
