@@ -6,8 +6,19 @@ import threading
 from pathlib import Path
 
 from heterorl.config import TinyModelConfig
-from heterorl.policies.hf_folder import load_hf_folder, validate_hf_folder
-from heterorl.policies.tiny import build_char_tokenizer, build_tiny_policy, save_policy
+
+# The loaders import transformers (seconds of start-up); a process that only names policies or stores weights
+# (`heterorl keys`, `heterorl config`, a transport test) never pays for it: they are imported on first use.
+_LOADERS = {"load_hf_folder": "hf_folder", "validate_hf_folder": "hf_folder", "build_char_tokenizer": "tiny",
+            "build_tiny_policy": "tiny", "save_policy": "tiny"}
+
+
+def __getattr__(name: str):
+    if name in _LOADERS:
+        import importlib
+
+        return getattr(importlib.import_module(f"heterorl.policies.{_LOADERS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # policy folders inside the package (heterorl/assets/NAME)
 SHIPPED = ("maze-sft-base", "maze4-sft-base", "add3-sft-base", "arith-hash-sft-base", "rg-arith-sft-base",
@@ -40,6 +51,9 @@ def load_policy(model: str, *, alphabet: str | None = None, tiny: TinyModelConfi
 
 
 def _load_policy(model: str, alphabet: str | None, tiny: TinyModelConfig | None, device: str):
+    from heterorl.policies.hf_folder import load_hf_folder
+    from heterorl.policies.tiny import build_tiny_policy
+
     if model == "tiny":
         if alphabet is None:
             raise ValueError("the tiny policy needs the task's alphabet to build its tokenizer")
@@ -76,6 +90,7 @@ def register_models(specs: list[str]) -> dict[str, str]:
     """{name: folder} from ``NAME=PATH`` specs, each folder checked now (a Hugging Face model folder); a clear
     error naming the spec otherwise."""
     from heterorl.errors import HeteroRLError
+    from heterorl.policies.hf_folder import validate_hf_folder
 
     registered = {}
     for spec in specs:
@@ -91,6 +106,8 @@ def register_models(specs: list[str]) -> dict[str, str]:
 def policy_folder(model: str) -> Path | None:
     """The Hugging Face folder behind a ``policy.model`` / ``rl.base`` value (an engine that loads weights
     itself, such as vLLM, needs one); None for "tiny", which exists only in memory until saved."""
+    from heterorl.policies.hf_folder import validate_hf_folder
+
     if model == "tiny":
         return None
     if model == "smollm2":

@@ -63,8 +63,8 @@ def test_bench_losses_times_every_loss_against_grpo():
 
 
 def test_bench_transport_measures_both_channels_against_raw_pyzmq():
-    out = run_cli("bench", "transport", "--trajectories", "400", "--workers", "1,2", "--prompt-tokens", "64",
-                   "--completion-tokens", "256", "--weights-mib", "8", "--repeats", "1")
+    out = run_cli("bench", "transport", "--trajectories", "100", "--workers", "1,2", "--prompt-tokens", "64",
+                   "--completion-tokens", "256", "--weights-mib", "4", "--repeats", "1")
     assert out.returncode == 0, out.stderr
     ratios = [float(part.split("x")[0]) for part in out.stdout.split("ratio ")[1:]]
     assert len(ratios) == 3 and all(r > 0 for r in ratios)  # 1 worker, 2 workers, weights
@@ -184,7 +184,7 @@ def test_bench_lora_compares_learning_bytes_per_version_and_sampling_side_by_sid
 
 def test_bench_sandbox_scores_programs_with_hanging_shares_in_each_sandbox_and_times_a_worker():
     isolation = "nsjail,weak" if jail_support().available else "weak"
-    out = run_cli("bench", "sandbox", "--programs", "4", "--tests", "2", "--wall-s", "0.5", "--rounds", "1",
+    out = run_cli("bench", "sandbox", "--programs", "4", "--tests", "2", "--wall-s", "2", "--rounds", "1",
                   "--startup-runs", "2", "--isolation", isolation)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line for line in out.stdout.splitlines() if "tests/s" in line]
