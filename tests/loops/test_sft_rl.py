@@ -109,7 +109,9 @@ def test_short_rl_run_on_a_reasoning_gym_dataset_improves_held_out_success():
 def test_short_rl_run_on_episodes_with_a_tool_improves_held_out_success():
     """Synchronous GRPO on the calculator environment (multi-turn: a tool call, its answer, the final answer; only
     the policy's turns trained) from the shipped calculator base: measured 0.629 -> 0.707 after 25 steps, 0.793
-    after 75 (calculator_rl.yaml)."""
+    after 75 (calculator_rl.yaml). 25 steps is the smallest setting that shows it with margin: held-out success
+    at steps 5/10/15/20/25 was 0.676/0.676/0.648/0.664/0.707 (seed 0), and 12 steps with 2 warm-up steps or with
+    3x the learning rate ended at 0.633 and 0.605. Margin: +0.078 measured, +0.05 asserted."""
     cfg = load_config(packaged("calculator_rl.yaml"), ["rl.steps=25", "rl.eval_every=25"])
     task = _task(cfg)
     model, tok = load_policy(cfg.rl.base)
