@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from heterorl.runs import read_metrics
-from tests.conftest import ENV, REPO, maze_run, ports_held_for_a_restart, run_cli, trajectory, wait_until
+from tests.conftest import ENV, REPO, maze_run, run_cli, trajectory, wait_until
 
 
 def write_config(tmp_path: Path, steps: int = 6, extra: str = "") -> Path:
@@ -198,46 +198,6 @@ def run_with_a_misfit_worker(tmp_path: Path, engine: str, python: str = sys.exec
 @pytest.mark.slow
 def test_a_worker_whose_policy_the_weights_do_not_fit_leaves_and_the_run_goes_on(tmp_path):
     run_with_a_misfit_worker(tmp_path, "torch")
-
-
-@pytest.mark.slow
-def test_kill_minus_nine_learner_resumes_and_workers_reconnect(tmp_path):
-    config = write_config(tmp_path, steps=6)
-    run = tmp_path / "run"
-    learner = spawn("learner", "--config", str(config), log=tmp_path / "learner1.log")
-    workers = []
-    try:
-        address = wait_until(lambda: endpoint(run), 120, "the learner to listen")
-        workers = [spawn("rollout", "--connect", address, "--worker-id", f"w{i}", log=tmp_path / f"w{i}.log")
-                   for i in range(2)]
-        wait_until(lambda: learner_step(run) >= 2, 240, "the first checkpoint")
-        learner.send_signal(signal.SIGKILL)
-        learner.wait(30)
-        with ports_held_for_a_restart(run):
-            before = learner_step(run)
-            versions_before = [r["policy/version"] for r in read_metrics(run / "metrics.jsonl")
-                               if "policy/version" in r]
-            log = tmp_path / "learner2.log"
-            learner = spawn("learner", "--config", str(config), "--resume", log=log)
-            wait_until(lambda: "learner listening" in log.read_text() or learner.poll() is not None, 240,
-                       "the resumed learner to bind")
-        assert learner.wait(400) == 0, log.read_text()[-3000:]
-        for w in workers:
-            assert w.wait(60) == 0  # they reconnected by themselves and left on the bye
-        state = json.loads((run / "checkpoints" / "learner_state.json").read_text())
-        assert state["step"] == 6
-        # every step trained 4 groups x 4 completions, and no trajectory twice
-        assert len(state["trained_ids"]) == len(set(state["trained_ids"])) == 6 * 4 * 4
-        records = read_metrics(run / "metrics.jsonl")
-        assert [r["step"] for r in records] == list(range(7))  # the steps after the checkpoint, logged once
-        resumed = [r["policy/version"] for r in records if r["step"] > before]
-        # the version counter went on above every version the killed learner logged
-        assert resumed and min(resumed) > max(versions_before)
-        assert "rejoined" in (tmp_path / "w0.log").read_text()
-    finally:
-        for p in [learner, *workers]:
-            if p.poll() is None:
-                p.kill()
 
 
 @pytest.mark.slow

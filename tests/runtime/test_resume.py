@@ -155,6 +155,7 @@ def test_a_learner_killed_between_checkpoints_resumes_and_its_workers_carry_on(t
     trained_groups = {tid.rsplit("-", 1)[0] for tid in state["trained_ids"]}
     # every step took 4 whole groups, each counted once: no group (nor any of its trajectories) trained twice
     assert state["step"] == STEPS and state["tally"]["groups_trained"] == len(trained_groups) == STEPS * GROUPS_PER_STEP
+    assert len(state["trained_ids"]) == STEPS * GROUPS_PER_STEP * 4  # and each of their 4 trajectories once
     assert all(key.startswith(("w0|w0-", "w1|w1-")) for key in state["trained_ids"])  # namespaced by worker
     sessions = {key.split("-")[1] for key in state["trained_ids"] if key.startswith("w1|")}
     assert len(sessions) >= 2  # w1's lives stamped ids of their own

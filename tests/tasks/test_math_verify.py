@@ -141,11 +141,12 @@ def test_child_error_keeps_its_name():
 
 def test_hang_is_bounded_and_the_next_call_scores():
     """``9^{9^{9^{9}}}`` makes sympy compute a 370-million-digit power in one C call that holds the GIL: no
-    thread-based timeout could return here; the child is killed."""
-    scorer = MathVerifyScorer(timeout_s=0.2)
+    thread-based timeout could return here; the child is killed. The limit is 2 s, not less: the call after it
+    must score within it on a loaded machine too (at 0.2 s it overran once, with six suite processes on 2 cores)."""
+    scorer = MathVerifyScorer(timeout_s=2.0)
     start = time.monotonic()
     assert scorer("\\boxed{9^{9^{9^{9}}}}", "42") == 0.0
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 8.0  # the power alone takes minutes
     assert scorer.stats == Counter(timeout=1)
     assert scorer("\\boxed{42}", "42") == 1.0  # a fresh child
     assert scorer.stats == Counter(timeout=1, ok=1)
