@@ -193,6 +193,8 @@ class Learner:
         groups, waited = self.inbox.next_batch(version)
         if groups is not None:
             self.state.tally.idle_s += waited
+            if self.cfg.runtime.mode == "sync":  # the fleet can sample nothing more until the next version lands
+                self.server.await_version(version + 1)
         return groups
 
     def clock(self) -> float:

@@ -55,9 +55,19 @@ class Admission:
         self.probation_unused = 0  # probation permits held unused: beyond the cap (a group started on one is its)
         self.ahead, self.local_threads = 1, 0  # permits a worker may hold; threads advised (0: none)
         self.max_lag: int | None = None  # versions a worker's weights may lag its newest and still get permits
+        self.awaited_version = -1  # sync mode: the version every worker waits for before it may sample again
 
     def set(self, cap: int | None, ahead: int, max_lag: int | None = None) -> None:
         self.cap, self.ahead, self.max_lag = cap, max(1, ahead), max_lag
+
+    def await_version(self, version: int) -> None:
+        """Sync mode: the learner has taken the batch of the version before ``version``; no worker can sample
+        until it holds ``version`` (`heterorl.runtime.worker`: one share per version). Until a worker's heartbeats
+        say it holds it, its lease clock stands still: the learner owes it the weights, however long the step
+        (training, evaluation, a checkpoint, a weights delay) takes. Left running, the clock would expire the
+        permits it holds for its next share, and a worker on probation would be granted one beyond the cap: a
+        group for a version the run never trains."""
+        self.awaited_version = version
 
     def lagging(self, worker: WorkerInfo) -> bool:
         """Whether ``worker``'s weights (as its heartbeats say) are more than ``max_lag`` versions behind the
@@ -244,7 +254,7 @@ class Admission:
             return
         live = [w for w in self.registry.workers.values() if w.alive]
         for worker in live:  # the lease clock stops while a worker owes nothing, or the learner owes it
-            if not self._owes(worker) or waits_on_learner(worker):
+            if not self._owes(worker) or waits_on_learner(worker) or worker.version_held < self.awaited_version:
                 worker.lease_from = now
         delivering = [w for w in live if self.delivering(w, now)]
         on_probation = [w for w in live if not self.delivering(w, now)]

@@ -184,6 +184,12 @@ class LearnerServer(Endpoint):
         with self._rooms.lock:
             self._rooms.admission.set(cap, ahead, max_lag)
 
+    def await_version(self, version: int) -> None:
+        """Sync mode: every worker waits for weights ``version`` before it samples again (`Admission.await_version`:
+        meanwhile their permits' leases stand still)."""
+        with self._rooms.lock:
+            self._rooms.admission.await_version(version)
+
     def advise_local_threads(self, threads: int) -> None:
         """Advise the workers on this machine (their hello named its host) to use ``threads`` torch threads, in
         their next acks (`heterorl train` shares one machine's cores: heterorl.runtime.cores)."""

@@ -10,12 +10,15 @@ fast."""
 
 import threading
 import time
+from collections import Counter
 
 import zmq
 
 from heterorl.config import TransportConfig
 from heterorl.transport import LearnerServer, TransportTimeout, WorkerClient
+from heterorl.transport.admission import Admission
 from heterorl.transport.protocol import Heartbeat, Ready, decode, encode
+from heterorl.transport.registry import WorkerInfo, WorkerRegistry
 from tests.conftest import wait_until
 from tests.transport.test_peer_bounds import ADDRESS, QUICK, hello_socket, member, say_hello, whole
 
@@ -156,3 +159,40 @@ def test_groups_a_peer_opens_and_never_completes_stall_the_fleet_for_seconds_not
             pace.close()
             sock.close(0)
             ctx.term()
+
+
+def test_in_sync_mode_a_worker_waiting_for_the_next_version_keeps_its_permits_however_long_the_step():
+    """The learner takes the batch; the worker holds permits for its next share but cannot use them before the
+    next version lands. A step that outlasts the lease (an evaluation under load) once put it on probation: its
+    permits went back, it got one beyond the cap, and it sampled a group for the version after the last step
+    (the sync run's waste, seen in CI). Now the lease clock stands still until its heartbeats say it holds the
+    version, then runs again."""
+    config = TransportConfig(permit_lease_s=60.0, permit_lease_min_s=5.0)
+    stats = Counter()
+    registry = WorkerRegistry(config, stats)
+    worker = WorkerInfo("w0", "host", 1, b"w0", None, joined_at=0.0, last_seen=0.0, version_held=1,
+                        released_version=1)
+    registry.workers["w0"] = worker
+    admission = Admission(registry, config, stats)
+    admission.set(cap=8, ahead=4)
+
+    def never(_):
+        return False
+
+    admission.grant_all(0.0, never)  # on probation: one permit; its group completes, then it holds its share
+    admission.count_start(worker, "g0")
+    admission.count_complete(worker, "g0", now=1.0)
+    admission.grant_all(1.0, never)
+    admission.count_start(worker, "g1")
+    admission.count_complete(worker, "g1", now=1.5)
+    admission.grant_all(1.5, never)
+    assert admission.delivering(worker, 1.5) and admission._unused(worker) == 4
+    admission.await_version(2)  # the learner took the batch of version 1
+    for now in (30.0, 100.0, 300.0):  # the step takes 5 minutes: the lease (at most 60 s) would have run out
+        admission.grant_all(now, never)
+        assert admission.delivering(worker, now) and admission._unused(worker) == 4, now
+    assert stats["permits_returned"] == 0 and admission.probation_unused == 0
+    worker.version_held = 2  # its heartbeat says it holds the version: now it owes its share, and the clock runs
+    admission.grant_all(301.0, never)
+    admission.grant_all(400.0, never)
+    assert not admission.delivering(worker, 400.0) and stats["permits_returned"] == 1
