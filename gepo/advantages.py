@@ -11,6 +11,7 @@ import torch
 
 from gepo.batch import LossBatch, LossInputError
 from gepo.groups import group_index, segment_mean, segment_sum
+from gepo.loss_configs import ADVANTAGE_CHOICES, ADVANTAGE_NAMES, check_advantage_name
 
 
 def group_mean(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -67,14 +68,8 @@ def bnpo(rewards: torch.Tensor, group_ids: torch.Tensor, max_weight: float = 1e6
     return weight[index] * (rewards - means.to(rewards.dtype)[index])
 
 
-ADVANTAGE_ESTIMATORS = {"group_centered": group_centered, "group_normalized": group_normalized, "bnpo": bnpo,
-                        "raw_reward": raw_reward}
-ADVANTAGE_CHOICES = (*ADVANTAGE_ESTIMATORS, "given")
-
-
-def check_advantage_name(name: str) -> None:
-    if name not in ADVANTAGE_CHOICES:
-        raise ValueError(f"advantage={name!r} is not an estimator; choose one of {', '.join(ADVANTAGE_CHOICES)}")
+ADVANTAGE_ESTIMATORS = dict(zip(ADVANTAGE_NAMES, (group_centered, group_normalized, bnpo, raw_reward), strict=True))
+__all__ = ["ADVANTAGE_CHOICES", "ADVANTAGE_ESTIMATORS", "advantages_for", "check_advantage_name"]
 
 
 def advantages_for(batch: LossBatch, estimator: str) -> torch.Tensor:

@@ -13,39 +13,30 @@ read through ``batch.token(...)``, which zeroes padding before any exp.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 
-from gepo.advantages import advantages_for, check_advantage_name
+from gepo.advantages import advantages_for
 from gepo.batch import LossBatch, LossInputError, masked_mean, masked_sum
 from gepo.diagnostics import rl_metrics
 from gepo.groups import group_index, segment_logsumexp
+from gepo.loss_configs import (
+    BNPOConfig,
+    CISPOConfig,
+    CrossEntropyConfig,
+    DAPOConfig,
+    DecoupledPPOConfig,
+    DrGRPOConfig,
+    GEPOConfig,
+    GEPODefensiveConfig,
+    GRPOConfig,
+    GSPOConfig,
+    IcePopConfig,
+    ImportanceSamplingConfig,
+    M2POConfig,
+    OPSMConfig,
+    TISConfig,
+)
 from gepo.registry import register_loss
-
-
-@dataclass
-class RLLossConfig:
-    """Fields every RL loss's config has. Subclasses override the defaults with their paper's.
-
-    advantage: an estimator of gepo.advantages ("group_centered", "group_normalized", "bnpo"),
-               computed from batch.rewards by group, or "given" to use batch.advantages as they are.
-    """
-
-    advantage: str = "group_normalized"
-    choices: ClassVar[dict[str, tuple]] = {}
-
-    def __post_init__(self):
-        check_advantage_name(self.advantage)
-        for name, allowed in self.choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(map(repr, allowed))}")
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-                raise ValueError(f"{f.name}={value}: must be >= 0")
 
 
 def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float):
@@ -67,23 +58,11 @@ def _frac(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------- session primitives
 
 
-@dataclass
-class CrossEntropyConfig:
-    """No options: supervised next-token loss."""
-
-
 @register_loss("cross_entropy", CrossEntropyConfig)
 def cross_entropy(batch: LossBatch, config: CrossEntropyConfig):
     """L = − Σ_{i,t} m_it · log p_it / Σ m   (token mean over the batch)."""
     loss = -masked_mean(batch.token("logprobs"), batch.mask)
     return loss, {"loss/nll": float(loss.detach()), "tokens": float(batch.mask.sum())}
-
-
-@dataclass
-class ImportanceSamplingConfig(RLLossConfig):
-    """The plain (unclipped) importance-sampling policy gradient; advantages as given by default."""
-
-    advantage: str = "given"
 
 
 @register_loss("importance_sampling", ImportanceSamplingConfig)
@@ -102,15 +81,6 @@ def importance_sampling(batch: LossBatch, config: ImportanceSamplingConfig):
 # ---------------------------------------------------------------------------- token-ratio PPO family
 
 
-@dataclass
-class GRPOConfig(RLLossConfig):
-    """GRPO's defaults: clip ε = 0.2, group-normalised advantages."""
-
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None  # asymmetric clip (DAPO "clip-higher", arXiv 2503.14476); None = clip_eps
-    advantage: str = "group_normalized"
-
-
 @register_loss("grpo", GRPOConfig)
 def grpo(batch: LossBatch, config: GRPOConfig):
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300) with a PPO token-level clip.
@@ -123,14 +93,6 @@ def grpo(batch: LossBatch, config: GRPOConfig):
     per_token, clipped = clipped_surrogate(log_ratio, advantages[:, None], config.clip_eps, eps_high)
     loss = masked_mean(per_token, batch.mask, dim=-1).mean()
     return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": _frac(clipped, batch.mask)})
-
-
-@dataclass
-class OPSMConfig(GRPOConfig):
-    """GRPO's clip and advantages plus off-policy sequence masking at δ = 1e-4 (slime's default; the paper does
-    not publish its δ)."""
-
-    delta: float = 1e-4
 
 
 @register_loss("opsm", OPSMConfig)
@@ -154,12 +116,6 @@ def opsm(batch: LossBatch, config: OPSMConfig):
     return loss, rl_metrics(batch, loss, log_ratio, batch.keep, fractions)
 
 
-@dataclass
-class DAPOConfig(GRPOConfig):
-    """DAPO's token-level loss with GRPO's clip (TRL's ``loss_type="dapo"``: ε = ε_high = 0.2 unless set; the DAPO
-    paper's clip-higher is ``clip_eps_high=0.28``), group-normalised advantages."""
-
-
 @register_loss("dapo", DAPOConfig)
 def dapo(batch: LossBatch, config: DAPOConfig):
     """DAPO's token-level policy loss (Yu et al. 2025, arXiv 2503.14476): every token of the batch weighs the same,
@@ -177,15 +133,6 @@ def dapo(batch: LossBatch, config: DAPOConfig):
     return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": _frac(clipped, batch.mask)})
 
 
-@dataclass
-class DrGRPOConfig(RLLossConfig):
-    """Dr.GRPO's defaults: clip ε = 0.2, no std division; the normaliser is B · max_completion_len."""
-
-    clip_eps: float = 0.2
-    max_completion_len: int | None = None  # the generation budget; None = the batch's padded length T
-    advantage: str = "group_centered"
-
-
 @register_loss("dr_grpo", DrGRPOConfig)
 def dr_grpo(batch: LossBatch, config: DrGRPOConfig):
     """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783).
@@ -201,14 +148,6 @@ def dr_grpo(batch: LossBatch, config: DrGRPOConfig):
     return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": _frac(clipped, batch.mask)})
 
 
-@dataclass
-class BNPOConfig(RLLossConfig):
-    """BNPO as the GEPO authors ran it: clip ε = 0.2, Beta-re-weighted advantages, token-sum / token-count."""
-
-    clip_eps: float = 0.2
-    advantage: str = "bnpo"
-
-
 @register_loss("bnpo", BNPOConfig)
 def bnpo(batch: LossBatch, config: BNPOConfig):
     """BNPO (Xiao et al. 2025, arXiv 2506.02864), in the GEPO authors' form (arXiv 2508.17850).
@@ -221,15 +160,6 @@ def bnpo(batch: LossBatch, config: BNPOConfig):
     per_token, clipped = clipped_surrogate(log_ratio, advantages[:, None], config.clip_eps, config.clip_eps)
     loss = masked_mean(per_token, batch.mask)
     return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": _frac(clipped, batch.mask)})
-
-
-@dataclass
-class DecoupledPPOConfig(RLLossConfig):
-    """AReaL's decoupled PPO: clip ε = 0.2 against the proximal policy; optional behaviour-weight cap."""
-
-    clip_eps: float = 0.2
-    behaviour_weight_cap: float | None = None  # drop tokens with π_prox/μ above this (AReaL's behav_imp_weight_cap)
-    advantage: str = "group_normalized"
 
 
 def proximal_logprobs(batch: LossBatch, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
@@ -281,16 +211,6 @@ def decoupled_ppo(batch: LossBatch, config: DecoupledPPOConfig):
 # ---------------------------------------------------------------------------- importance-weight reshaping
 
 
-@dataclass
-class TISConfig(RLLossConfig):
-    """Truncated importance sampling: cap C = 2, per token or per sequence."""
-
-    level: str = "token"  # "token": cap r_it; "sequence": cap ρ_i = Π_t r_it
-    cap: float = 2.0
-    advantage: str = "group_normalized"
-    choices: ClassVar[dict[str, tuple]] = {"level": ("token", "sequence")}
-
-
 @register_loss("tis", TISConfig)
 def tis(batch: LossBatch, config: TISConfig):
     """Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
@@ -316,15 +236,6 @@ def tis(batch: LossBatch, config: TISConfig):
     return loss, rl_metrics(batch, loss, log_rho, rows, {"is/clip_frac": (log_rho > cap).to(logp.dtype).mean()})
 
 
-@dataclass
-class IcePopConfig(RLLossConfig):
-    """IcePop's token mask: keep r in [0.5, 5]."""
-
-    ratio_low: float = 0.5
-    ratio_high: float = 5.0
-    advantage: str = "group_normalized"
-
-
 @register_loss("icepop", IcePopConfig)
 def icepop(batch: LossBatch, config: IcePopConfig):
     """IcePop (Ling Team 2025, Ring-1T, arXiv 2510.18855): mask the tokens whose ratio left a band.
@@ -340,14 +251,6 @@ def icepop(batch: LossBatch, config: IcePopConfig):
     per_token = torch.where(kept, -ratio * advantages[:, None], torch.zeros_like(ratio))
     loss = masked_mean(per_token, batch.mask, dim=-1).mean()
     return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/mask_frac": _frac(~kept, batch.mask)})
-
-
-@dataclass
-class M2POConfig(RLLossConfig):
-    """M2PO: second-moment trust region τ = 0.04, no clip."""
-
-    m2_threshold: float = 0.04
-    advantage: str = "group_normalized"
 
 
 def second_moment_mask(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -381,19 +284,6 @@ def m2po(batch: LossBatch, config: M2POConfig):
     return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/mask_frac": _frac(~kept, batch.mask)})
 
 
-@dataclass
-class CISPOConfig(RLLossConfig):
-    """CISPO's defaults: no lower bound on the weight (1 − ε_low = 0); upper bound 1 + ε_high = 4.
-
-    MiniMax-M1 sets ε_low large and tunes ε_high without publishing its value; the cap of 4 is
-    Tinker's CISPO default. Both are fields: override them to match another run.
-    """
-
-    clip_eps_low: float = 1.0
-    clip_eps_high: float = 3.0
-    advantage: str = "group_normalized"
-
-
 @register_loss("cispo", CISPOConfig)
 def cispo(batch: LossBatch, config: CISPOConfig):
     """CISPO (MiniMax 2025, MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update.
@@ -414,15 +304,6 @@ def cispo(batch: LossBatch, config: CISPOConfig):
 # ---------------------------------------------------------------------------- sequence-level weights
 
 
-@dataclass
-class GSPOConfig(RLLossConfig):
-    """GSPO's defaults: sequence-ratio clip ε_low = 3e-4, ε_high = 4e-4 (the GEPO paper ran 0.2)."""
-
-    clip_eps_low: float = 3e-4
-    clip_eps_high: float = 4e-4
-    advantage: str = "group_normalized"
-
-
 def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B,) length-normalised sum: (1/|y_i|) Σ_t m_it · values_it."""
     return masked_mean(values, mask, dim=-1)
@@ -441,17 +322,6 @@ def gspo(batch: LossBatch, config: GSPOConfig):
     loss = per_seq.mean()
     rows = torch.ones_like(clipped)
     return loss, rl_metrics(batch, loss, log_s, rows, {"is/clip_frac": clipped.to(log_s.dtype).mean()})
-
-
-@dataclass
-class GEPOConfig(RLLossConfig):
-    """GEPO's defaults: clip ε = 0.2, group-centred advantages, groups = prompts, no KL term."""
-
-    clip_eps: float = 0.2
-    group_by: str = "prompt"  # "prompt": the paper's G rows of one prompt; "batch": the whole batch (authors' code)
-    kl_beta: float = 0.0  # learner↔sampler KL weight; 0.005 in the paper's heterogeneous runs
-    advantage: str = "group_centered"
-    choices: ClassVar[dict[str, tuple]] = {"group_by": ("prompt", "batch")}
 
 
 def gepo_log_denominator(lq: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
@@ -513,13 +383,6 @@ def gepo(batch: LossBatch, config: GEPOConfig):
     index, n = _gepo_groups(batch, config.group_by)
     log_w = lp - gepo_log_denominator(lq, index, n)[index]
     return _gepo_objective(batch, config, logp, logq, log_w, index, n, {})
-
-
-@dataclass
-class GEPODefensiveConfig(GEPOConfig):
-    """GEPO's defaults plus the defensive switch's KL threshold 0.002."""
-
-    kl_threshold: float = 0.002
 
 
 @register_loss("gepo_defensive", GEPODefensiveConfig)

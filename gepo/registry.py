@@ -1,17 +1,26 @@
-"""Name → loss registry, so configs and ``forward_backward(loss_fn="...")`` select losses by name."""
+"""Name → loss registry, so configs and ``forward_backward(loss_fn="...")`` select losses by name.
+
+Without torch: a loss's name and config are known (``loss_names``, ``make_loss_config``) before gepo.losses, which
+registers the built-in losses' functions, is imported; ``get_loss`` imports it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+from gepo.loss_configs import BUILTIN_LOSS_CONFIGS
 
-from gepo.batch import LossBatch, LossInputError
+if TYPE_CHECKING:
+    import torch
 
-LossFn = Callable[[LossBatch, Any], "tuple[torch.Tensor, dict[str, float]]"]
+    from gepo.batch import LossBatch
+
+LossFn = Callable[["LossBatch", Any], "tuple[torch.Tensor, dict[str, float]]"]
+_BUILTIN_MODULE = "gepo.losses"  # registers every loss of BUILTIN_LOSS_CONFIGS when imported
 
 
 @dataclass(frozen=True)
@@ -32,13 +41,18 @@ def register_loss(name: str, config_cls: type):
     """
 
     def decorate(fn: LossFn) -> LossFn:
-        if name in _LOSSES:
+        builtin = name in BUILTIN_LOSS_CONFIGS and fn.__module__ != _BUILTIN_MODULE
+        if name in _LOSSES or builtin:
             raise ValueError(f"a loss named {name!r} is already registered")
         if not dataclasses.is_dataclass(config_cls):
             raise TypeError(f"config_cls for loss {name!r} must be a dataclass")
 
         @functools.wraps(fn)
         def checked(batch: LossBatch, config):
+            import torch
+
+            from gepo.batch import LossInputError
+
             loss, metrics = fn(batch, config)
             if not bool(torch.isfinite(loss.detach())):
                 raise LossInputError(f"loss {name!r} is {float(loss.detach())} (not finite) on this batch; "
@@ -52,22 +66,37 @@ def register_loss(name: str, config_cls: type):
 
 
 def loss_names() -> list[str]:
-    return sorted(_LOSSES)
+    return sorted(set(_LOSSES) | set(BUILTIN_LOSS_CONFIGS))
+
+
+def _unknown(name: str) -> KeyError:
+    return KeyError(f"unknown loss {name!r}; registered losses: {', '.join(loss_names())}")
 
 
 def get_loss(name: str) -> LossSpec:
+    if name in BUILTIN_LOSS_CONFIGS and name not in _LOSSES:
+        importlib.import_module(_BUILTIN_MODULE)
     try:
         return _LOSSES[name]
     except KeyError:
-        raise KeyError(f"unknown loss {name!r}; registered losses: {', '.join(loss_names())}") from None
+        raise _unknown(name) from None
+
+
+def loss_config_class(name: str) -> type:
+    """The config dataclass of loss ``name`` (without importing the built-in losses)."""
+    if name in _LOSSES:
+        return _LOSSES[name].config_cls
+    if name in BUILTIN_LOSS_CONFIGS:
+        return BUILTIN_LOSS_CONFIGS[name]
+    raise _unknown(name)
 
 
 def make_loss_config(name: str, options: dict | None = None):
     """Build the config dataclass of loss ``name`` from ``options``; unknown keys are an error."""
-    spec = get_loss(name)
+    config_cls = loss_config_class(name)
     options = dict(options or {})
-    fields = {f.name for f in dataclasses.fields(spec.config_cls)}
+    fields = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(options) - fields)
     if unknown:
         raise ValueError(f"loss {name!r} has no option(s) {unknown}; its options are {sorted(fields)}")
-    return spec.config_cls(**options)
+    return config_cls(**options)

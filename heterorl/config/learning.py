@@ -139,7 +139,7 @@ class LossConfig:
         if self.name not in gepo.loss_names():
             fail(f"{key}.name", self.name, f"is not a registered loss: choose one of {', '.join(gepo.loss_names())} "
                   "(a loss of your own is registered with gepo.register_loss before the config loads)")
-        one_of(f"{key}.advantage", self.advantage, ("auto", *gepo.ADVANTAGE_ESTIMATORS))
+        one_of(f"{key}.advantage", self.advantage, ("auto", *gepo.ADVANTAGE_NAMES))
         chosen = self.options.get("advantage")
         if self.advantage != "auto" and chosen is not None and chosen != self.advantage:
             raise ConfigError(f"config keys `{key}.advantage` = {self.advantage!r} and `{key}.options.advantage` = "

@@ -4,12 +4,15 @@ Hand values are worked out in the comments; float64 throughout so they hold to 1
 """
 
 import math
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 import gepo
+from tests.conftest import REPO
 
 F64 = torch.float64
 LN = math.log
@@ -551,3 +554,30 @@ def test_every_rl_loss_reports_the_stable_diagnostics():
     versions, keep = fields["policy_versions"], fields["mask"] > 0
     assert m["staleness/mean"] == pytest.approx(float((4 - versions[keep]).double().mean()))
     assert m["staleness/max"] == float((4 - versions[keep]).max())
+
+
+def test_a_config_is_checked_without_torch_and_the_builtin_names_stay_reserved():
+    """The names, configs and registry import no torch: a process that only checks a run's config (``heterorl
+    train``'s launcher, ``heterorl tasks``, a refused command line) never pays for it. The built-in losses register
+    on the first ``get_loss``; a loss of your own cannot take a built-in name even before that."""
+    code = """
+import sys
+from dataclasses import dataclass
+import gepo, heterorl.cli
+from heterorl.config import load_config
+cfg = load_config(overrides=["loss.name=dr_grpo", "loss.options.clip_eps=0.3"])
+assert gepo.make_loss_config("gepo_defensive", {"kl_threshold": 0.01}).kl_threshold == 0.01
+assert "m2po" in gepo.loss_names() and "torch" not in sys.modules, sorted(m for m in sys.modules if "torch" in m)
+@dataclass
+class Mine:
+    pass
+try:
+    gepo.register_loss("gepo", Mine)(lambda batch, config: None)
+    raise SystemExit("a built-in name was taken")
+except ValueError as exc:
+    assert "already registered" in str(exc)
+assert gepo.get_loss("gepo").config_cls is gepo.loss_config_class("gepo") and "torch" in sys.modules
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
