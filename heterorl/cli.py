@@ -47,9 +47,11 @@ from pathlib import Path
 
 from heterorl.config import ENGINES, packaged
 from heterorl.errors import ConfigError, HeteroRLError
+from heterorl.runs import run_header
 
 DEMO_CONFIG = "demo.yaml"
-RL_CONFIG = "maze_rl.yaml"
+RL_CONFIG = DEMO_CONFIG  # `rl` and `train` start from one config: sync in one process vs learner + workers
+RL_RUN_DIR = "runs/rl"  # `heterorl rl`'s run dir when the command line names none (the config's is the demo's)
 SFT_CONFIG = "maze_sft.yaml"
 
 
@@ -165,6 +167,7 @@ def cmd_sft(args) -> int:
     cfg = _resolve_config(args)
     if cfg is None:
         return 0
+    print(run_header(cfg, "sft", args.config), flush=True)
     task, training, logger, run_dir = _setup(cfg, "sft", cfg.policy.model)
     bar, update = _progress(cfg.sft.steps, "sft", cfg.logging.progress)
     try:
@@ -185,10 +188,11 @@ def cmd_sft(args) -> int:
     return 0
 
 
-def _rl(cfg, title: str) -> int:
+def _rl(cfg, title: str, config: str | None) -> int:
     from heterorl.loops.sync_rl import run_sync_rl
     from heterorl.runs import finish_run, format_table, outcomes_line, without_update_note
 
+    print(run_header(cfg, "rl", config), flush=True)
     base = cfg.rl.base or cfg.policy.model
     task, training, logger, run_dir = _setup(cfg, title, base)
     bar, update = _progress(cfg.rl.steps, title, cfg.logging.progress)
@@ -218,8 +222,10 @@ def _rl(cfg, title: str) -> int:
 
 
 def cmd_rl(args) -> int:
+    if args.config == RL_CONFIG and not any(o.startswith("logging.run_dir=") for o in args.overrides):
+        args.overrides = [*args.overrides, f"logging.run_dir={RL_RUN_DIR}"]  # not over the demo's run
     cfg = _resolve_config(args)
-    return 0 if cfg is None else _rl(cfg, "rl")
+    return 0 if cfg is None else _rl(cfg, "rl", args.config)
 
 
 def cmd_demo(args) -> int:
@@ -231,7 +237,7 @@ def cmd_demo(args) -> int:
     if (run_dir / "checkpoints").is_dir():
         print(f"demo: replacing the previous demo run in {run_dir}", file=sys.stderr)
         shutil.rmtree(run_dir)
-    return _train(cfg)
+    return _train(cfg, config=args.config, command="demo")
 
 
 # heterorl bench NAME: the module of heterorl.bench whose main(argv) runs it
@@ -355,10 +361,12 @@ def cmd_train(args) -> int:
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return 0
-    return _train(cfg, resume=bool(args.resume), launcher=args.launcher, address=args.address)
+    config = f"{args.resume}/train_config.yaml" if args.resume else (args.config or DEMO_CONFIG)
+    return _train(cfg, resume=bool(args.resume), launcher=args.launcher, address=args.address, config=config)
 
 
-def _train(cfg, resume: bool = False, launcher: str = "local", address: str | None = None) -> int:
+def _train(cfg, resume: bool = False, launcher: str = "local", address: str | None = None,
+           config: str | None = None, command: str = "train") -> int:
     """A run of learner + rollout workers (`heterorl train`, `heterorl demo`): on this machine's processes
     (``launcher`` local, or one process with runtime.execution=simulated) or on a Ray cluster at ``address``; a
     progress bar, then the run's summary."""
@@ -367,6 +375,7 @@ def _train(cfg, resume: bool = False, launcher: str = "local", address: str | No
 
     if cfg.runtime.execution != "simulated" and launcher == "local":  # said here, in one line
         refuse_busy_ports(cfg, cfg.runtime.address, resume)
+    print(run_header(cfg, command, config), flush=True)
     bar, update = _progress(cfg.rl.steps, f"train ({cfg.runtime.mode}, {cfg.runtime.workers} workers"
                             f"{', on Ray' if launcher == 'ray' else ''})", cfg.logging.progress)
     try:

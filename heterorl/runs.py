@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from heterorl.config import Config, to_dict, to_yaml
+from heterorl.errors import ConfigError
 
 log = logging.getLogger("heterorl.runs")
 
@@ -125,14 +126,77 @@ def plot_curves(curves: dict[str, list[tuple[float, float]]], path: str | Path, 
     return path
 
 
+def run_header(cfg: Config, command: str, config: str | Path | None) -> str:
+    """A run's first line: the command, the task, what it starts from, the loss, how it runs (and the injected
+    delay), and the config it read."""
+    source = f"config {config}" if config is not None else "the built-in defaults"
+    if command == "sft":
+        return (f"heterorl sft: task {cfg.task.name}, policy {cfg.policy.model}, {cfg.sft.steps} steps of "
+                f"{cfg.sft.batch_size} demonstrations, saved to {cfg.sft.output} ({source})")
+    shape = f"{cfg.rl.steps} steps x {cfg.rl.prompts_per_step} prompts x {cfg.rollout.group_size}"
+    if command == "rl":
+        how = "synchronous in one process, no delay (`heterorl train --mode sync`: the same with workers)"
+    elif cfg.runtime.execution == "simulated":
+        how = (f"{cfg.runtime.mode}, {cfg.runtime.workers} workers simulated on a virtual clock, delay "
+               f"{cfg.delay.describe()}")
+    else:
+        how = f"{cfg.runtime.mode}, {cfg.runtime.workers} workers, delay {cfg.delay.describe()}"
+    return (f"heterorl {command}: task {cfg.task.name}, base {cfg.rl.base or cfg.policy.model}, loss {cfg.loss.name}, "
+            f"{shape}; {how} ({source})")
+
+
+# each task's shipped SFT base (heterorl/assets/NAME/sft_summary.json says how many steps its recipe took)
+SHIPPED_BASES = {"maze": "maze-sft-base", "arithmetic": "add3-sft-base", "reasoning_gym": "rg-arith-sft-base",
+                 "maze_walk": "maze-walk-sft-base", "calculator": "calculator-sft-base"}
+SFT_STEPS_DEFAULT = 1000  # the SFT steps suggested for a task without a shipped base (add3's took 1,000)
+CHECKED_PROBLEMS = 8  # held-out problems whose text a base's tokenizer must read back
+
+
+def _sft_steps(task_name: str) -> int:
+    """The steps the SFT recipe of ``task_name``'s shipped base took (`SFT_STEPS_DEFAULT` without one)."""
+    from heterorl.policies import shipped_policy
+
+    try:
+        summary = json.loads((shipped_policy(SHIPPED_BASES[task_name]) / "sft_summary.json").read_text())
+        return int(summary["steps"])
+    except (KeyError, OSError, ValueError, TypeError):
+        return SFT_STEPS_DEFAULT
+
+
+def check_base_reads_task(cfg: Config, task, tokenizer, policy: str) -> None:
+    """ConfigError naming the fix when ``policy``'s tokenizer cannot represent the text of ``task`` (a base made
+    for another task: the tiny policies' tokenizers hold their task's characters only): an SFT command for this
+    task (with the steps its shipped base's recipe took), or ``rl.base=smollm2``."""
+    for problem in task.eval_problems()[:CHECKED_PROBLEMS]:
+        demonstration = task.demonstration(problem)
+        for text in [problem.prompt, *(demonstration if isinstance(demonstration, list) else [demonstration])]:
+            if not text.strip():
+                continue
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if ids and tokenizer.decode(ids).strip() == text.strip():
+                continue
+            options = "".join(f" task.options.{k}={v if isinstance(v, str) else json.dumps(v, separators=(',', ':'))}"
+                              for k, v in to_dict(cfg)["task"]["options"].items())
+            name = cfg.task.name.replace(":", "_").replace(".", "_")
+            raise ConfigError(
+                f"the base policy {policy!r} cannot read task {cfg.task.name!r}: its tokenizer cannot represent "
+                f"{text[:40]!r} (a tiny base's tokenizer holds its own task's characters only). Start from a base "
+                f"that reads it: make one with `heterorl sft task.name={cfg.task.name}{options} "
+                f"sft.steps={_sft_steps(cfg.task.name)} sft.output=runs/{name}-sft`, then rl.base=runs/{name}-sft; "
+                "or rl.base=smollm2 (SmolLM2-135M-Instruct, whose tokenizer reads any text; slower on CPU)")
+
+
 def setup_run(cfg: Config, name: str, policy: str, append: bool = False, data_parallel: bool = False):
-    """Task, TrainingClient over ``policy``, metrics logger and run dir, as every training command needs."""
+    """Task, TrainingClient over ``policy``, metrics logger and run dir, as every training command needs; a
+    ``policy`` that cannot read the task's text is refused with the fix (`check_base_reads_task`)."""
     from heterorl.policies import load_policy
     from heterorl.tasks import make_task_from
     from heterorl.training.session import TrainingClient
 
     task = make_task_from(cfg.task)
     model, tokenizer = load_policy(policy, alphabet=task.alphabet(), tiny=cfg.policy.tiny, device=cfg.policy.device)
+    if policy != "tiny":  # (the tiny policy's tokenizer is made from this task's alphabet)
+        check_base_reads_task(cfg, task, tokenizer, policy)
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))

@@ -106,17 +106,56 @@ def test_task_name_on_the_command_line_drops_the_files_options_of_another_task(t
     task.name=jsonl."""
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
-    out = run_cli("rl", "task.name=jsonl", f"task.options.path={data}", "task.options.eval_size=1", "--dry-run")
+    out = run_cli("rl", "--config", "maze_rl.yaml", "task.name=jsonl", f"task.options.path={data}",
+                  "task.options.eval_size=1", "--dry-run")
     assert out.returncode == 0, out.stderr
     task = yaml.safe_load(out.stdout)["task"]
     assert task["options"] == {"path": str(data), "eval_size": 1}
     assert "its options (size, wall_density, min_path_len, eval_size, eval_seed) are dropped" in out.stderr
     assert make_task(task["name"], task["options"]).eval_problems()[0].answer in ("2", "4")
     # the same task keeps the file's options under the command line's
-    out = run_cli("rl", "task.name=maze", "task.options.size=4", "--dry-run")
+    out = run_cli("rl", "--config", "maze_rl.yaml", "task.name=maze", "task.options.size=4", "--dry-run")
     assert yaml.safe_load(out.stdout)["task"]["options"] == {"size": 4, "wall_density": 0.3, "min_path_len": 3,
                                                               "eval_size": 256, "eval_seed": 12345}
     assert "dropped" not in out.stderr
+
+
+def test_rl_and_train_start_from_one_config_and_rl_keeps_its_own_run_dir():
+    """One default: `rl` once started from maze_rl.yaml (GRPO, no delay) and `train` from demo.yaml (GEPO, delays),
+    so the same overrides compared GRPO with GEPO under delay unawares."""
+    rl = yaml.safe_load(run_cli("rl", "--dry-run").stdout)
+    train = yaml.safe_load(run_cli("train", "--dry-run").stdout)
+    assert rl["logging"].pop("run_dir") == "runs/rl" and train["logging"].pop("run_dir") == "runs/demo"
+    assert rl == train
+    ran = yaml.safe_load(run_cli("rl", "--dry-run", "logging.run_dir=mine").stdout)
+    assert ran["logging"]["run_dir"] == "mine"
+
+
+def test_run_headers_name_the_task_base_loss_execution_and_delay():
+    from heterorl.cli import _config_path
+    from heterorl.config import load_config
+    from heterorl.runs import run_header
+
+    cfg = load_config(_config_path("demo.yaml"))
+    assert run_header(cfg, "train", "demo.yaml") == (
+        "heterorl train: task arithmetic, base add3-sft-base, loss gepo, 40 steps x 32 prompts x 8; async, 2 workers, "
+        "delay up uniform 0.1-1 s, down uniform 0.1-1 s (config demo.yaml)")
+    assert run_header(cfg, "rl", "demo.yaml").startswith(
+        "heterorl rl: task arithmetic, base add3-sft-base, loss gepo, 40 steps x 32 prompts x 8; synchronous in one "
+        "process, no delay")
+    cfg = load_config(_config_path("maze_rl.yaml"), ["delay.fixed_lag_steps=4", "runtime.execution=simulated"])
+    assert "workers simulated on a virtual clock, delay a fixed lag of 4 versions" in run_header(cfg, "train", None)
+
+
+def test_a_base_that_cannot_read_the_task_is_refused_with_the_sft_command_and_smollm2(tmp_path):
+    out = run_cli("rl", "rl.base=maze-sft-base", "rl.steps=1", f"logging.run_dir={tmp_path / 'run'}")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "the base policy 'maze-sft-base' cannot read task 'arithmetic'" in out.stderr
+    # the steps the shipped add3 base's recipe took, and the task's own options, so the command runs as printed
+    assert ("heterorl sft task.name=arithmetic task.options.digits=3 task.options.ops=+ task.options.eval_size=512 "
+            "task.options.eval_seed=54321 task.options.answer_format=digits sft.steps=1000 "
+            "sft.output=runs/arithmetic-sft") in out.stderr
+    assert "rl.base=smollm2" in out.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_keys_refuses_a_name_that_is_a_path(tmp_path):

@@ -160,6 +160,20 @@ class LinkDelayConfig:
         is a link of no latency that still queues messages behind one another)."""
         return self.kind != "none" or self.loss_prob > 0 or self.bandwidth_bytes_per_s is not None
 
+    def describe(self) -> str:
+        """This link's model in a few words: ``uniform 0.1-1 s``, ``none``, ``lognormal 60-1920 s, 1 % lost``."""
+        model = {"none": "none", "constant": f"constant {self.constant_s:g} s",
+                 "uniform": f"uniform {self.low_s:g}-{self.high_s:g} s",
+                 "exponential": f"exponential, mean {self.mean_s:g} s",
+                 "lognormal": f"lognormal {self.L_s:g}-{self.U_s:g} s",
+                 "weibull": f"weibull {self.L_s:g}-{self.U_s:g} s",
+                 "trace": f"trace {self.trace_path}"}.get(self.kind, self.kind)
+        if self.loss_prob:
+            model += f", {100 * self.loss_prob:g} % lost"
+        if self.bandwidth_bytes_per_s is not None:
+            model += f", {self.bandwidth_bytes_per_s / 1e6:g} MB/s"
+        return model
+
     def validate(self, key: str = "delay") -> None:
         """Raise DelayConfigError naming the first bad field (as ``{key}.field``) and the fix; reads the trace file."""
         _check_delay_fields(self, key)
@@ -246,6 +260,15 @@ class DelayConfig:
     # a fixed staleness instead of delays (simulated execution): every batch is sampled by the policy exactly this
     # many versions older than the learner's, from the first step on (versions before 0 are copies of the base)
     fixed_lag_steps: Optional[int] = None
+
+    def describe(self) -> str:
+        """The injected delay in a few words, for a run's first lines."""
+        if self.fixed_lag_steps is not None:
+            return f"a fixed lag of {self.fixed_lag_steps} versions"
+        if not (self.up.active or self.down.active):
+            return "none"
+        scale = f" (time x{self.time_scale:g})" if self.time_scale != 1.0 else ""
+        return f"up {self.up.describe()}, down {self.down.describe()}{scale}"
 
     def validate(self, key: str = "delay") -> None:
         positive(self, key, "time_scale")

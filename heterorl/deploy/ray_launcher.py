@@ -31,7 +31,8 @@ from heterorl.runtime.launch import METRICS, worker_argv, worker_engines
 
 POLL_S = 0.5  # between looks at the learner and the workers
 GATHER_S = 2.0  # between gathers of the nodes' logs, when the run dir is not shared
-PASSED_ENV = ("WANDB_", "HF_", "TRANSFORMERS_", "HETERORL_", "TOKENIZERS_")  # the driver's variables the nodes get
+# the driver's variables the nodes get (PYTHONPATH: a task of your own, task.name=pkg.mod:Class, imports there too)
+PASSED_ENV = ("WANDB_", "HF_", "TRANSFORMERS_", "HETERORL_", "TOKENIZERS_", "PYTHONPATH")
 
 
 def _import_ray():

@@ -7,6 +7,7 @@ as written by ``model.save_pretrained(folder)`` and ``tokenizer.save_pretrained(
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -25,6 +26,8 @@ TOKENIZER_FILES = (
 )
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 _SAVE_HINT = "write it with model.save_pretrained(folder) and tokenizer.save_pretrained(folder)"
+# what a model's id on a hub looks like (ORG/NAME, no other slash): named where a folder was looked for
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 def validate_hf_folder(path: str | Path) -> Path:
@@ -34,6 +37,14 @@ def validate_hf_folder(path: str | Path) -> Path:
     ``config.json``, weights (``*.safetensors`` or ``pytorch_model*.bin``) or tokenizer files.
     """
     folder = Path(path).expanduser()
+    if not folder.exists() and HUB_ID.fullmatch(str(path)):
+        raise PolicyLoadError(
+            f"policy {path!r} looks like a model id on a hub, and there is no such folder here; heterorl downloads "
+            f"nothing: fetch the model once on a machine with access (huggingface-cli download {path} --local-dir "
+            f"DIR, or from_pretrained then save_pretrained), then pass that folder (rl.base=DIR, "
+            f"policy.model=DIR); or name a policy that ships with heterorl (smollm2, or an SFT base such as "
+            f"add3-sft-base: heterorl/policies/__init__.py lists them)"
+        )
     if not folder.exists():
         raise PolicyLoadError(
             f"policy folder {folder} does not exist: pass the path of a local Hugging Face model folder "

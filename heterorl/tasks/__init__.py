@@ -4,15 +4,26 @@
 config dataclass's fields. The multi-turn tasks (``maze_walk``, ``calculator``, ``cookbook_env``,
 ``verifiers_multiturn``) are tasks like the others, with an environment (`heterorl.tasks.environment`) that
 answers the policy's turns (docs/ENVIRONMENTS.md).
+
+A task of your own is named like a built-in one wherever a task is named (`task_classes`): by import path,
+``task.name=my_pkg.envs:GuessTask``, or by the name an installed package gives it in the ``heterorl.tasks``
+entry-point group. Every process of a run (the learner, each worker, on any host) imports it the same way, so it
+must be importable there (installed, or on ``PYTHONPATH``). Its options are its config dataclass's fields: the
+class's ``config_class`` attribute, else the annotated type of its constructor's first parameter; a class whose
+constructor takes no config has no options (docs/TASKS.md, "A task of your own").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import typing
+from importlib.metadata import entry_points
 from typing import Any
 
 from heterorl.config import TaskConfig
 from heterorl.errors import TaskError
+from heterorl.import_paths import import_object
 from heterorl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 from heterorl.tasks.base import Problem, Task
 from heterorl.tasks.calculator import CalculatorConfig, CalculatorTask
@@ -40,6 +51,94 @@ TASKS: dict[str, tuple[type, type]] = {
 }
 
 
+ENTRY_POINT_GROUP = "heterorl.tasks"  # installed packages name their tasks here: name = "package.module:Class"
+CONTRACT = ("name", "sample_train", "eval_problems", "demonstration")  # and reward, or environment (multi-turn)
+
+
+@dataclasses.dataclass
+class NoOptions:
+    """The options of a task whose constructor takes no config: none."""
+
+
+def installed_tasks() -> dict[str, Any]:
+    """The tasks installed packages declare in the ``heterorl.tasks`` entry-point group, by name (entry points,
+    not yet loaded)."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def config_class_of(task_cls: type) -> type:
+    """The options dataclass of ``task_cls``: its ``config_class`` attribute, else the annotated type of its
+    constructor's first parameter (``X``, ``X | None`` or ``Optional[X]``), else `NoOptions`. TaskError when what
+    it names is not a dataclass."""
+    found = getattr(task_cls, "config_class", None)
+    if found is None:
+        params = [p for p in inspect.signature(task_cls).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if not params:
+            return NoOptions
+        try:
+            hints = typing.get_type_hints(task_cls.__init__)
+        except Exception:  # an annotation that does not resolve names no class
+            hints = {}
+        found = hints.get(params[0].name)
+        options = [a for a in typing.get_args(found) if a is not type(None)]
+        if len(options) == 1:  # X | None, Optional[X]
+            found = options[0]
+        if found is None:
+            raise TaskError(f"task class {task_cls.__qualname__}: its constructor takes {params[0].name!r} but does "
+                            "not say its type; annotate it with the options dataclass, or set the class attribute "
+                            "config_class = YourConfig")
+    if not (isinstance(found, type) and dataclasses.is_dataclass(found)):
+        raise TaskError(f"task class {task_cls.__qualname__}: its options class {found!r} is not a dataclass; make "
+                        "it one (@dataclasses.dataclass): its fields are the task's options (task.options.FIELD)")
+    return found
+
+
+def _checked(name: str, task_cls: Any) -> type:
+    """``task_cls`` if it is a class with the task contract (`Task`, or `EpisodeTask` for multi-turn); else a
+    TaskError naming what is missing."""
+    if not isinstance(task_cls, type):
+        raise TaskError(f"task {name!r} names a {type(task_cls).__name__}, not a class; name the task class "
+                        "(see docs/TASKS.md, 'A task of your own')")
+    from heterorl.tasks.environment import Environment
+
+    if issubclass(task_cls, Environment):
+        raise TaskError(f"task {name!r} names an Environment; name the task that makes it (a class with "
+                        "environment(problem), sample_train, eval_problems, demonstration and name: "
+                        "docs/ENVIRONMENTS.md)")
+    missing = [m for m in CONTRACT if not hasattr(task_cls, m)]
+    if not (hasattr(task_cls, "reward") or hasattr(task_cls, "environment")):
+        missing.append("reward (or environment, for a multi-turn task)")
+    if missing:
+        raise TaskError(f"task {name!r} ({task_cls.__module__}.{task_cls.__qualname__}) lacks {', '.join(missing)} "
+                        "of the task contract (heterorl.tasks.base.Task; docs/TASKS.md, 'A task of your own')")
+    return task_cls
+
+
+def task_classes(name: str) -> tuple[type, type]:
+    """(task class, options dataclass) of the task ``name``: a built-in one (`TASKS`), an import path
+    ``"package.module:Class"``, or a name in the ``heterorl.tasks`` entry-point group. TaskError naming the fix
+    otherwise."""
+    if name in TASKS:
+        return TASKS[name]
+    if ":" in name:
+        task_cls = import_object(name, "task.name", "a task class (docs/TASKS.md, 'A task of your own')")
+    else:
+        installed = installed_tasks()
+        if name not in installed:
+            extra = f"; installed: {', '.join(sorted(installed))}" if installed else ""
+            raise TaskError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}{extra}; a task of your "
+                            "own is named by its import path, task.name=package.module:Class (on PYTHONPATH or "
+                            "installed), or by an entry point in the heterorl.tasks group")
+        try:
+            task_cls = installed[name].load()
+        except Exception as err:
+            raise TaskError(f"task {name!r}: loading its entry point {installed[name].value!r} failed: "
+                            f"{type(err).__name__}: {err}") from err
+    task_cls = _checked(name, task_cls)
+    return task_cls, config_class_of(task_cls)
+
+
 def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str | None = None,
               reward_timeout_s: float | None = TaskConfig.reward_timeout_s,
               reward_weights: list[float] | None = None) -> Task:
@@ -52,10 +151,7 @@ def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str |
     TaskError for an unknown task name, an unknown or missing option, or a
     bad reward function path.
     """
-    tasks = TASKS
-    if name not in tasks:
-        raise TaskError(f"unknown task {name!r}; known tasks: {', '.join(sorted(tasks))}")
-    task_cls, config_cls = tasks[name]
+    task_cls, config_cls = task_classes(name)
     options = dict(options or {})
     fields = [f.name for f in dataclasses.fields(config_cls)]
     for key in options:
@@ -71,6 +167,8 @@ def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str |
         raise TaskError(f"task {name!r} needs option(s) {', '.join(missing)}")
     if getattr(task_cls, "scored_by_library", False):  # its scorer is a library's call, bounded and counted
         task = task_cls(config_cls(**options), reward_timeout_s=reward_timeout_s)
+    elif config_cls is NoOptions:
+        task = task_cls()
     else:
         task = task_cls(config_cls(**options))
     if reward_fn is not None:
@@ -88,4 +186,5 @@ def make_task_from(config: TaskConfig) -> Task:
     return make_task(config.name, dict(config.options), config.reward_fn, config.reward_timeout_s, weights)
 
 
-__all__ = ["Problem", "Task", "TASKS", "make_task", "make_task_from"]
+__all__ = ["ENTRY_POINT_GROUP", "NoOptions", "Problem", "Task", "TASKS", "config_class_of", "installed_tasks",
+           "make_task", "make_task_from", "task_classes"]

@@ -1,5 +1,7 @@
-"""`heterorl tasks`: every task a run can name — heterorl's own (`TASKS`) with their options, and the datasets of
-reasoning-gym (``task.name=reasoning_gym``) — and ``--show NAME`` for one of them, with an example problem."""
+"""`heterorl tasks`: every task a run can name — heterorl's own (`TASKS`) with their options, those installed
+packages declare (the ``heterorl.tasks`` entry points), and the datasets of reasoning-gym
+(``task.name=reasoning_gym``) — and ``--show NAME`` for one of them (a name, an entry point or an import path
+``pkg.mod:Class``), with an example problem and a command that runs it."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import textwrap
 from typing import Any, TextIO
 
 from heterorl.errors import TaskError
-from heterorl.tasks import TASKS, make_task
+from heterorl.tasks import TASKS, installed_tasks, make_task, task_classes
 from heterorl.tasks.reasoning_gym import INSTALL_HINT, dataset_options, datasets_available
 
 
@@ -25,13 +27,14 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def task_options(name: str) -> dict[str, Any]:
-    """A heterorl task's options and their defaults (its config dataclass's fields)."""
-    return {f.name: _default(f) for f in dataclasses.fields(TASKS[name][1])}
+    """A task's options and their defaults (its config dataclass's fields)."""
+    return {f.name: _default(f) for f in dataclasses.fields(task_classes(name)[1])}
 
 
 def summary_line(cls: type) -> str:
-    """The first sentence of a class's docstring."""
-    doc = " ".join((cls.__doc__ or "").replace("`", "").split())
+    """The first sentence of a class's docstring (else of its module's)."""
+    doc = cls.__doc__ or getattr(sys.modules.get(cls.__module__), "__doc__", None) or ""
+    doc = " ".join(doc.replace("`", "").split())
     return doc.split(". ")[0].rstrip(".") if doc else ""
 
 
@@ -65,6 +68,13 @@ def print_catalog(out: TextIO | None = None) -> None:
         print(f"  {name:<14} {summary_line(cls)}", file=out)
         options = ", ".join(f"{k}={json.dumps(v, default=str)}" for k, v in task_options(name).items())
         print(textwrap.fill(options, width, initial_indent=" " * 17, subsequent_indent=" " * 17), file=out)
+    installed = installed_tasks()
+    if installed:
+        print("\ninstalled packages' tasks (the heterorl.tasks entry points; task.name=NAME):", file=out)
+        for name, entry in sorted(installed.items()):
+            print(f"  {name:<14} {entry.value}", file=out)
+    print("\na task of your own: task.name=package.module:Class (importable: installed, or on PYTHONPATH, in every "
+          "process of the run); docs/TASKS.md, 'A task of your own'", file=out)
     names = reasoning_gym_names()
     print(file=out)
     if names is None:
@@ -78,12 +88,13 @@ def print_catalog(out: TextIO | None = None) -> None:
 def show(name: str, out: TextIO | None = None) -> None:
     """One task's options, or one reasoning-gym dataset's, with an example problem and its demonstration."""
     out = out or sys.stdout
-    if name in TASKS:
-        cls, _ = TASKS[name]
+    if name in TASKS or ":" in name or name in installed_tasks():
+        cls, _ = task_classes(name)  # TaskError naming the fix for a path that does not import or lacks the contract
         print(f"{name}: {summary_line(cls)}", file=out)
         print("options (defaults):", file=out)
         for key, value in task_options(name).items():
             print(f"  {key}: {json.dumps(value, default=str)}", file=out)
+        _example(name, out)
         return
     names = reasoning_gym_names()
     if names is None:
@@ -98,6 +109,39 @@ def show(name: str, out: TextIO | None = None) -> None:
     problem = task.sample_train(random.Random(0))
     print("an example (answer_format answer_tag):", file=out)
     print(textwrap.indent(f"prompt: {problem.prompt}\ndemonstration: {task.demonstration(problem)}", "  "), file=out)
+
+
+# the options an example of a task sets beyond its defaults (one of its datasets), and the options a task needs
+# that no example can fill in for you (your data, your environment), as a command line shows them
+EXAMPLE_OPTIONS = {"reasoning_gym": {"dataset": "basic_arithmetic"}}
+YOURS = {"jsonl": "task.options.path=data.jsonl   (rows {\"prompt\": ..., \"answer\": ...}; docs/TASKS.md)",
+         "verifiers": "task.options.env=my_envs.arith:load_taskset   (docs/TASKS.md, verifiers)",
+         "verifiers_multiturn": "task.options.env=...   (docs/ENVIRONMENTS.md, environments of other libraries)",
+         "cookbook_env": "task.options.source=package.module:name   (docs/ENVIRONMENTS.md, tinker-cookbook)"}
+
+
+def _example(name: str, out: TextIO) -> None:
+    """An example problem of task ``name`` with its demonstration, and a command line that runs it; when the task
+    cannot be built without your data or environment, the options it needs and a command that names them."""
+    from heterorl.tasks.environment import is_multi_turn
+
+    options = EXAMPLE_OPTIONS.get(name, {})
+    try:
+        task = make_task(name, options)
+        problem = task.sample_train(random.Random(0))
+        demonstration = task.demonstration(problem)
+    except Exception as err:  # a task whose defaults need data, a library or a server: say what it needs
+        print(f"an example needs its options set: {err}", file=out)
+        if name in YOURS:
+            print(f"run it: heterorl rl task.name={name} {YOURS[name]}", file=out)
+        return
+    if is_multi_turn(task):
+        demonstration = " | ".join(demonstration)
+    print("an example:", file=out)
+    print(textwrap.indent(f"prompt: {problem.prompt}\ndemonstration: {demonstration}", "  "), file=out)
+    given = "".join(f" task.options.{k}={v}" for k, v in options.items())
+    print(f"run it: heterorl rl task.name={name}{given} rl.base=smollm2 rl.steps=20   (or a tiny base of its own "
+          f"first: heterorl sft task.name={name}{given})", file=out)
 
 
 def tasks_command(show_name: str | None = None, as_json: bool = False) -> int:

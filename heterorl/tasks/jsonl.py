@@ -208,6 +208,11 @@ class JsonlTask(FixedRows):
                 answer=answer,
                 data=extra,
             )
+            if self._math_verify is not None and not self._math_verify.reference_parses(answer, where):
+                raise TaskError(f"{where}: answer {answer!r} does not parse: math-verify reads no value from "
+                                f"\\boxed{{{answer}}} (it would match only the same broken text); fix its LaTeX "
+                                "(balanced braces, complete \\frac{a}{b}), or use another extractor "
+                                f"({', '.join(EXTRACTORS)})")
             if self.reward(problem, self.demonstration(problem)) != 1.0:
                 raise TaskError(
                     f"{where}: answer {answer!r} cannot be read back by the "

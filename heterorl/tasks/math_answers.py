@@ -49,11 +49,15 @@ def require_math_verify() -> None:
         raise TaskError("answers checked by math-verify need the math-verify package: pip install math-verify")
 
 
-def verify_texts(reference_text: str, completion_text: str) -> bool:
-    """math-verify's verdict on two texts, its signal-based timeouts off (the child process runs this source)."""
+def verify_texts(reference_text: str, completion_text: str | None) -> bool:
+    """math-verify's verdict on two texts, its signal-based timeouts off (the child process runs this source).
+    ``completion_text`` None: whether the reference parses to a value at all (a text it cannot read, such as
+    ``\\frac{1}{``, parses to itself only, as a string, and would match itself)."""
     import math_verify
 
     gold = math_verify.parse(reference_text, parsing_timeout=None, raise_on_error=True)
+    if completion_text is None:
+        return any(not isinstance(value, str) for value in gold)
     answer = math_verify.parse(completion_text, parsing_timeout=None, raise_on_error=True)
     return bool(math_verify.verify(gold, answer, timeout_seconds=None))
 
@@ -191,6 +195,16 @@ class MathVerifyScorer:
         except _Overran:
             return self._skip("timeout", f"did not return within {self.timeout_s:g} s (task.reward_timeout_s); "
                                          "its process was killed", where)
+
+    def reference_parses(self, reference: str, where: str = "") -> bool:
+        """Whether math-verify reads a value from ``reference`` (as ``\\boxed{reference}``), bounded as a
+        scoring call is; False for one over `MAX_VERIFY_CHARS`, or whose parse overran or failed."""
+        if len(reference) > MAX_VERIFY_CHARS:
+            return False
+        try:
+            return bool(self._guard(f"\\boxed{{{reference}}}", None, where=where))
+        except _Overran:
+            return False
 
     def _skip(self, outcome: str, what_happened: str, where: str) -> float:
         with self._lock:

@@ -77,6 +77,16 @@ def test_missing_path(tmp_path):
         validate_hf_folder(tmp_path / "nope")
 
 
+@pytest.mark.parametrize("name", ["Qwen/Qwen2.5-0.5B-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"])
+def test_a_hub_id_is_told_that_nothing_is_downloaded_and_how_to_get_a_folder(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PolicyLoadError, match=f"{name}' looks like a model id on a hub.*downloads nothing.*"
+                                              f"huggingface-cli download {name}"):
+        validate_hf_folder(name)
+    with pytest.raises(PolicyLoadError, match="does not exist"):  # a path of more parts is a typo'd folder
+        validate_hf_folder("runs/sft/base")
+
+
 def test_file_instead_of_folder(tmp_path):
     file = tmp_path / "model.bin"
     file.write_text("x")

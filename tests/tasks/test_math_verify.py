@@ -117,10 +117,15 @@ def test_jsonl_math_verify_end_to_end(tmp_path):
     assert outcome_counts(task) == Counter(ok=9)
 
 
-def test_jsonl_math_verify_rejects_an_unreadable_answer(tmp_path):
-    path = write_rows(tmp_path / "bad.jsonl", ROWS[:2] + [{"prompt": "q", "answer": "}{"}])
-    with pytest.raises(TaskError, match="line 3.*cannot be read back by the 'math_verify' extractor"):
+@pytest.mark.parametrize("answer", ["}{", "\\frac{1}{"])
+def test_jsonl_math_verify_rejects_an_answer_that_does_not_parse(tmp_path, answer):
+    """``\\frac{1}{`` once passed: math-verify reads no value from it, keeps the text as a string, and matches the
+    demonstration (the same broken text) with it, so every completion but that one would have scored 0."""
+    path = write_rows(tmp_path / "bad.jsonl", ROWS[:2] + [{"prompt": "q", "answer": answer}])
+    with pytest.raises(TaskError, match="line 3.*does not parse: math-verify reads no value"):
         JsonlTask(JsonlConfig(path=path, extractor="math_verify"), reward_timeout_s=None)
+    with pytest.raises(TaskError, match="line 3.*does not parse"):  # in its bounded child process too
+        JsonlTask(JsonlConfig(path=path, extractor="math_verify"), reward_timeout_s=5.0)
 
 
 def test_library_error_is_counted_by_name(monkeypatch):
