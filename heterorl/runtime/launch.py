@@ -261,8 +261,9 @@ def _learner_server(cfg: Config, addresses: tuple[str, str | None], training, *,
                            published_before=published_before,
                            shard_ranks=_shard_ranks(cfg), shard_ports=shard_ports,
                            model_shapes={name: tuple(t.shape) for name, t in training.model.state_dict().items()})
-    (run_dir / ENDPOINTS).write_text(json.dumps({"control": server.control_endpoint,
-                                                 "weights": server.weights_endpoint}))
+    # renamed into place whole: whoever polls for it (a launcher, a lab, a script) never reads it half-written
+    write_atomically(run_dir / ENDPOINTS, json.dumps({"control": server.control_endpoint,
+                                                      "weights": server.weights_endpoint}).encode(), durable=False)
     print(f"learner listening on {server.control_endpoint} (weights on {server.weights_endpoint})", flush=True)
     return server
 
