@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from heterorl.config import Config, to_dict, to_yaml
-from heterorl.errors import ConfigError
+from heterorl.errors import ConfigError, TaskError
 
 log = logging.getLogger("heterorl.runs")
 
@@ -168,7 +168,10 @@ def check_base_reads_task(cfg: Config, task, tokenizer, policy: str) -> None:
     for another task: the tiny policies' tokenizers hold their task's characters only): an SFT command for this
     task (with the steps its shipped base's recipe took), or ``rl.base=smollm2``."""
     for problem in task.eval_problems()[:CHECKED_PROBLEMS]:
-        demonstration = task.demonstration(problem)
+        try:
+            demonstration = task.demonstration(problem)
+        except TaskError:  # a task without demonstrations (a verifiers or cookbook env): its prompts are checked
+            demonstration = []
         for text in [problem.prompt, *(demonstration if isinstance(demonstration, list) else [demonstration])]:
             if not text.strip():
                 continue
