@@ -52,7 +52,9 @@ TASKS: dict[str, tuple[type, type]] = {
 
 
 ENTRY_POINT_GROUP = "heterorl.tasks"  # installed packages name their tasks here: name = "package.module:Class"
-CONTRACT = ("name", "sample_train", "eval_problems", "demonstration")  # and reward, or environment (multi-turn)
+# the methods of the task contract a class must have (and reward, or environment for multi-turn; its ``name``, a
+# class attribute or one its constructor sets, is checked on the task made)
+CONTRACT = ("alphabet", "sample_train", "eval_problems", "demonstration")
 
 
 @dataclasses.dataclass
@@ -171,6 +173,9 @@ def make_task(name: str, options: dict[str, Any] | None = None, reward_fn: str |
         task = task_cls()
     else:
         task = task_cls(config_cls(**options))
+    if not isinstance(getattr(task, "name", None), str):
+        raise TaskError(f"task {name!r} ({task_cls.__qualname__}) has no name: give the class a name attribute, "
+                        "name = \"mytask\" (it names the task in logs and metrics)")
     if reward_fn is not None:
         if callable(getattr(task, "environment", None)):
             raise TaskError(f"task {name!r} is multi-turn: its environment scores each episode, so task.reward_fn "

@@ -75,6 +75,18 @@ class NoConfig(Annotated):
         self.config = None
 
 
+class NamedInInit(NoConfig):
+    name = None
+
+    def __init__(self) -> None:
+        self.name, self.config = "set-in-init", None
+
+
+class Nameless(NamedInInit):
+    def __init__(self) -> None:
+        self.config = None
+
+
 class NotATask:
     name = "not"
 
@@ -97,13 +109,16 @@ def test_a_class_by_import_path_gets_its_options_from_its_config_class_or_its_co
     assert config_class_of(Annotated) is Sizes and config_class_of(NoConfig) is NoOptions
     assert config_class_of(MazeTask) is MazeConfig
     assert make_task(f"{__name__}:NoConfig").config is None
+    assert make_task(f"{__name__}:NamedInInit").name == "set-in-init"
+    with pytest.raises(TaskError, match="has no name: give the class a name attribute"):
+        make_task(f"{__name__}:Nameless")
     assert task_classes("maze") == (MazeTask, MazeConfig)
 
 
 @pytest.mark.parametrize("name, message", [
     ("guess_env:Guess", "names an Environment; name the task that makes it"),
-    ("guess_env:GuessConfig", "lacks name, sample_train"),
-    (f"{__name__}:NotATask", "lacks eval_problems, demonstration, reward"),
+    ("guess_env:GuessConfig", "lacks alphabet, sample_train"),
+    (f"{__name__}:NotATask", "lacks alphabet, eval_problems, demonstration, reward"),
     (f"{__name__}:Untyped", "does not say its type"),
     ("guess_env:random", "is a module, not callable; name a task class"),
     ("no_such_module_here:Task", "cannot import module 'no_such_module_here'"),
