@@ -21,14 +21,19 @@ WEAK = not jail_support().available
 
 @pytest.fixture(scope="module")
 def task():
-    return make_task("code", {"tests": 5, "eval_size": 32, "allow_weak_sandbox": WEAK})
+    """The code task with a 30 s wall limit per program (5 s by default): a reference program once scored 0 in a
+    quiet `make test` whose four processes shared 2 cores. What these tests assert does not depend on the wall
+    limit: a program that loops still ends at its 4 CPU seconds, counted as a timeout."""
+    return make_task("code", {"tests": 5, "eval_size": 32, "allow_weak_sandbox": WEAK, "wall_s": 30.0})
 
 
 def test_every_familys_reference_passes_its_hidden_tests_and_wrong_programs_do_not(task):
     rng = random.Random(0)
     problems = [task.generate(rng) for _ in range(60)]
     assert {p.data["family"] for p in problems} == set(FAMILIES)
-    assert task.reward_batch(problems, [task.demonstration(p) for p in problems]) == [1.0] * len(problems)
+    before = task.stats
+    rewards = task.reward_batch(problems, [task.demonstration(p) for p in problems])
+    assert rewards == [1.0] * len(problems), (task.stats - before, [i for i, r in enumerate(rewards) if r != 1.0])
     assert task.reward_batch(problems, ["def f(x):\n    return None\n"] * len(problems)) == [0.0] * len(problems)
     for problem in problems:  # the prompt shows the statement, never a test or its answer
         assert "expected" not in problem.prompt and "assert" not in problem.prompt
