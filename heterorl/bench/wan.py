@@ -69,8 +69,14 @@ def run_lab(args, folder: Path) -> Path:
         workers = [fleet.start_worker(k) for k in range(1, args.workers + 1)]
         if fleet.learner.wait(args.timeout_s) != 0:
             raise RuntimeError(f"the lab's learner failed:\n{fleet.tail('learner')}")
-        for worker in workers:
-            worker.wait(60)
+        for k, worker in enumerate(workers, 1):
+            try:
+                worker.wait(60)
+            except subprocess.TimeoutExpired:  # the learner's run is measured; a worker that missed its end is named
+                worker.terminate()
+                worker.wait(30)
+                print(f"lab: worker {k} was still running 60 s after the learner's run ended (stopped); its log:\n"
+                      f"{fleet.tail(f'w{k}')}")
         print(f"lab: {lab.backend} links; frames [carried, dropped] per link: {lab.wire_stats() or 'netem'}; "
               f"the wire used {lab.wire_cpu_s():.1f} CPU s of this machine's {os.cpu_count()} cores "
               f"(the learner's run took {_seconds(run_dir):.1f} s)")

@@ -102,6 +102,9 @@ class TransportConfig:
     max_trajectories_per_s: float = 0.0  # per worker, enforced through its credit; 0: no limit
     keys_reload_s: float = 2.0  # how often the learner re-reads its allowed-keys folder (revocation)
     linger_ms: int = 1000
+    # at the end of the run the learner keeps its end open until every live worker has answered its bye, at most
+    # this long: a bye still in TCP's retransmissions on a lossy link is not cut off by the close (0: no wait)
+    end_of_run_wait_s: float = learner_only(10.0)
     allow_plaintext: bool = False  # plaintext on a non-loopback address
 
     def validate(self, key: str = "transport") -> None:
@@ -121,6 +124,8 @@ class TransportConfig:
             fail(f"{key}.worker_expiry_s", self.worker_expiry_s,
                   f"must be at least `{key}.heartbeat_timeout_s` ({self.heartbeat_timeout_s}): only a worker "
                   "taken for dead can expire")
+        if not self.end_of_run_wait_s >= 0:
+            fail(f"{key}.end_of_run_wait_s", self.end_of_run_wait_s, "must be >= 0 (0: no wait)")
         if not self.max_trajectories_per_s >= 0:
             fail(f"{key}.max_trajectories_per_s", self.max_trajectories_per_s, "must be >= 0 (0: no limit)")
         pipeline_bytes = self.weights_chunk_bytes * self.weights_pipeline

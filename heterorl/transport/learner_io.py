@@ -1,8 +1,9 @@
 """The learner's I/O thread (`LearnerIO`): it binds both channels of the learner's end, takes in what arrives —
 hands each control message to its room, answers each weights request — and, at least every 50 ms, sends each live
 worker what the rooms say it is owed (acks, credit, permits, weights notices); on close, a bye to every live
-worker. It owns both sockets and is the only one to send (the rooms return what is to be sent), and it takes the
-rooms' lock (`Rooms`) around every room it touches. `LearnerServer` starts it and is the API the learner calls.
+worker, and at the end of the run a wait (bounded) for each one's answer. It owns both sockets and is the only
+one to send (the rooms return what is to be sent), and it takes the rooms' lock (`Rooms`) around every room it
+touches. `LearnerServer` starts it and is the API the learner calls.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from heterorl.errors import ConfigError, HeteroRLError
 from heterorl.transport.membership import REVOKED, refusal
 from heterorl.transport.protocol import (
     BYE_LEARNER_STOPPING,
+    BYE_RUN_FINISHED,
     Ack,
     Bye,
     Heartbeat,
@@ -90,6 +92,7 @@ class LearnerIO:
         self._stop, self._ready = threading.Event(), threading.Event()
         self._error: BaseException | None = None
         self._bye_reason = BYE_LEARNER_STOPPING
+        self._answered: set[str] = set()  # the workers whose bye has arrived (`_await_answers`)
         self.control_endpoint = self.weights_endpoint = ""
         self._wakeup = Wakeup()
         self._thread = threading.Thread(target=self._run, name="heterorl-learner-io", daemon=True)
@@ -110,13 +113,14 @@ class LearnerIO:
         self._wakeup.wake()
 
     def close(self, reason: str) -> None:
-        """Say bye with ``reason`` to every live worker, wake whoever waits on the rooms, and stop the thread."""
+        """Say bye with ``reason`` to every live worker, wake whoever waits on the rooms, and stop the thread
+        (at the end of the run, once the workers answered: `_await_answers`)."""
         self._bye_reason = reason
         self._stop.set()
         self._wakeup.wake()
         with self._rooms.lock:
             self._rooms.lock.notify_all()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=10 + self.config.end_of_run_wait_s)
 
     # -- the thread -----------------------------------------------------------------------------
     def _open(self, ctx: zmq.Context) -> tuple[ThreadAuthenticator | None, zmq.Socket, zmq.Socket]:
@@ -166,9 +170,13 @@ class LearnerIO:
             self._serve(control, weights)
         finally:
             bye = encode(Bye("learner", self._bye_reason))
+            told = set()
             for worker in list(self._rooms.registry.workers.values()):
                 if worker.alive:
                     send_frames(control, [worker.routing_id, *bye], self.stats, "bye")
+                    told.add(worker.worker_id)
+            if self._bye_reason == BYE_RUN_FINISHED and told:
+                self._await_answers(control, told)
             control.close(self.config.linger_ms)
             weights.close(self.config.linger_ms)
             if auth is not None:
@@ -196,6 +204,23 @@ class LearnerIO:
             if beat:
                 last_beat = now
             self._housekeeping(control, now, beat)
+
+    def _await_answers(self, control: zmq.Socket, told: set[str]) -> None:
+        """Keep the control channel open until each worker in ``told`` has answered the end of the run with its
+        own bye, at most ``end_of_run_wait_s``: closed sooner, a bye still being retransmitted by TCP on a lossy
+        link would be lost, and its worker would wait ``runtime.learner_timeout_s`` for a learner that is gone.
+        What arrives meanwhile is handled as ever (trajectories taken in, refusals counted)."""
+        deadline = time.monotonic() + self.config.end_of_run_wait_s
+        while not told <= self._answered and time.monotonic() < deadline:
+            if control.poll(timeout=50):
+                receive_waiting(control, self._on_control)
+        unanswered = told - self._answered
+        self.stats["end_of_run/answered"] += len(told) - len(unanswered)
+        if unanswered:
+            self.stats["end_of_run/unanswered"] += len(unanswered)
+            log.warning("%d worker(s) did not answer the end of the run within transport.end_of_run_wait_s "
+                        "(%g s): %s; each waits runtime.learner_timeout_s for the learner unless it heard the bye",
+                        len(unanswered), self.config.end_of_run_wait_s, ", ".join(sorted(unanswered)[:10]))
 
     def _on_control(self, sock: zmq.Socket, frames: list) -> None:
         """A control message: discarded unread while its connection is throttled; else handled, and its refusals
@@ -257,6 +282,7 @@ class LearnerIO:
                 rooms.registry.heartbeat(worker, message)
             elif isinstance(message, Bye):
                 rooms.membership.left(worker, message.failed, message.reason)
+                self._answered.add(worker.worker_id)
             else:
                 rooms.reject("unexpected_kind", f"{message.kind} is not sent by workers", worker)
 

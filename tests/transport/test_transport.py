@@ -742,5 +742,28 @@ def test_closing_the_learner_tells_workers_the_run_is_over():
         server.close("run finished")
         assert client.finished.wait(5)
         assert "run finished" in client.rejections
+        # the worker's client answered at once, and the learner's end stayed open until the answer arrived
+        assert client.stats["end_of_run/answered"] == 1
+        assert server.stats["end_of_run/answered"] == 1 and server.stats["end_of_run/unanswered"] == 0
     finally:
         client.close()
+
+
+def test_the_learner_waits_a_bounded_time_for_a_worker_that_does_not_answer_the_end_of_the_run():
+    """A worker whose answer does not come (its bye lost in a link's retransmissions, or a peer that never
+    answers) keeps the learner's end open for transport.end_of_run_wait_s, no longer, and is counted."""
+    config = dataclasses.replace(FAST, end_of_run_wait_s=0.5)
+    server = LearnerServer("tcp://127.0.0.1:0", config)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(server.control_endpoint)
+    try:
+        sock.send_multipart(encode(Hello("w0", "h", os.getpid(), -1, time.time())))
+        assert sock.poll(10_000) and isinstance(decode(sock.recv_multipart()), Ready)
+        start = time.monotonic()
+        server.close("run finished")
+        assert time.monotonic() - start >= 0.5
+        assert server.stats["end_of_run/answered"] == 0 and server.stats["end_of_run/unanswered"] == 1
+    finally:
+        sock.close(0)
+        ctx.term()

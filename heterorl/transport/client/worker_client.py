@@ -89,6 +89,7 @@ class WorkerClient(Endpoint):
         self.busy_s = self.idle_s = 0.0  # reported in heartbeats; the rollout loop adds to them
         # `Heartbeat.reward_outcomes`, told within 50 ms of a change: give it a new dict, never change it in place
         self.reward_outcomes = self._outcomes_said = {}
+        self._answered_end = False  # this worker's bye answered the learner's end of the run
         self.finished = threading.Event()  # the learner said the run is over (or refused this worker: `refused`)
         self.refused: str | None = None  # the learner's reason when it refused this worker
         self.busy: str | None = None  # the learner's reason when it last could not take this worker (BYE_BUSY)
@@ -296,7 +297,7 @@ class WorkerClient(Endpoint):
                 control = self._keep_alive(control, now)
                 self._outbox.send_due(control, self._clock.now(), self._clock.factor)
         finally:
-            if self.learner_alive:
+            if self.learner_alive and not self._answered_end:
                 bye = Bye(self.worker_id, getattr(self, "_bye_reason", "closed"))
                 send_frames(control, encode(bye), self.stats, "bye")
             control.close(self.config.linger_ms)
@@ -354,6 +355,12 @@ class WorkerClient(Endpoint):
         handler = self._handlers.get(message.kind) if message is not None else None
         if handler is not None:
             handler(message)
+        if isinstance(message, Bye) and message.ends_run and not self._answered_end:
+            # answered at once, not when the rollout loop closes this client: the learner keeps its end open until
+            # this arrives (`LearnerIO._await_answers`), so its own bye is not cut off on a lossy link
+            self._answered_end = True
+            if send_frames(sock, encode(Bye(self.worker_id, "done: the run is over")), self.stats, "bye"):
+                self.stats["end_of_run/answered"] += 1
 
     def _on_ready(self, ready: Ready) -> None:
         session = str(ready.settings.get("weights_session", ""))
