@@ -38,6 +38,7 @@ config and exit).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -87,6 +88,12 @@ def _add_config_args(parser: argparse.ArgumentParser, default_config: str | None
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. optim.lr=3e-4")
 
 
+def _add_resume_arg(parser: argparse.ArgumentParser, saved: str) -> None:
+    parser.set_defaults(config=None)  # the default config when not given; None tells a --config given with --resume
+    parser.add_argument("--resume", metavar="RUN_DIR", help=f"continue the run in RUN_DIR from its last checkpoint, "
+                        f"with the {saved} it saved there (key=value overrides apply on top)")
+
+
 def _packaged_configs() -> list[str]:
     return sorted(path.name for path in (Path(str(resources.files("heterorl"))) / "configs").glob("*.yaml"))
 
@@ -123,10 +130,32 @@ def _load(path: str | Path | None, overrides: list[str]):
     return cfg
 
 
-def _resolve_config(args):
+# the config a run dir keeps, which --resume continues with
+SAVED_CONFIG = {"train": "train_config.yaml", "sft": "config.yaml", "rl": "config.yaml"}
+
+
+def _resumed_config(args, command: str, overrides: list[str]):
+    """``--resume RUN_DIR``: the config the run saved there, with the command line's overrides."""
+    if args.config is not None:
+        raise HeteroRLError(f"--resume {args.resume} continues with that run's {SAVED_CONFIG[command]}: drop "
+                            f"--config {args.config} (give changes as key=value overrides)")
+    saved = Path(args.resume) / SAVED_CONFIG[command]
+    if not saved.is_file():
+        raise HeteroRLError(f"--resume {args.resume}: no {SAVED_CONFIG[command]} there; is it a `heterorl "
+                            f"{command}` run dir?")
+    return _load(saved, [*overrides, f"logging.run_dir={args.resume}"])
+
+
+def _resolve_config(args, default: str | None = None, command: str = ""):
+    """The config of a command: ``--config`` (else ``default``) with the overrides, or with ``--resume`` the
+    one the run saved; None after printing it for ``--dry-run``."""
     from heterorl.config import to_yaml
 
-    cfg = _load(None if args.config is None else _config_path(args.config), args.overrides)
+    if command in ("sft", "rl") and args.resume:  # (the learner's --resume is a flag: its config is given)
+        cfg = _resumed_config(args, command, args.overrides)
+    else:
+        config = args.config or default
+        cfg = _load(None if config is None else _config_path(config), args.overrides)
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return None
@@ -151,12 +180,12 @@ def _progress(total: int, desc: str, enabled: bool):
     return bar, update
 
 
-def _setup(cfg, name: str, policy: str):
+def _setup(cfg, name: str, policy: str, append: bool = False):
     from heterorl.policies import quiet_transformers
     from heterorl.runs import setup_run
 
     quiet_transformers()
-    return setup_run(cfg, name, policy)
+    return setup_run(cfg, name, policy, append=append)
 
 
 def cmd_sft(args) -> int:
@@ -164,20 +193,26 @@ def cmd_sft(args) -> int:
     from heterorl.loops.sft import run_sft
     from heterorl.runs import json_text, save_trained_policy
 
-    cfg = _resolve_config(args)
+    cfg = _resolve_config(args, SFT_CONFIG, "sft")
     if cfg is None:
         return 0
-    print(run_header(cfg, "sft", args.config), flush=True)
-    task, training, logger, run_dir = _setup(cfg, "sft", cfg.policy.model)
+    print(run_header(cfg, "sft", _config_named(args, SFT_CONFIG, "sft")), flush=True)
+    task, training, logger, run_dir, checkpoints = _setup_loop(cfg, "sft", cfg.policy.model, args.resume)
     bar, update = _progress(cfg.sft.steps, "sft", cfg.logging.progress)
     try:
-        result = run_sft(cfg, training, task, logger, update)
+        with _stop_after_step("sft") as stop:
+            result = run_sft(cfg, training, task, logger, update, checkpoints=checkpoints, stop=stop)
     finally:
         bar.close()
         logger.close()
+    summary = {"success": result.success, "steps": result.steps, "minutes": result.minutes,
+               "stopped_by": result.stopped_by, "command": "heterorl sft " + " ".join(sys.argv[2:]),
+               "config": to_dict(cfg)}
+    if result.stopped_by:  # a policy trained part of the way is not saved as the SFT base
+        (run_dir / "summary.json").write_text(json_text(summary, indent=2))
+        return _stopped("sft", run_dir, result.stopped_by, result.steps, cfg.sft.steps, checkpoints)
     out = save_trained_policy(training, Path(cfg.sft.output), Path(cfg.sft.output) / "adapter")
-    summary = {"success": result.success, "steps": result.steps, "minutes": result.minutes, "policy": str(out),
-               "command": "heterorl sft " + " ".join(sys.argv[2:]), "config": to_dict(cfg)}
+    summary["policy"] = str(out)
     (run_dir / "summary.json").write_text(json_text(summary, indent=2))
     # the policy folder records how it was made: its SFT summary and per-step curve
     (out / "sft_summary.json").write_text(json_text(summary, indent=2))
@@ -188,19 +223,79 @@ def cmd_sft(args) -> int:
     return 0
 
 
-def _rl(cfg, title: str, config: str | None) -> int:
+def _config_named(args, default: str, command: str) -> str:
+    """The config a run's header names: the one given, the resumed run's, or the default."""
+    return f"{args.resume}/{SAVED_CONFIG[command]}" if args.resume else (args.config or default)
+
+
+def _setup_loop(cfg, name: str, policy: str, resume: str | None):
+    """`_setup` for a sync loop (`heterorl sft`, `heterorl rl`), with its checkpoints; resumed: the checkpoint
+    read and checked first, and the metrics of the steps after it dropped (they are trained again)."""
+    from heterorl.loops.checkpoints import FOLDER, LoopCheckpoints, read_loop_state
+    from heterorl.runs import keep_metrics_until
+
+    run_dir = Path(cfg.logging.run_dir)
+    if resume:
+        state = read_loop_state(run_dir / FOLDER, name)
+        keep_metrics_until(run_dir / "metrics.jsonl", state.step)
+    elif (run_dir / FOLDER).is_dir():
+        raise HeteroRLError(f"{run_dir} already holds a run with checkpoints: continue it with `heterorl {name} "
+                            f"--resume {run_dir}`, or give another logging.run_dir (or delete it)")
+    task, training, logger, run_dir = _setup(cfg, name, policy, append=bool(resume))
+    return task, training, logger, run_dir, LoopCheckpoints(run_dir, name, cfg.runtime.checkpoint_every,
+                                                            resume=bool(resume))
+
+
+@contextlib.contextmanager
+def _stop_after_step(command: str):
+    """SIGINT and SIGTERM during the block ask the loop to stop after its step in progress, with a checkpoint (a
+    second one stops it at once); yields the `StopRequest` the loop reads."""
+    import signal
+
+    from heterorl.loops.checkpoints import StopRequest
+    from heterorl.runtime.signals import signal_handlers
+
+    stop = StopRequest()
+
+    def on_signal(signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        if stop.by:
+            raise KeyboardInterrupt(f"{name} again: stopping at once")
+        stop.request(name)
+        print(f"\nheterorl {command}: {name}: stopping after the step in progress, with a checkpoint (again: stop "
+              "at once)", file=sys.stderr, flush=True)
+
+    with signal_handlers(on_signal):
+        yield stop
+
+
+def _stopped(command: str, run_dir: Path, stopped_by: str, step: int, steps: int, checkpoints) -> int:
+    """Say where a stopped run stands and how to go on; the exit status of a run stopped by a signal."""
+    import signal
+
+    from heterorl.runs import stopped_line
+
+    print(stopped_line(command, run_dir, stopped_by, step, steps, checkpoints.saved_step), file=sys.stderr)
+    return 128 + int(getattr(signal, stopped_by, signal.SIGINT))
+
+
+def _rl(cfg, title: str, config: str | None, resume: str | None = None) -> int:
     from heterorl.loops.sync_rl import run_sync_rl
-    from heterorl.runs import finish_run, format_table, outcomes_line, without_update_note
+    from heterorl.runs import finish_run, format_table, json_text, outcomes_line, without_update_note
 
     print(run_header(cfg, "rl", config), flush=True)
     base = cfg.rl.base or cfg.policy.model
-    task, training, logger, run_dir = _setup(cfg, title, base)
+    task, training, logger, run_dir, checkpoints = _setup_loop(cfg, title, base, resume)
     bar, update = _progress(cfg.rl.steps, title, cfg.logging.progress)
     try:
-        result = run_sync_rl(cfg, training, task, logger, update)
+        with _stop_after_step(title) as stop:
+            result = run_sync_rl(cfg, training, task, logger, update, checkpoints=checkpoints, stop=stop)
     finally:
         bar.close()
         logger.close()
+    if result.stopped_by:  # summary.json says so; the plot and the policy are left for the finished run
+        (run_dir / "summary.json").write_text(json_text({**result.__dict__, "loss": cfg.loss.name}, indent=2))
+        return _stopped(title, run_dir, result.stopped_by, result.steps, cfg.rl.steps, checkpoints)
     plot = finish_run(cfg, task, training, run_dir, result, {}, title=title, xlabel="RL step")
     print()
     print(format_table(
@@ -222,10 +317,11 @@ def _rl(cfg, title: str, config: str | None) -> int:
 
 
 def cmd_rl(args) -> int:
-    if args.config == RL_CONFIG and not any(o.startswith("logging.run_dir=") for o in args.overrides):
+    if (not args.resume and args.config in (None, RL_CONFIG)
+            and not any(o.startswith("logging.run_dir=") for o in args.overrides)):
         args.overrides = [*args.overrides, f"logging.run_dir={RL_RUN_DIR}"]  # not over the demo's run
-    cfg = _resolve_config(args)
-    return 0 if cfg is None else _rl(cfg, "rl", args.config)
+    cfg = _resolve_config(args, RL_CONFIG, "rl")
+    return 0 if cfg is None else _rl(cfg, "rl", _config_named(args, RL_CONFIG, "rl"), args.resume)
 
 
 def cmd_demo(args) -> int:
@@ -348,14 +444,7 @@ def cmd_train(args) -> int:
     if args.workers is not None:
         overrides.append(f"runtime.workers={args.workers}")
     if args.resume:
-        if args.config is not None:
-            raise HeteroRLError(f"--resume {args.resume} continues with that run's train_config.yaml: drop --config "
-                                f"{args.config} (give changes as key=value overrides)")
-        saved = Path(args.resume) / "train_config.yaml"
-        if not saved.is_file():
-            raise HeteroRLError(f"--resume {args.resume}: no train_config.yaml there; is it a `heterorl train` run "
-                                "dir?")
-        cfg = _load(saved, overrides + [f"logging.run_dir={args.resume}"])
+        cfg = _resumed_config(args, "train", overrides)
     else:
         cfg = _load(_config_path(args.config or DEMO_CONFIG), overrides)
     if args.dry_run:
@@ -388,7 +477,16 @@ def _train(cfg, resume: bool = False, launcher: str = "local", address: str | No
     finally:
         bar.close()
     run_dir = Path(cfg.logging.run_dir)
-    print(summary_text(json.loads((run_dir / "summary.json").read_text()), run_dir))
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    if summary:
+        print(summary_text(summary, run_dir))
+    if summary.get("stopped_by"):
+        from heterorl.runs import stopped_line
+        from heterorl.runtime.launch import checkpoint_step
+
+        print(stopped_line(command, run_dir, summary["stopped_by"], summary.get("steps", 0), cfg.rl.steps,
+                           checkpoint_step(run_dir), resume=f"heterorl train --resume {run_dir}"), file=sys.stderr)
     return code
 
 
@@ -545,9 +643,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("sft", help="supervised warm start on a task's demonstrations")
     _add_config_args(p, SFT_CONFIG)
+    _add_resume_arg(p, "config.yaml")
     p.set_defaults(fn=cmd_sft)
     p = sub.add_parser("rl", help="synchronous RL in one process (the RL loop over the session primitives)")
     _add_config_args(p, RL_CONFIG)
+    _add_resume_arg(p, "config.yaml")
     p.set_defaults(fn=cmd_rl)
     p = sub.add_parser("bench", help="benchmarks that print ratios measured in one run")
     p.add_argument("what", choices=list(BENCHMARKS))
@@ -556,11 +656,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="learner + rollout workers as separate processes on this machine, or on a Ray "
                        "cluster (runtime.execution=simulated: all in one process on a virtual clock)")
     _add_config_args(p, DEMO_CONFIG)
-    p.set_defaults(config=None)  # DEMO_CONFIG when not given; None tells a --config given with --resume apart
+    _add_resume_arg(p, "train_config.yaml")
     p.add_argument("--mode", choices=["sync", "async"], help="sync: workers wait for every new version "
                    "(the on-policy baseline); async: they never wait (default: runtime.mode)")
     p.add_argument("--workers", type=_positive(int), help="rollout worker processes (default: runtime.workers)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     p.add_argument("--launcher", choices=["local", "ray"], default="local",
                    help="local: processes of this machine (default); ray: Ray actors placed on a Ray cluster by "
                    "their resources (the cluster section of the config; docs/DEPLOY.md)")

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from heterorl.config import Config, to_dict, to_yaml
 from heterorl.errors import ConfigError, TaskError
+from heterorl.files import write_atomically
 
 log = logging.getLogger("heterorl.runs")
 
@@ -252,6 +253,7 @@ class RunResult:
     # the programs the training rewards ran, by outcome (the code task's sandbox: ok, wrong_answer, timeout,
     # forbidden:socket, ...); empty for tasks that run none
     reward_outcomes: dict[str, int] = field(default_factory=dict)
+    stopped_by: str | None = None  # the signal that stopped the run before its last step (None: it ran to the end)
 
 
 NOTHING_SOLVED = (
@@ -311,6 +313,37 @@ class StepRecorder:
         successes = [h["eval/success"] for h in self.history]
         return cls(base_success=successes[0], final_success=successes[-1], best_success=max(successes), steps=steps,
                    minutes=minutes, steps_without_update=self.steps_without_update, history=self.history, **fields)
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """Drop the records of the steps after ``step`` from the metrics file ``path`` (a learner or a sync loop
+    resumed from the checkpoint of ``step`` logs them again), and a last line a killed run left half-written, by
+    rewriting it atomically; a file with nothing to drop is left as it is."""
+    if not path.is_file():
+        return
+    lines = path.read_bytes().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if line.endswith(b"\n") and isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return
+    write_atomically(path, b"".join(kept))
+
+
+def stopped_line(command: str, run_dir: Path, stopped_by: str, step: int, steps: int,
+                 checkpoint_step: int | None, resume: str = "") -> str:
+    """Where a run stopped by a signal stands and the command that goes on with it."""
+    resume = resume or f"heterorl {command} --resume {run_dir}"
+    if checkpoint_step is None:
+        return (f"heterorl {command}: stopped by {stopped_by} at step {step} of {steps}, before its first "
+                f"checkpoint: start it again (runtime.checkpoint_every sets how often it checkpoints)")
+    return (f"heterorl {command}: stopped by {stopped_by} at step {step} of {steps}; its last checkpoint is step "
+            f"{checkpoint_step} ({run_dir / 'checkpoints'}). To go on: {resume}")
 
 
 def idle_fraction(idle_s: float, busy_s: float) -> float:

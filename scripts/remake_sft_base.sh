@@ -15,4 +15,5 @@ case "$which" in
   add3)  config=add3_sft.yaml;  base=add3-sft-base ;;
   *) echo "unknown base '$which': choose maze, maze4 or add3" >&2; exit 2 ;;
 esac
+rm -rf "runs/sft-$base"  # from scratch: a run dir with checkpoints is otherwise refused (`--resume` goes on)
 .venv/bin/heterorl sft --config "$config" sft.output="heterorl/assets/$base" logging.run_dir="runs/sft-$base" "$@"

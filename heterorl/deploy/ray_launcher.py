@@ -26,6 +26,7 @@ from heterorl.addresses import parse_host_port
 from heterorl.config import Config, to_yaml, worker_command_word
 from heterorl.errors import HeteroRLError
 from heterorl.files import write_atomically
+from heterorl.runs import keep_metrics_until
 from heterorl.runtime import launch
 from heterorl.runtime.launch import METRICS, worker_argv, worker_engines
 
@@ -422,6 +423,6 @@ def train_on_ray(cfg: Config, *, address: str | None = None, resume: bool = Fals
     else:
         step = launch.checkpoint_step(run_dir)
         if step is not None:
-            launch.keep_metrics_until(run_dir / METRICS, step)
+            keep_metrics_until(run_dir / METRICS, step)
     with ray_session(ray, address or cfg.cluster.ray.address or os.environ.get("RAY_ADDRESS"), cfg):
         return RayRun(ray, cfg, resume=resume, progress=progress).run()

@@ -8,12 +8,12 @@ so that RL has room to show what it adds.
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from heterorl.config import Config
+from heterorl.loops.checkpoints import LoopCheckpoints, StopRequest, elapsed_clock
 from heterorl.rollout.episodes import EpisodeLimits, demonstration_episode
 from heterorl.rollout.spans import policy_token_weights
 from heterorl.rollout.textcodec import encode_prompt, encode_text
@@ -30,6 +30,7 @@ class SFTResult:
     steps: int
     minutes: float
     history: list[dict] = field(default_factory=list)
+    stopped_by: str | None = None  # the signal that stopped it before its last step (None: it ran to the end)
 
 
 def demonstration_datums(task: Task, tokenizer, rng: random.Random, batch_size: int,
@@ -51,13 +52,22 @@ def demonstration_datums(task: Task, tokenizer, rng: random.Random, batch_size: 
     return datums
 
 
-def run_sft(cfg: Config, training: TrainingClient, task: Task, logger=None, progress=None) -> SFTResult:
-    """Train until ``cfg.sft.steps`` or until eval success ≥ ``cfg.sft.stop_success``."""
-    rng = random.Random(cfg.seed)
-    torch.manual_seed(cfg.seed)
+def run_sft(cfg: Config, training: TrainingClient, task: Task, logger=None, progress=None, *,
+            checkpoints: LoopCheckpoints | None = None, stop: StopRequest | None = None) -> SFTResult:
+    """Train until ``cfg.sft.steps`` or until eval success ≥ ``cfg.sft.stop_success``. ``checkpoints`` and
+    ``stop`` as in `run_sync_rl`: checkpointed, resumed, stopped after the step in progress."""
+    state = checkpoints.resume(training) if checkpoints is not None else None
+    record = state.record if state is not None else {}
+    if state is None:
+        torch.manual_seed(cfg.seed)  # (a resumed run's torch RNG is the checkpoint's)
+    rng = state.problem_rng() if state is not None else random.Random(cfg.seed)
     eval_problems = task.eval_problems()
-    start, success, history = time.time(), 0.0, []
-    for step in range(1, cfg.sft.steps + 1):
+    elapsed = elapsed_clock(record)
+    success, history = float(record.get("success", 0.0)), list(record.get("history", []))
+    step = state.step if state is not None else 0
+    stopped_early = False
+    while step < cfg.sft.steps and not stopped_early and not (stop is not None and stop.by):
+        step += 1
         datums = demonstration_datums(task, training.tokenizer, rng, cfg.sft.batch_size, cfg.task.chat_template)
         out = training.forward_backward(datums, "cross_entropy").result()
         lr = learning_rate(step, cfg.sft.lr, cfg.sft.steps, cfg.sft.warmup_steps, "constant")
@@ -71,11 +81,16 @@ def run_sft(cfg: Config, training: TrainingClient, task: Task, logger=None, prog
             success = result.success
             metrics["eval/success"] = success
             metrics.update({f"eval/success/{group}": s for group, s in result.by_group.items()})
-            history.append({"step": step, "eval/success": success, "time_s": time.time() - start})
+            history.append({"step": step, "eval/success": success, "time_s": elapsed()})
         if logger:
             logger.log(step, metrics)
         if progress:
             progress(step, metrics)
-        if cfg.sft.stop_success is not None and "eval/success" in metrics and success >= cfg.sft.stop_success:
-            break
-    return SFTResult(success=success, steps=step, minutes=(time.time() - start) / 60, history=history)
+        stopped_early = (cfg.sft.stop_success is not None and "eval/success" in metrics
+                         and success >= cfg.sft.stop_success)
+        if checkpoints is not None and (checkpoints.due(step, cfg.sft.steps) or stopped_early
+                                        or (stop is not None and stop.by)):
+            checkpoints.save(training, step, rng, {"success": success, "history": history,
+                                                   "elapsed_s": elapsed()})
+    stopped_by = stop.by if stop is not None and step < cfg.sft.steps and not stopped_early else None
+    return SFTResult(success=success, steps=step, minutes=elapsed() / 60, history=history, stopped_by=stopped_by)

@@ -10,13 +10,13 @@ On-policy up to the minibatch split.
 from __future__ import annotations
 
 import random
-import time
 from collections import Counter
 
 import torch
 
 from heterorl.config import Config
 from heterorl.engines.base import SamplingParams
+from heterorl.loops.checkpoints import LoopCheckpoints, StopRequest, elapsed_clock
 from heterorl.rollout.episodes import EpisodeLimits, rollout_groups
 from heterorl.rollout.spans import policy_token_weights, turn_metrics
 from heterorl.runs import RunResult, StepRecorder
@@ -57,21 +57,33 @@ def rollout_datums(sampler, task: Task, problems, cfg: Config, seed: int) -> tup
     return datums, stats
 
 
-def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, progress=None) -> RunResult:
-    """Train ``training``'s policy on ``task`` for ``cfg.rl.steps`` steps; evaluate every ``cfg.rl.eval_every``."""
-    rng = random.Random(cfg.seed)
+def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, progress=None, *,
+                checkpoints: LoopCheckpoints | None = None, stop: StopRequest | None = None) -> RunResult:
+    """Train ``training``'s policy on ``task`` for ``cfg.rl.steps`` steps; evaluate every ``cfg.rl.eval_every``.
+    With ``checkpoints``: checkpointed as they say, and resumed from the latest when they were made to resume
+    (the steps after it are the same as an uninterrupted run's). With ``stop``: a request ends the loop after the
+    step in progress, with a checkpoint; the result's ``stopped_by`` says who asked."""
+    state = checkpoints.resume(training) if checkpoints is not None else None
+    record = state.record if state is not None else {}
+    rng = state.problem_rng() if state is not None else random.Random(cfg.seed)
     eval_problems = task.eval_problems()
     eval_tokens = cfg.rl.eval_max_tokens or cfg.rollout.max_tokens
-    start = time.time()
+    elapsed = elapsed_clock(record)
+    if state is not None:  # the checkpoint's weights were sampled as its version: the next sampler holds them again
+        training.version -= 1
     sampler = training.save_weights_and_get_sampling_client()
     limits = EpisodeLimits.for_sampler(cfg.rollout, sampler)
     recorder = StepRecorder(cfg, lambda: evaluate(sampler, task, eval_problems, eval_tokens,
                                                   chat_template=cfg.task.chat_template, limits=limits),
-                            logger, progress)
+                            logger, progress, history=record.get("history"),
+                            steps_without_update=record.get("steps_without_update", 0))
     recorder.start()
     total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
-    outcomes = Counter()  # the programs the training rewards ran, by outcome (evaluation's left out)
-    for step in range(1, cfg.rl.steps + 1):
+    # the programs the training rewards ran, by outcome (evaluation's left out)
+    outcomes = Counter(record.get("reward_outcomes", {}))
+    step = state.step if state is not None else 0
+    while step < cfg.rl.steps and not (stop is not None and stop.by):
+        step += 1
         problems = [task.sample_train(rng) for _ in range(cfg.rl.prompts_per_step)]
         before = outcome_counts(task)
         datums, metrics = rollout_datums(sampler, task, problems, cfg, seed=cfg.seed * 100_003 + step)
@@ -81,6 +93,10 @@ def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, 
         metrics.update(optimize_batch(training, datums, cfg, total_updates))
         sampler = training.save_weights_and_get_sampling_client()  # (the recorder evaluates the newest)
         metrics["policy/version"] = sampler.version
-        recorder.record(step, metrics, time.time() - start)
-    return recorder.result(steps=cfg.rl.steps, minutes=(time.time() - start) / 60,
-                           reward_outcomes=dict(sorted(outcomes.items())))
+        recorder.record(step, metrics, elapsed())
+        if checkpoints is not None and (checkpoints.due(step, cfg.rl.steps) or (stop is not None and stop.by)):
+            checkpoints.save(training, step, rng, {
+                "history": recorder.history, "steps_without_update": recorder.steps_without_update,
+                "reward_outcomes": dict(outcomes), "elapsed_s": elapsed()})
+    return recorder.result(steps=step, minutes=elapsed() / 60, reward_outcomes=dict(sorted(outcomes.items())),
+                           stopped_by=(stop.by if stop is not None and step < cfg.rl.steps else None))

@@ -28,13 +28,14 @@ from heterorl.addresses import parse_host_port
 from heterorl.config import Config, to_yaml, worker_command_word
 from heterorl.errors import HeteroRLError
 from heterorl.files import write_atomically
-from heterorl.runs import json_text, setup_run
+from heterorl.runs import json_text, keep_metrics_until, setup_run
 from heterorl.runtime.signals import signal_handlers
 from heterorl.runtime.supervise import Child, WorkerFleet
 
 log = logging.getLogger("heterorl.runtime.launch")
 
 ENDPOINTS = "endpoints.json"
+INTERRUPT_WAIT_S = 600.0  # the longest a Ctrl-C'd `heterorl train` waits for its learner's step and checkpoint
 METRICS = "metrics.jsonl"
 BIND, BIND_EXAMPLE = "--bind (or runtime.address)", "tcp://127.0.0.1:5555"  # the learner's address, as it is named
 
@@ -268,26 +269,6 @@ def _learner_server(cfg: Config, addresses: tuple[str, str | None], training, *,
     return server
 
 
-def keep_metrics_until(path: Path, step: int) -> None:
-    """Drop the records of the steps after ``step`` from the metrics file ``path`` (a learner resumed from the
-    checkpoint of ``step`` logs them again), and a last line a killed learner left half-written, by rewriting it
-    atomically; a file with nothing to drop is left as it is."""
-    if not path.is_file():
-        return
-    lines = path.read_bytes().splitlines(keepends=True)
-    kept = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if line.endswith(b"\n") and isinstance(record, dict) and record.get("step", 0) <= step:
-            kept.append(line)
-    if len(kept) == len(lines):
-        return
-    write_atomically(path, b"".join(kept))
-
-
 def checkpoint_step(run_dir: Path) -> int | None:
     """The step of the run dir's latest checkpoint, or None when its learner state cannot be read (the learner
     then says what is wrong). Read here without importing the learner (and torch) into the launcher."""
@@ -360,7 +341,16 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
                          devices=_nth(cfg.runtime.worker_devices, i, ""), prefix=prefix)
 
         fleet = WorkerFleet(start_worker, [f"worker-{i}" for i in range(len(engines))], cfg.runtime.worker_restarts)
-        _follow_run(learner, fleet, metrics_path, seen, progress)
+        try:
+            _follow_run(learner, fleet, metrics_path, seen, progress)
+        except KeyboardInterrupt:
+            # a Ctrl-C reaches this process alone (each child leads a session of its own): the learner hears it as
+            # SIGINT, ends its step in progress with a checkpoint and tells its workers it stops (a second Ctrl-C
+            # here stops everything at once); its summary says stopped_by SIGINT
+            print("\nheterorl train: SIGINT: the learner stops after its step in progress, with a checkpoint "
+                  f"(again: stop at once); waiting up to {INTERRUPT_WAIT_S:.0f} s", file=sys.stderr, flush=True)
+            learner.stop(INTERRUPT_WAIT_S, first=signal.SIGINT)
+            return 128 + signal.SIGINT
         record_restarts(run_dir, fleet.restarts())
         deadline = time.monotonic() + 30
         for child in fleet.children():

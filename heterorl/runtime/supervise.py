@@ -44,22 +44,24 @@ class Child:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        stop_process(self.proc, timeout_s)
+    def stop(self, timeout_s: float = 10.0, first: signal.Signals = signal.SIGTERM) -> None:
+        stop_process(self.proc, timeout_s, first=first)
         self._log.close()
 
 
-def stop_process(proc: subprocess.Popen, timeout_s: float, gone_within_s: float = 10.0) -> int:
-    """Stop ``proc`` and every process it started: SIGTERM to its process group (each process heterorl starts
-    leads a session of its own, so the group is the process and what it forked), so that it checkpoints or says
-    goodbye and leaves; after ``timeout_s`` SIGKILL to the group and to every descendant seen meanwhile (those that
-    started sessions of their own too). Returns ``proc``'s exit status once every one of them is gone, or raises
-    HeteroRLError naming the survivors ``gone_within_s`` after the SIGKILL."""
+def stop_process(proc: subprocess.Popen, timeout_s: float, gone_within_s: float = 10.0,
+                 first: signal.Signals = signal.SIGTERM) -> int:
+    """Stop ``proc`` and every process it started: ``first`` (SIGTERM; SIGINT passes on a Ctrl-C) to its process
+    group (each process heterorl starts leads a session of its own, so the group is the process and what it
+    forked), so that it checkpoints or says goodbye and leaves; after ``timeout_s`` SIGKILL to the group and to
+    every descendant seen meanwhile (those that started sessions of their own too). Returns ``proc``'s exit status
+    once every one of them is gone, or raises HeteroRLError naming the survivors ``gone_within_s`` after the
+    SIGKILL."""
     leads_group = _group_of(proc.pid) == proc.pid
     seen = _Descendants(proc.pid)
     seen.look()
     if proc.poll() is None:
-        _signal(proc, leads_group, signal.SIGTERM)
+        _signal(proc, leads_group, first)
     deadline, orphans_told = time.monotonic() + timeout_s, False
     while time.monotonic() < deadline:
         if proc.poll() is None:
