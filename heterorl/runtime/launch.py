@@ -150,7 +150,7 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
         server.close(reason)
         logger.close()
     counted = ("rejected", "dropped_groups", "dropped_trajectories", "duplicates", "workers_removed", "revoked",
-               "permits_expired", "permits_returned", "permits_reclaimed")
+               "permits_expired", "permits_returned", "permits_reclaimed", "handshakes_refused", "end_of_run")
     finish_learner_run(cfg, task, training, run_dir, result,
                        {"execution": "live", "transport_rejected": server.stats["rejected"],
                         "stopped_by": learner.stopped_by or None,

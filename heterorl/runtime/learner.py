@@ -253,7 +253,10 @@ class Learner:
         while ready < cfg.workers - gone and time.monotonic() < deadline and not self.stopped_by:
             time.sleep(0.05)
             ready, gone = counts()
-        if cfg.fleet_wait_s > 0 and ready < cfg.workers:
+        if self.stopped_by and ready < cfg.workers:
+            log.warning("%s while waiting for the fleet (%d of %d workers ready): no training; stopping",
+                        self.stopped_by, ready, cfg.workers)
+        elif cfg.fleet_wait_s > 0 and ready < cfg.workers:
             log.warning("%d of %d workers ready (%d failed) after %.0f s of runtime.fleet_wait_s = %.0f s; training "
                         "starts with them", ready, cfg.workers, gone, cfg.fleet_wait_s - (deadline - time.monotonic()),
                         cfg.fleet_wait_s)

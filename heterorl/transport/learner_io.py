@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from heterorl.config import TransportConfig
 from heterorl.errors import ConfigError, HeteroRLError
+from heterorl.transport.handshakes import HandshakeMonitor, RateLimitedLog, RefusalLoggingAuthenticator
 from heterorl.transport.membership import REVOKED, refusal
 from heterorl.transport.protocol import (
     BYE_LEARNER_STOPPING,
@@ -93,6 +93,8 @@ class LearnerIO:
         self._error: BaseException | None = None
         self._bye_reason = BYE_LEARNER_STOPPING
         self._answered: set[str] = set()  # the workers whose bye has arrived (`_await_answers`)
+        self._refusals = RateLimitedLog(log)  # refused handshakes, a line per cause every 10 s (`handshakes.py`)
+        self._handshakes: HandshakeMonitor | None = None
         self.control_endpoint = self.weights_endpoint = ""
         self._wakeup = Wakeup()
         self._thread = threading.Thread(target=self._run, name="heterorl-learner-io", daemon=True)
@@ -123,7 +125,7 @@ class LearnerIO:
         self._thread.join(timeout=10 + self.config.end_of_run_wait_s)
 
     # -- the thread -----------------------------------------------------------------------------
-    def _open(self, ctx: zmq.Context) -> tuple[ThreadAuthenticator | None, zmq.Socket, zmq.Socket]:
+    def _open(self, ctx: zmq.Context) -> tuple[RefusalLoggingAuthenticator | None, zmq.Socket, zmq.Socket]:
         """Start CURVE authentication (when keys are given) and bind both channels; on failure, undo and raise."""
         auth, sockets = None, []
         try:
@@ -132,7 +134,7 @@ class LearnerIO:
                 if not allowed or not Path(allowed).is_dir():
                     raise ConfigError(f"allowed_keys_dir {allowed!r} is not a folder of worker public keys "
                                       "(*.key files made by `heterorl keys`)")
-                auth = self._rooms.registry.auth = ThreadAuthenticator(ctx, log=logging.getLogger("heterorl.auth"))
+                auth = self._rooms.registry.auth = RefusalLoggingAuthenticator(ctx, self._refusals, allowed)
                 auth.start()
                 self._rooms.registry.reload_keys()
             # control + trajectories: ROUTER ↔ a DEALER per worker; hello/ready, heartbeats, trajectories up, acks
@@ -140,6 +142,7 @@ class LearnerIO:
             control, self.control_endpoint = bind_router(ctx, self._address, self.config.control_hwm, self.config,
                                                          self.limits, self._curve)
             sockets.append(control)
+            self._handshakes = HandshakeMonitor(control, "learner")  # refused handshakes, logged (`_on_handshakes`)
             # weights: ROUTER (PORT+1 unless given) ↔ a DEALER per worker; header and chunk requests up, one reply
             # each down. HWM weights_hwm messages; the worker restarts a fetch after fetch_timeout_s without a chunk.
             host = self._address.rsplit(":", 1)[0]
@@ -149,6 +152,8 @@ class LearnerIO:
                                                          self.limits, self._curve)
             return auth, control, weights
         except BaseException:
+            if self._handshakes is not None:
+                self._handshakes.close()
             for s in sockets:
                 s.close(0)
             if auth is not None:
@@ -177,6 +182,7 @@ class LearnerIO:
                     told.add(worker.worker_id)
             if self._bye_reason == BYE_RUN_FINISHED and told:
                 self._await_answers(control, told)
+            self._handshakes.close()
             control.close(self.config.linger_ms)
             weights.close(self.config.linger_ms)
             if auth is not None:
@@ -190,11 +196,14 @@ class LearnerIO:
         poller.register(control, zmq.POLLIN)
         poller.register(weights, zmq.POLLIN)
         poller.register(self._wakeup.read_fd, zmq.POLLIN)
+        poller.register(self._handshakes.socket, zmq.POLLIN)
         last_beat = 0.0
         while not self._stop.is_set():
             events = dict(poller.poll(timeout=50))
             if self._wakeup.read_fd in events:
                 self._wakeup.drain()
+            if self._handshakes.socket in events:
+                self._on_handshakes()
             if control in events:
                 receive_waiting(control, self._on_control)
             if weights in events:
@@ -221,6 +230,14 @@ class LearnerIO:
             log.warning("%d worker(s) did not answer the end of the run within transport.end_of_run_wait_s "
                         "(%g s): %s; each waits runtime.learner_timeout_s for the learner unless it heard the bye",
                         len(unanswered), self.config.end_of_run_wait_s, ", ".join(sorted(unanswered)[:10]))
+
+    def _on_handshakes(self) -> None:
+        """Handshakes ZeroMQ refused: counted, and logged (rate-limited) with their cause; a refused key is
+        logged by the authenticator, which knows the key and the address."""
+        for event, cause in self._handshakes.read():
+            self.stats["handshakes_refused"] += 1
+            if event != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._refusals.warning(cause, f"refused a handshake on {self.control_endpoint}: {cause}")
 
     def _on_control(self, sock: zmq.Socket, frames: list) -> None:
         """A control message: discarded unread while its connection is throttled; else handled, and its refusals

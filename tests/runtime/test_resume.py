@@ -428,3 +428,15 @@ def test_ctrl_c_of_train_stops_its_learner_by_sigint_and_prints_the_resume_comma
     assert (f"stopped by SIGINT at step {summary['steps']} of 400; its last checkpoint is step {checkpoint}" in err
             and f"To go on: heterorl train --resume {run_dir}" in err), err
     assert "Traceback" not in err and "held-out greedy success" in out
+
+
+def test_a_learner_stopped_while_it_waits_for_its_fleet_says_it_trains_nothing(learner_parts, caplog, monkeypatch):
+    import logging
+
+    learner, _ = learner_parts()
+    monkeypatch.setattr(learner.server, "workers", lambda: [], raising=False)
+    learner.request_stop("SIGTERM")
+    caplog.set_level(logging.WARNING, logger="heterorl")
+    learner._await_fleet()
+    assert "SIGTERM while waiting for the fleet (0 of 2 workers ready): no training; stopping" in caplog.text
+    assert "training starts with them" not in caplog.text

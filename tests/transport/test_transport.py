@@ -1,6 +1,7 @@
 """ZeroMQ transport on real loopback sockets: flow control, weights, CURVE, fuzzing, a SIGKILLed worker."""
 
 import dataclasses
+import logging
 import os
 import queue
 import random
@@ -307,7 +308,10 @@ def test_plaintext_is_refused_off_loopback_unless_asked_for():
         WorkerClient("tcp://127.0.0.1:5555", "w", hand_built)
 
 
-def test_curve_lets_listed_workers_in_and_keeps_everyone_else_out(tmp_path):
+def test_curve_lets_listed_workers_in_and_keeps_everyone_else_out(tmp_path, caplog):
+    """Listed keys in, the rest out; each refused handshake is logged by the learner with its cause (a refused
+    key with its fingerprint and address), and each refused worker's timeout names its own cause."""
+    caplog.set_level(logging.WARNING, logger="heterorl.transport")
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"
     allowed.mkdir()
     learner_pub, learner_secret = make_keypair(keys, "learner")
@@ -334,19 +338,48 @@ def test_curve_lets_listed_workers_in_and_keeps_everyone_else_out(tmp_path):
                                     curve=CurveConfig(str(good_secret), server_key_file=str(good_pub)))
         plaintext = WorkerClient(server.control_endpoint, "plain", FAST)
         clients += [stranger, wrong_server, plaintext]
-        for client in (stranger, wrong_server, plaintext):
-            with pytest.raises(TransportTimeout):
-                client.wait_ready(1.5)
+        causes = {stranger: "is not in the learner's allowed-keys folder",
+                  wrong_server: "most likely --server-key is not the learner's public key",
+                  plaintext: "one end speaks CURVE and the other plaintext"}
+        for client, cause in causes.items():
+            wait_until(lambda: client.handshake_refused, 10, f"{client.worker_id}'s handshake refused")
+            with pytest.raises(TransportTimeout, match=cause):
+                client.wait_ready(0.1)
             with pytest.raises(TransportTimeout):
                 client.send(traj(client.worker_id, 1), timeout_s=0.2)
         assert [w.worker_id for w in server.workers()] == ["good"]
         assert server.stats["accepted"] == 1
+        stranger_key = (keys / "stranger.key").read_text().split('public-key = "')[1][:8]
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert f"key {stranger_key}… is not in the allowed-keys folder {allowed}" in logged, logged
+        assert "refused a CURVE handshake from 127.0.0.1" in logged
+        assert "the worker's --server-key is not this learner's key" in logged
+        assert "one end speaks CURVE and the other plaintext" in logged
+        assert server.stats["handshakes_refused"] >= 3
     finally:
         for client in clients:
             client.close()
         server.close()
     with pytest.raises(ConfigError, match="secret"):
         CurveConfig(str(learner_pub)).keypair()  # a public key where the secret belongs
+
+
+def test_refused_handshakes_are_logged_once_per_cause_every_ten_seconds_with_the_count_left_out(monkeypatch, caplog):
+    """A worker dialling again every 100 ms with a wrong key is one line per 10 s, not ten a second."""
+    from heterorl.transport import handshakes
+
+    now = [0.0]
+    monkeypatch.setattr(handshakes.time, "monotonic", lambda: now[0])
+    caplog.set_level(logging.WARNING, logger="heterorl.transport")
+    refusals = handshakes.RateLimitedLog(logging.getLogger("heterorl.transport"))
+    logged = []
+    for tick in range(250):  # 25 s of refusals, every 100 ms, of one cause, and one of another
+        now[0] = tick / 10
+        logged.append(refusals.warning("wrong key", "refused key A"))
+    assert refusals.warning("plaintext", "refused plaintext")
+    assert [i / 10 for i, said in enumerate(logged) if said] == [0.0, 10.0, 20.0]
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[1] == "refused key A (and 99 more like it in the last 10 s)" and len(messages) == 4
 
 
 def _fuzz_frames(rng: random.Random, valid: bytes, registered: str) -> list[list[bytes]]:

@@ -23,6 +23,7 @@ from heterorl.config import TransportConfig
 from heterorl.delay.clock import Clock, RealClock
 from heterorl.transport.client.outbox import Outbox, SendBuffers
 from heterorl.transport.client.receiver import WeightsReceiver
+from heterorl.transport.handshakes import HandshakeMonitor
 from heterorl.transport.protocol import (
     DEFAULT_LIMITS,
     Ack,
@@ -90,6 +91,8 @@ class WorkerClient(Endpoint):
         # `Heartbeat.reward_outcomes`, told within 50 ms of a change: give it a new dict, never change it in place
         self.reward_outcomes = self._outcomes_said = {}
         self._answered_end = False  # this worker's bye answered the learner's end of the run
+        self.handshake_refused = ""  # the cause of the latest handshake ZeroMQ refused (`handshakes.py`)
+        self._handshakes: HandshakeMonitor | None = None  # the I/O thread's monitor of its control socket
         self.finished = threading.Event()  # the learner said the run is over (or refused this worker: `refused`)
         self.refused: str | None = None  # the learner's reason when it refused this worker
         self.busy: str | None = None  # the learner's reason when it last could not take this worker (BYE_BUSY)
@@ -134,9 +137,14 @@ class WorkerClient(Endpoint):
                 if left <= 0 and self.busy:
                     raise TransportTimeout(f"the learner at {self.address} could not take worker {self.worker_id} "
                                            f"within {timeout_s} s: {self.busy}")
+                if left <= 0 and self.handshake_refused:
+                    raise TransportTimeout(f"the learner at {self.address} refused the handshake of worker "
+                                           f"{self.worker_id} for {timeout_s} s: {self.handshake_refused}")
                 if left <= 0:
-                    raise TransportTimeout(f"no answer from the learner at {self.address} within {timeout_s} s; "
-                                           "check the address, the port, the firewall and the CURVE keys")
+                    raise TransportTimeout(f"no answer from the learner at {self.address} within {timeout_s} s, "
+                                           "and no handshake refused: check the address, the port and the "
+                                           "firewall (a learner that refuses a handshake logs its cause: a key it "
+                                           "does not allow, a wrong --server-key, plaintext against CURVE)")
                 self._lock.wait(min(left, 0.1))
             return self._ready
 
@@ -276,9 +284,19 @@ class WorkerClient(Endpoint):
         self._poller.register(sock, zmq.POLLIN)
         return sock
 
+    def _watch_handshakes(self, control: zmq.Socket) -> None:
+        """Read ZeroMQ's handshake failures on ``control`` (its monitor polled with the sockets)."""
+        self._handshakes = HandshakeMonitor(control, "worker")
+        self._poller.register(self._handshakes.socket, zmq.POLLIN)
+
+    def _unwatch_handshakes(self) -> None:
+        self._poller.unregister(self._handshakes.socket)
+        self._handshakes.close()
+
     def _run(self) -> None:
         self._ctx = zmq.Context()
         control = self._connect(self.address, self.config.control_hwm)
+        self._watch_handshakes(control)
         self._poller.register(self._wakeup.read_fd, zmq.POLLIN)
         try:
             while not self._stop.is_set():
@@ -290,6 +308,10 @@ class WorkerClient(Endpoint):
                 events = dict(self._poller.poll(timeout=min(50, int(wait_ms))))
                 if self._wakeup.read_fd in events:
                     self._wakeup.drain()
+                if self._handshakes.socket in events:
+                    for _, cause in self._handshakes.read():
+                        self.stats["handshakes_refused"] += 1
+                        self.handshake_refused = cause
                 self._now = now = time.monotonic()
                 if control in events:
                     receive_waiting(control, self._on_control)
@@ -300,6 +322,7 @@ class WorkerClient(Endpoint):
             if self.learner_alive and not self._answered_end:
                 bye = Bye(self.worker_id, getattr(self, "_bye_reason", "closed"))
                 send_frames(control, encode(bye), self.stats, "bye")
+            self._unwatch_handshakes()
             control.close(self.config.linger_ms)
             self._receiver.close()
             self._ctx.term()
@@ -315,8 +338,10 @@ class WorkerClient(Endpoint):
         if (self._curve is not None and not self.learner_alive
                 and min(now - self._last_heard, now - self._dialled_at) > self.config.heartbeat_timeout_s):
             self._poller.unregister(control)
+            self._unwatch_handshakes()
             control.close(0)
             control = self._connect(self.address, self.config.control_hwm)
+            self._watch_handshakes(control)
             self._dialled_at = now
             self.stats["redialled"] += 1
         if self.learner_alive and now - self._last_heard > self.config.heartbeat_timeout_s:
@@ -374,6 +399,7 @@ class WorkerClient(Endpoint):
             first = self._ready is None
             self._ready = ready
             self.learner_alive = True
+            self.handshake_refused = ""  # (a key allowed since, for one)
             self.busy = None
             self._sent_session = len(self._outbox.queue)  # a new session: credit counts restart from what is queued
             self._credit_limit = ready.credits
