@@ -511,10 +511,14 @@ def cmd_serve(args) -> int:
     api_key = None
     if args.api_key_file:
         path = Path(args.api_key_file)
-        api_key = path.read_text().strip() if path.is_file() else None
+        # one key per line: each user's sessions are its own ("latest" looks among them)
+        api_key = [line.strip() for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
         if not api_key:
             raise HeteroRLError(f"--api-key-file {path}: no such file, or it is empty; write a long random key "
-                                "into it (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+                                "into it (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`), "
+                                "one per line for several users")
+        if len(set(api_key)) < len(api_key):
+            raise HeteroRLError(f"--api-key-file {path}: a key is given twice; give each user a key of its own")
         if path.stat().st_mode & 0o077:
             print(f"heterorl serve: WARNING: --api-key-file {path} can be read by other users of this machine "
                   f"(mode {path.stat().st_mode & 0o777:o}): chmod 600 {path}", file=sys.stderr, flush=True)
@@ -536,7 +540,8 @@ def cmd_serve(args) -> int:
     def listening(url: str) -> None:
         print(f"serving training sessions on {url} (API: /api/v1, OpenAI-compatible: /v1, Tinker's SDK: "
               f"{url}/tinker; "
-              f"{'a bearer token' if api_key else 'no key: loopback only'}; memory budget: {budget})", flush=True)
+              f"{f'{len(api_key)} bearer token(s)' if api_key else 'no key: loopback only'}; memory budget: "
+              f"{budget})", flush=True)
 
     stopped_by = None
     try:

@@ -138,25 +138,30 @@ class ServiceClient:
         training.load_state(name, session=session_id).result()
         return training
 
-    def create_training_client(self, base_model: str, *, seed: int | None = None,
-                               share_prompts: bool = True) -> RemoteTrainingClient:
+    def create_training_client(self, base_model: str, *, seed: int | None = None, share_prompts: bool = True,
+                               name: str | None = None) -> RemoteTrainingClient:
         """A fresh session on the service that trains the whole of ``base_model`` (a name `list_base_models`
-        gives) with a new optimizer."""
+        gives) with a new optimizer. ``name``: what its model ids say in place of its id (``heterorl:NAME/latest``
+        at the OpenAI endpoint), unique among the service's live sessions."""
         found = self._request("POST", "/api/v1/sessions", {"base_model": base_model, "seed": seed,
-                                                           "share_prompts": share_prompts})
+                                                           "share_prompts": share_prompts, "name": name})
         return RemoteTrainingClient(self, found)
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, *, alpha: float | None = None,
                                     dropout: float = 0.0, target_modules: Sequence[str] | None = None,
-                                    seed: int | None = None, share_prompts: bool = True
+                                    seed: int | None = None, share_prompts: bool = True, name: str | None = None
                                     ) -> RemoteTrainingClient:
         """A fresh session on the service that trains a LoRA adapter of ``rank`` on the frozen ``base_model``
-        (`lora_spec` for the other arguments); a rank or target module that does not fit the model is refused
-        with the mismatch named."""
+        (`lora_spec` for the other arguments; ``name`` as in `create_training_client`); a rank or target module
+        that does not fit the model is refused with the mismatch named."""
         found = self._request("POST", "/api/v1/sessions", {
-            "base_model": base_model, "seed": seed, "share_prompts": share_prompts,
+            "base_model": base_model, "seed": seed, "share_prompts": share_prompts, "name": name,
             "lora": lora_spec(rank, alpha, dropout, target_modules).to_dict()})
         return RemoteTrainingClient(self, found)
+
+    def list_sessions(self) -> list[dict]:
+        """This key's sessions on the service: {session_id, name, base_model, version, latest} each."""
+        return self._request("GET", "/api/v1/sessions")["described"]
 
     def sampling_client(self, model: str = "latest") -> RemoteSamplingClient:
         """A sampling client the service already serves: "heterorl:SESSION/VERSION", "heterorl:SESSION/latest"
@@ -274,6 +279,7 @@ class RemoteTrainingClient:
     def __init__(self, service: ServiceClient, described: dict) -> None:
         self.service = service
         self.session_id: str = described["session_id"]
+        self.name: str | None = described.get("name")  # its model ids' name for it (None: its id)
         self.base_model: str = described["base_model"]
         self.version: int = described["version"]
         lora = described.get("lora")

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import secrets
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -20,6 +23,36 @@ OPEN_PATHS = ("/health",)  # the only route answered without the key
 HEADER_TIMEOUT_S = 10.0  # a connection's request headers must be complete this long after it opens or a request
 # begins (a client that sends them slowly, or never, is closed: it would hold a connection, and a descriptor)
 BODY_IDLE_TIMEOUT_S = 10.0  # once the headers are in, a body that sends nothing for this long is closed as well
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sends a request: which of the service's keys it carries (0 with one key, or none), and the session it
+    names in its ``X-Heterorl-Session`` header (an id or a name; "": none). `Service.sampler` resolves "latest"
+    for it."""
+
+    key: int = 0
+    session: str = ""
+
+
+CALLER: ContextVar[Caller] = ContextVar("heterorl_caller", default=Caller())  # noqa: B039 (frozen); set by `Guard`
+SESSION_HEADER = "x-heterorl-session"
+
+
+def key_list(api_key: str | Sequence[str] | None) -> list[str] | None:
+    """The service's keys: one (a string), several (one per user: each user's sessions are its own), or None."""
+    if api_key is None:
+        return None
+    return [api_key] if isinstance(api_key, str) else list(api_key)
+
+
+def matching_key(authorization: str | None, api_keys: Sequence[str], x_api_key: str | None = None) -> int | None:
+    """The index of the key in ``api_keys`` the request carries (each compared in constant time), or None."""
+    found = None
+    for index, key in enumerate(api_keys):
+        if key_matches(authorization, key, x_api_key) and found is None:
+            found = index
+    return found
 
 
 def key_matches(authorization: str | None, api_key: str, x_api_key: str | None = None) -> bool:
@@ -49,16 +82,19 @@ class Guard:
     body sent without a length (chunked) is read here and refused (413) as soon as it passes ``max_body_bytes``.
     Only /health is answered without the key."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    def __init__(self, app, api_keys: Sequence[str] | None, max_body_bytes: int) -> None:
+        self.app, self.api_keys, self.max_body_bytes = app, api_keys, max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS and \
-                not key_matches(headers.get("authorization"), self.api_key, headers.get("x-api-key")):
-            return await _refuse(send, 401, KEY_MISSING, {"www-authenticate": "Bearer"})
+        key = 0
+        if self.api_keys is not None and scope["path"] not in OPEN_PATHS:
+            key = matching_key(headers.get("authorization"), self.api_keys, headers.get("x-api-key"))
+            if key is None:
+                return await _refuse(send, 401, KEY_MISSING, {"www-authenticate": "Bearer"})
+        CALLER.set(Caller(key or 0, headers.get(SESSION_HEADER, "")[:100]))  # (the routes run in this context)
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
             return await _refuse(send, 413, f"the body of {int(length):,} bytes exceeds this service's limit of "
@@ -171,15 +207,16 @@ def header_timeout_protocol(timeout_s: float = HEADER_TIMEOUT_S, body_idle_s: fl
     return HeaderTimeoutProtocol
 
 
-def guard(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
-    """Put `Guard` in front of ``app``'s routes, and answer a body that grew past the limit while a route read
-    it with a 413."""
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+def guard(app: FastAPI, api_key: str | Sequence[str] | None, max_body_bytes: int) -> None:
+    """Put `Guard` in front of ``app``'s routes (``api_key``: one key, several, or None), and answer a body that
+    grew past the limit while a route read it with a 413."""
+    app.add_middleware(Guard, api_keys=key_list(api_key), max_body_bytes=max_body_bytes)
 
     @app.exception_handler(BodyTooLarge)
     async def too_large(request: Request, exc: BodyTooLarge):
         return JSONResponse({"detail": str(exc)}, status_code=413)
 
 
-__all__ = ["BODY_IDLE_TIMEOUT_S", "BodyTooLarge", "Guard", "HEADER_TIMEOUT_S", "KEY_MISSING", "OPEN_PATHS", "guard",
-           "header_timeout_protocol", "key_matches", "read_body"]
+__all__ = ["BODY_IDLE_TIMEOUT_S", "BodyTooLarge", "CALLER", "Caller", "Guard", "HEADER_TIMEOUT_S", "KEY_MISSING",
+           "OPEN_PATHS", "SESSION_HEADER", "guard", "header_timeout_protocol", "key_list", "key_matches",
+           "matching_key", "read_body"]

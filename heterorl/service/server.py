@@ -3,8 +3,9 @@ their sampling clients.
 
 Routes (all under a bearer token when the service has one; docs/SERVICE.md):
 
-    POST   /api/v1/sessions                     {base_model, seed?, share_prompts?} → the session
-    GET    /api/v1/sessions/{id}                the session: version, step, samplers
+    POST   /api/v1/sessions                     {base_model, seed?, share_prompts?, lora?, name?} → the session
+    GET    /api/v1/sessions                     the caller's sessions: ids, names, base models, versions
+    GET    /api/v1/sessions/{id}                the session: version, step, samplers (an id or a name)
     DELETE /api/v1/sessions/{id}
     POST   /api/v1/sessions/{id}/calls          {method, args, request_id?} → {future_id}
     POST   /api/v1/samplers/calls               {model, method, args, request_id?} → {future_id}
@@ -32,7 +33,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
@@ -50,7 +51,8 @@ from heterorl.service.guard import (
     KEY_MISSING,
     guard,
     header_timeout_protocol,
-    key_matches,
+    key_list,
+    matching_key,
     read_body,
 )
 from heterorl.service.memory import OverMemoryBudget
@@ -67,6 +69,7 @@ class CreateSession(BaseModel):
     seed: int | None = None
     share_prompts: bool = True
     lora: dict[str, Any] | None = None  # {rank, alpha, dropout, target_modules}: a LoRA session
+    name: str | None = Field(default=None, max_length=64)  # a name for its model ids, unique while it lives
 
 
 class TrainingCall(BaseModel):
@@ -79,18 +82,21 @@ class SamplerCall(TrainingCall):
     model: str = Field(min_length=1, max_length=300)
 
 
-def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = 64 * 2**20,
+def create_app(service: Service, *, api_key: str | Sequence[str] | None = None, max_body_bytes: int = 64 * 2**20,
                openai: bool = True, docs: bool = False, batching: bool = True, tinker: bool = True) -> FastAPI:
-    """The service's FastAPI app. ``api_key``: the bearer token every route but /health requires (None: none).
+    """The service's FastAPI app. ``api_key``: the bearer token every route but /health requires (None: none;
+    several: one per user, each user's sessions its own, `Service.sampler`).
     ``docs``: serve /docs, /redoc and /openapi.json (behind the key, like every route). ``batching``: concurrent
     OpenAI requests to one model share engine calls where they can. ``tinker``: serve Tinker's REST API under
     /tinker (`heterorl.service.tinker.routes`)."""
     app = FastAPI(title="heterorl training sessions", version="1", docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
 
+    keys = key_list(api_key)
+
     def authorize(authorization: str | None = Header(default=None),
                   x_api_key: str | None = Header(default=None)) -> None:
-        if api_key is not None and not key_matches(authorization, api_key, x_api_key):  # (`Guard` checked it first)
+        if keys is not None and matching_key(authorization, keys, x_api_key) is None:  # (`Guard` checked it first)
             raise HTTPException(401, KEY_MISSING, headers={"WWW-Authenticate": "Bearer"})
 
     _error_handlers(app)
@@ -175,7 +181,7 @@ def _api_router(service: Service, limit: int) -> APIRouter:
     async def create(request: Request):
         body = await _body(request, CreateSession, limit)
         found = await run_in_threadpool(service.create_session, body.base_model, body.seed, body.share_prompts,
-                                        body.lora)
+                                        body.lora, body.name)
         return _answer(request, found)
 
     @api.get("/base_models")
@@ -184,7 +190,9 @@ def _api_router(service: Service, limit: int) -> APIRouter:
 
     @api.get("/sessions")
     def sessions() -> dict:
-        return {"sessions": service.session_ids()}
+        """The caller's sessions: their ids, and each one's name, base model, version and newest sampler."""
+        described = service.list_sessions()
+        return {"sessions": [d["session_id"] for d in described], "described": described}
 
     @api.get("/sessions/{session_id}")
     def describe(session_id: str) -> dict:
@@ -285,7 +293,7 @@ class ServerThread:
         self.stop()
 
 
-def serve(service: Service, host: str, port: int, *, api_key: str | None, max_body_bytes: int,
+def serve(service: Service, host: str, port: int, *, api_key: str | Sequence[str] | None, max_body_bytes: int,
           log_level: str = "info", on_listening: Callable[[str], None] | None = None,
           docs: bool = False, batching: bool = True, grace_s: float = SHUTDOWN_GRACE_S) -> str | None:
     """Run the service until SIGTERM or SIGINT; the signal's name (None: the server stopped by itself). A

@@ -20,6 +20,7 @@ from heterorl.engines.base import GenerationWatch, SamplingParams
 from heterorl.errors import HeteroRLError
 from heterorl.service import memory, wire
 from heterorl.service.calls import BadRequest, CallBook, NotFound
+from heterorl.service.guard import CALLER
 from heterorl.training.session import SamplingClient, TrainingClient
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -41,6 +42,13 @@ class Session:
     samplers: OrderedDict = field(default_factory=OrderedDict)  # version → SamplingClient, oldest first
     weights: OrderedDict = field(default_factory=OrderedDict)  # version → state dict exported for download
     used: float = field(default_factory=time.monotonic)  # when a request last named it (`Service.session_ttl_s`)
+    name: str = ""  # the caller's name for it (""; none): its model ids may say it in place of the id
+    owner: int = 0  # which of the service's keys made it (`guard.Caller.key`): "latest" looks among its owner's
+
+    @property
+    def label(self) -> str:
+        """How its model ids name it: by its name when it has one."""
+        return self.name or self.session_id
 
 
 def _lora_spec(lora: dict | None):
@@ -102,13 +110,19 @@ class Service:
         return [{"name": name, "description": what} for name, what in base_models(self.models).items()]
 
     def create_session(self, base_model: str, seed: int | None = None, share_prompts: bool = True,
-                       lora: dict | None = None) -> dict:
+                       lora: dict | None = None, name: str | None = None) -> dict:
         """Load ``base_model`` (a name `list_base_models` gives, or a Hugging Face folder on this machine) with a
         fresh optimizer; its description. ``lora`` ({rank, alpha, dropout, target_modules}): train a low-rank
-        adapter on it (a mismatch with the model is a `BadRequest` naming it)."""
+        adapter on it (a mismatch with the model is a `BadRequest` naming it). ``name``: what its model ids say
+        in place of its id (``heterorl:NAME/latest``), unique among the live sessions."""
         spec = _lora_spec(lora)
+        if name is not None and (not _NAME.fullmatch(name) or _SESSION_ID.fullmatch(name) or len(name) > 64):
+            raise BadRequest(f"session name {name[:100]!r}: give 1 to 64 letters, digits, '.', '_' or '-', starting "
+                             "with a letter or digit (and not of a session id's form, s-<12 hex digits>)")
         self.expire_sessions()
         with self._lock:
+            if name is not None and any(s.name == name for s in self._sessions.values()):
+                raise BadRequest(f"a live session is named {name!r} already: choose another name, or close it")
             if len(self._sessions) >= self.max_sessions:
                 raise BadRequest(f"this service holds its maximum of {self.max_sessions} sessions: close one "
                                  "(DELETE /api/v1/sessions/ID) or start it with a larger --max-sessions")
@@ -119,7 +133,7 @@ class Service:
                                       lora=spec)
         except HeteroRLError as exc:  # (a LoRA config that does not fit the model)
             raise BadRequest(str(exc)) from None
-        session = Session(f"s-{uuid.uuid4().hex[:12]}", base_model, training)
+        session = Session(f"s-{uuid.uuid4().hex[:12]}", base_model, training, name=name or "", owner=CALLER.get().key)
         try:
             with self._lock:
                 evicted = self._make_room(f"a session of {base_model}", memory.session_bytes(training, ()))
@@ -153,18 +167,33 @@ class Service:
         session = self.session(session_id)
         model = session.training.model
         training = session.training
-        return {"session_id": session_id, "base_model": session.base_model, "version": training.version,
+        return {"session_id": session.session_id, "name": session.name or None, "base_model": session.base_model,
+                "version": training.version,
                 "step": training.step, "vocab_size": model.get_input_embeddings().num_embeddings,
                 "parameters": sum(p.numel() for p in model.parameters()),
                 "trainable_parameters": sum(p.numel() for p in training.trainable_parameters()),
                 "lora": training.lora.to_dict() if training.lora is not None else None,
                 "adapter": training.adapter_meta,
-                "samplers": [f"heterorl:{session_id}/{v}" for v in session.samplers]}
+                "samplers": [f"heterorl:{session.label}/{v}" for v in session.samplers]}
+
+    def list_sessions(self) -> list[dict]:
+        """The caller's sessions (those its key made), each as {session_id, name, base_model, version, latest}."""
+        owner = CALLER.get().key
+        with self._lock:
+            mine = [s for s in self._sessions.values() if s.owner == owner]
+            return [{"session_id": s.session_id, "name": s.name or None, "base_model": s.base_model,
+                     "version": s.training.version,
+                     "latest": f"heterorl:{s.label}/latest" if s.samplers else None} for s in mine]
 
     def session(self, session_id: str) -> Session:
+        """The session of ``session_id`` (its id or its name) that the caller's key made."""
         self.expire_sessions()
+        owner = CALLER.get().key
         with self._lock:
-            found = self._sessions.get(session_id)
+            found = self._sessions.get(session_id) or next(
+                (s for s in self._sessions.values() if s.name and s.name == session_id), None)
+            if found is not None and found.owner != owner:
+                found = None  # (another key's: as if it did not exist)
             if found is not None:
                 found.used = time.monotonic()
         if found is None:
@@ -192,14 +221,14 @@ class Service:
         if session is None:
             raise NotFound(f"no session {session_id!r} here")
         with self._lock:
-            self._sessions.pop(session_id, None)
+            self._sessions.pop(session.session_id, None)
         for sampler in session.samplers.values():
             sampler.close()
         session.training.close()
 
     def close(self) -> None:
         for session_id in list(self._sessions):
-            self.close_session(session_id)
+            self.close_session(session_id, expired=True)  # (every key's)
 
     def shutdown(self, timeout_s: float) -> tuple[int, int]:
         """Stop taking calls and end the sessions: calls still queued are cancelled, sampling calls running are
@@ -231,7 +260,7 @@ class Service:
         session = self.session(session_id)
         if method not in TRAINING_METHODS:
             raise BadRequest(f"unknown training method {method!r}; one of {', '.join(TRAINING_METHODS)}")
-        return self._submit(session_id, method, request_id, lambda: self._start(session, method, args or {}))
+        return self._submit(session.session_id, method, request_id, lambda: self._start(session, method, args or {}))
 
     def sampler_call(self, model_id: str, method: str, args: dict, request_id: str | None = None) -> str:
         """Submit ``method`` of the sampling client ``model_id`` ("heterorl:SESSION/VERSION" or "latest")."""
@@ -330,13 +359,13 @@ class Service:
 
     # -- samplers and weights -----------------------------------------------------------------------------
     def sampler(self, model_id: str) -> tuple[str, SamplingClient]:
-        """(session id, sampling client) of "heterorl:SESSION/VERSION", "heterorl:SESSION/latest" or "latest"
-        (only while one session serves samplers: with several it would be another user's model); a use of it, for
-        the eviction of the least recently used. `NotFound` saying why for an evicted one."""
+        """(session id, sampling client) of "heterorl:SESSION/VERSION" or "heterorl:SESSION/latest" (SESSION: its
+        id or its name), or "latest": the newest sampler of the session the caller's ``X-Heterorl-Session``
+        header names, else of the one session its key made that serves samplers (`latest_session`); a use of it,
+        for the eviction of the least recently used. `NotFound` saying why for an evicted one."""
+        if model_id == "latest":
+            model_id = f"heterorl:{self.latest_session().label}/latest"
         served = self._served()
-        if model_id == "latest" and model_id not in served and any(m.endswith("/latest") for m in served):
-            raise BadRequest("model 'latest' is ambiguous here: several sessions serve sampling clients; name "
-                             "one, e.g. heterorl:SESSION/latest")
         if model_id not in served:
             listed = ", ".join(sorted(served)) or "none yet"
             with self._lock:
@@ -344,10 +373,38 @@ class Service:
             raise NotFound(evicted or f"no sampling client {model_id!r}; serving: {listed} "
                            "(save_weights_and_get_sampling_client makes one)")
         session, version, sampler = served[model_id]
+        if session.owner != CALLER.get().key:
+            raise NotFound(f"no sampling client {model_id!r} for this key (another key's sessions are its own)")
         with self._lock:
             if version in session.samplers:
                 self.budget.use((session.session_id, version))
         return session.session_id, sampler
+
+    def latest_session(self) -> Session:
+        """The session whose newest sampler "latest" names for the caller (`guard.CALLER`): the one its
+        ``X-Heterorl-Session`` header names (an id or a name), else the one session its key made that serves
+        samplers. `BadRequest` when its key's sessions serve several (naming them), `NotFound` when none."""
+        caller = CALLER.get()
+        with self._lock:
+            if caller.session:
+                named = [s for s in self._sessions.values()
+                         if caller.session in (s.session_id, s.name) and s.owner == caller.key]
+                if not named:
+                    raise NotFound(f"X-Heterorl-Session names {caller.session!r}: no session of this key has that "
+                                   "id or name")
+                if not named[0].samplers:
+                    raise NotFound(f"session {named[0].label} serves no sampling client yet "
+                                   "(save_weights_and_get_sampling_client makes one)")
+                return named[0]
+            serving = [s for s in self._sessions.values() if s.owner == caller.key and s.samplers]
+        if len(serving) > 1:
+            raise BadRequest(f"model 'latest' is ambiguous: {len(serving)} sessions of this key serve sampling "
+                             f"clients ({', '.join(s.label for s in serving[:10])}); name one, e.g. "
+                             f"heterorl:{serving[0].label}/latest, or send the header 'X-Heterorl-Session: NAME'")
+        if not serving:
+            raise NotFound("model 'latest': no session of this key serves a sampling client yet "
+                           "(save_weights_and_get_sampling_client makes one)")
+        return serving[0]
 
     def touch_sampler(self, model_id: str) -> None:
         """Record a use of the sampler ``model_id`` names, as `sampler` does (the OpenAI endpoint calls it for each
@@ -359,20 +416,24 @@ class Service:
         return {model_id: (session.session_id, sampler) for model_id, (session, _, sampler) in self._served().items()}
 
     def _served(self) -> dict[str, tuple[Session, int, SamplingClient]]:
-        """Every model id served → (session, version, sampling client)."""
-        served, newest, serving = {}, None, 0
+        """Every model id served → (session, version, sampling client): by each session's id and by its name, and
+        "latest" where it names one session for the caller (`latest_session`)."""
+        served = {}
         with self._lock:
-            for session_id, session in self._sessions.items():
+            for session in self._sessions.values():
+                labels = [session.session_id, *([session.name] if session.name else [])]
                 for version, sampler in session.samplers.items():
-                    served[f"heterorl:{session_id}/{version}"] = (session, version, sampler)
+                    for label in labels:
+                        served[f"heterorl:{label}/{version}"] = (session, version, sampler)
                 if session.samplers:
-                    latest = served[f"heterorl:{session_id}/{next(reversed(session.samplers))}"]
-                    served[f"heterorl:{session_id}/latest"] = latest
-                    newest = None if newest is not None else latest
-                    serving = serving + 1
-        if newest is not None and serving == 1:  # "latest": only when one session serves (else: whose?)
-            served["latest"] = newest
-        return served
+                    newest = next(reversed(session.samplers))
+                    for label in labels:
+                        served[f"heterorl:{label}/latest"] = (session, newest, session.samplers[newest])
+        try:
+            latest = self.latest_session()
+        except (BadRequest, NotFound):
+            return served
+        return {**served, "latest": served[f"heterorl:{latest.session_id}/latest"]}
 
     def weights(self, session_id: str, version: int) -> bytes:
         session = self.session(session_id)

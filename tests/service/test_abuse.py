@@ -370,3 +370,49 @@ def test_cancel_wins_over_the_poll_that_sees_the_service_cancel_the_call():
     future = RemoteFuture(service, "f1")
     assert future.cancel() and future.cancelled()
     assert future.cancel() and service.sent == 1  # cancelled already: nothing more is sent
+
+
+def test_latest_is_each_keys_own_newest_sampler_and_sessions_are_named_and_listed(tmp_path):
+    """With a key per user, each user's "latest" is the newest sampler of its own session (the documented OpenAI
+    snippet works for each); a user's second session is told apart by its name, in the model id or in the
+    X-Heterorl-Session header; sessions are listed with their names; another key's sessions do not exist."""
+    from heterorl.service.guard import CALLER, Caller
+
+    service = Service(tmp_path, result_ttl_s=60, max_sessions=8)
+    with ServerThread(create_app(service, api_key=["key-alice", "key-bob"], max_body_bytes=32 * 2**20)) as server, \
+            httpx.Client(base_url=server.url, headers={"Authorization": "Bearer key-alice"}, timeout=120) as alice, \
+            httpx.Client(base_url=server.url, headers={"Authorization": "Bearer key-bob"}, timeout=120) as bob:
+        a = alice.post("/api/v1/sessions", json={"base_model": BASE, "seed": 0, "name": "alice-run"}).json()
+        b = bob.post("/api/v1/sessions", json={"base_model": BASE, "seed": 0}).json()
+        assert a["name"] == "alice-run" and b["name"] is None
+        taken = bob.post("/api/v1/sessions", json={"base_model": BASE, "name": "alice-run"})
+        assert taken.status_code == 400 and "named 'alice-run' already" in taken.json()["detail"]
+        for http, session in ((alice, a), (bob, b)):
+            _call(http, session["session_id"], "save_weights_and_get_sampling_client")
+        for http in (alice, bob):  # the snippet, as each user runs it
+            out = http.post("/v1/completions", json={"model": "latest", "prompt": "1+1=", "max_tokens": 2})
+            assert out.status_code == 200, out.text
+        for key, owner in ((0, a), (1, b)):
+            token = CALLER.set(Caller(key))
+            try:
+                assert service.sampler("latest")[0] == owner["session_id"]
+            finally:
+                CALLER.reset(token)
+        assert alice.get("/api/v1/sessions").json()["described"] == [{
+            "session_id": a["session_id"], "name": "alice-run", "base_model": BASE, "version": 1,
+            "latest": "heterorl:alice-run/latest"}]
+        assert bob.get(f"/api/v1/sessions/{a['session_id']}").status_code == 404
+        assert bob.post("/v1/completions", json={"model": "heterorl:alice-run/latest", "prompt": "1",
+                                                 "max_tokens": 1}).status_code == 404
+        second = alice.post("/api/v1/sessions", json={"base_model": BASE, "seed": 1, "name": "alice-2"}).json()
+        _call(alice, second["session_id"], "save_weights_and_get_sampling_client")
+        ambiguous = alice.post("/v1/completions", json={"model": "latest", "prompt": "1", "max_tokens": 1})
+        assert ambiguous.status_code == 400 and "alice-run, alice-2" in ambiguous.text, ambiguous.text
+        assert "X-Heterorl-Session" in ambiguous.text
+        for request in ({"headers": {"X-Heterorl-Session": "alice-2"}, "model": "latest"},
+                        {"headers": {}, "model": "heterorl:alice-2/latest"}):
+            out = alice.post("/v1/completions", headers=request["headers"], json={
+                "model": request["model"], "prompt": "1+1=", "max_tokens": 2})
+            assert out.status_code == 200, out.text
+        assert bob.post("/v1/completions", json={"model": "latest", "prompt": "1", "max_tokens": 1}).status_code == 200
+    service.close()
