@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -162,10 +163,46 @@ def _resolve_config(args, default: str | None = None, command: str = ""):
     return cfg
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
+class _Progress:
+    """A command's progress bar, and while it is open, the log's warnings (and Python's) written above it with
+    their level (``heterorl: WARNING: ...``), not into its line."""
 
-    bar = tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, file=sys.stderr)
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, file=sys.stderr)
+        self._root = logging.getLogger()
+        self._handler = None
+        if not self._root.handlers:  # (a command that set up its own logging keeps it)
+            self._handler = _BarLogHandler()
+            self._handler.setFormatter(logging.Formatter("heterorl: %(levelname)s: %(message)s"))
+            self._root.addHandler(self._handler)
+            logging.captureWarnings(True)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self._handler is not None:
+            self._root.removeHandler(self._handler)
+            logging.captureWarnings(False)
+            self._handler = None
+
+
+class _BarLogHandler(logging.Handler):
+    """Writes each record above the progress bars (`tqdm.write`), which are drawn again below it."""
+
+    def emit(self, record) -> None:
+        from tqdm.auto import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 (logging's own contract: a handler reports, never raises)
+            self.handleError(record)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    """A `_Progress` and the function that advances it with a step's metrics."""
+    progress = _Progress(total, desc, enabled)
+    bar = progress.bar
     shown: dict[str, float] = {}
 
     def update(step: int, metrics: dict) -> None:
@@ -177,7 +214,7 @@ def _progress(total: int, desc: str, enabled: bool):
         bar.set_postfix(shown, refresh=False)
         bar.update(step - bar.n)
 
-    return bar, update
+    return progress, update
 
 
 def _setup(cfg, name: str, policy: str, append: bool = False):
@@ -382,8 +419,6 @@ def _curve(secret: str | None, server_key: str | None = None, allowed: str | Non
 
 
 def _log_to_console() -> None:
-    import logging
-
     from heterorl.policies import quiet_transformers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

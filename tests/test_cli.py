@@ -1,6 +1,8 @@
 """The command line, run as real processes."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -8,7 +10,7 @@ import yaml
 from heterorl.policies import load_policy
 from heterorl.runs import read_metrics
 from heterorl.tasks import make_task
-from tests.conftest import run_cli
+from tests.conftest import ENV, run_cli
 
 
 def test_help_names_every_command():
@@ -198,3 +200,23 @@ logging: {{run_dir: {tmp_path / "run"}, wandb_mode: disabled, progress: false}}
     assert out.returncode == 2, out.stdout + out.stderr
     assert "worker-" in out.stderr and "failed" in out.stderr
     assert "tests.stuck_reward:score did not return within 2 s" in out.stderr  # the stuck worker's log tail
+
+
+def test_a_commands_warnings_are_written_above_its_bar_with_their_level():
+    """The log's warnings (and Python's) while a command's bar is open: each on a line of its own, with its
+    level, not into the bar's line; after it, logging is as it was (a process of its own: pytest holds the root
+    logger's handlers)."""
+    code = """
+import logging, warnings
+from heterorl.cli import _progress
+progress, update = _progress(3, "rl", True)
+update(1, {"rollout/reward_mean": 0.5})
+logging.getLogger("heterorl.runs").warning("the starting policy solves none")
+warnings.warn("a library's warning", FutureWarning, stacklevel=1)
+progress.close()
+assert logging.getLogger().handlers == []
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "\nheterorl: WARNING: the starting policy solves none\n" in out.stderr, out.stderr
+    assert "heterorl: WARNING: " in out.stderr.split("solves none")[1] and "a library's warning" in out.stderr

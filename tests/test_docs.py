@@ -5,7 +5,10 @@ exist. Fast: it reads files and builds the argparse parser, nothing runs."""
 import argparse
 import ast
 import importlib
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from heterorl.cli import build_parser
@@ -133,6 +136,23 @@ def test_the_readme_loop_is_python_against_the_real_api():
     client = importlib.import_module("heterorl.training.session").TrainingClient
     for primitive in ("forward_backward", "optim_step", "save_weights_and_get_sampling_client"):
         assert primitive in block and hasattr(client, primitive), primitive
+
+
+def test_the_readme_loop_runs_and_prints_its_rewards_and_held_out_success_before_and_after(tmp_path):
+    """The README's loop as a reader runs it, in a process of its own, shortened (2 steps, 16 held-out problems):
+    it prints the held-out success before, each step's mean reward and the success after, and no load bar."""
+    (block,) = [b for b in python_blocks(README) if "forward_backward" in b]
+    short = block.replace("range(20)", "range(2)").replace("eval_problems()[:128]", "eval_problems()[:16]")
+    assert short.count("range(2)") == 1 and "[:16]" in short, "the README loop's step count or eval size moved"
+    (tmp_path / "loop.py").write_text(short)
+    out = subprocess.run([sys.executable, "loop.py"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["held-out success before", "step 1", "step 2",
+                                                     "held-out success after"], out.stdout
+    assert all(0 <= float(line.rsplit(" ", 1)[1]) <= 1 for line in lines)
+    assert "Loading weights" not in out.stderr  # (a shipped policy loads without transformers' bar)
 
 
 def test_python_blocks_in_the_docs_parse():

@@ -21,7 +21,7 @@ from heterorl.rollout.episodes import EpisodeLimits, rollout_groups
 from heterorl.rollout.spans import policy_token_weights, turn_metrics
 from heterorl.runs import RunResult, StepRecorder
 from heterorl.tasks.base import Task
-from heterorl.tasks.rewards import outcome_counts, score_all
+from heterorl.tasks.rewards import outcome_counts, outcomes_kind, score_all
 from heterorl.training.evaluation import evaluate
 from heterorl.training.session import Datum, TrainingClient
 from heterorl.training.step import group_rows, has_signal, optimize_batch
@@ -81,6 +81,7 @@ def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, 
     total_updates = cfg.rl.steps * cfg.rl.updates_per_batch
     # the programs the training rewards ran, by outcome (evaluation's left out)
     outcomes = Counter(record.get("reward_outcomes", {}))
+    kind = outcomes_kind(task)  # the middle of the outcomes' metric names: programs, episodes, scoring
     step = state.step if state is not None else 0
     while step < cfg.rl.steps and not (stop is not None and stop.by):
         step += 1
@@ -89,7 +90,7 @@ def run_sync_rl(cfg: Config, training: TrainingClient, task: Task, logger=None, 
         datums, metrics = rollout_datums(sampler, task, problems, cfg, seed=cfg.seed * 100_003 + step)
         ran = outcome_counts(task) - before
         outcomes.update(ran)
-        metrics.update({f"rollout/programs/{reason}": count for reason, count in ran.items()})
+        metrics.update({f"rollout/{kind}/{reason}": count for reason, count in ran.items()})
         metrics.update(optimize_batch(training, datums, cfg, total_updates))
         sampler = training.save_weights_and_get_sampling_client()  # (the recorder evaluates the newest)
         metrics["policy/version"] = sampler.version

@@ -63,8 +63,16 @@ def _load_policy(model: str, alphabet: str | None, tiny: TinyModelConfig | None,
         from heterorl.policies.smollm2 import smollm2_folder
 
         return load_hf_folder(smollm2_folder(), device=device)
-    if model in SHIPPED:
-        return load_hf_folder(shipped_policy(model), device=device)
+    if model in SHIPPED:  # (a shipped policy loads in a blink: no load bar for it)
+        from transformers.utils import logging as hf_logging
+
+        shown = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            return load_hf_folder(shipped_policy(model), device=device)
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
     return load_hf_folder(Path(model).expanduser(), device=device)
 
 

@@ -201,6 +201,8 @@ class CodeTask(GeneratedTask):
     """Generated programming problems; reward: hidden tests passed, run in a `Sandbox` (``stats``: why each
     program scored what it did)."""
 
+    outcomes_kind = "programs"  # what its reward outcomes count (`rewards.outcomes_kind`)
+
     name = "code"
     redraw_hint = "lower eval_size or allow more families so that training problems remain"
 

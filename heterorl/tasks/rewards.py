@@ -76,6 +76,15 @@ def outcome_counts(task: Task) -> Counter:
     return Counter(getattr(task, "stats", None) or {}) + Counter(getattr(task, "episode_outcomes", None) or {})
 
 
+def outcomes_kind(task: Task) -> str:
+    """What ``task``'s `outcome_counts` count, the middle of their metric names (``rollout/KIND/OUTCOME``): a
+    task's own ``outcomes_kind`` (the code task's "programs"), else "episodes" for a multi-turn task and
+    "scoring" for the calls of a scoring library (math-verify, reasoning-gym)."""
+    from heterorl.tasks.environment import is_multi_turn
+
+    return getattr(task, "outcomes_kind", None) or ("episodes" if is_multi_turn(task) else "scoring")
+
+
 def _describe(fn: object) -> str:
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None) or repr(fn)

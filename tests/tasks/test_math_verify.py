@@ -22,7 +22,7 @@ from heterorl.tasks.math_answers import (
     _VerifierProcess,
     math_verify_score,
 )
-from heterorl.tasks.rewards import CustomRewardTask, outcome_counts
+from heterorl.tasks.rewards import CustomRewardTask, outcome_counts, outcomes_kind
 
 # reference, completion, is the completion right, then what each scorer says: hand-written `hash`, hand-written
 # `boxed` (both through answers_match), math_verify. The docs/TASKS.md table is this one.
@@ -115,6 +115,9 @@ def test_jsonl_math_verify_end_to_end(tmp_path):
         assert task.reward(problem, f"that is \\boxed{{{EQUIVALENT[problem.prompt]}}}") == 1.0
         assert task.reward(problem, "\\boxed{7}") == 0.0
     assert outcome_counts(task) == Counter(ok=9)
+    # named as what they count: a scoring library's calls here, the code task's programs, episodes' endings
+    assert outcomes_kind(task) == "scoring" and outcomes_kind(make_task("code", {})) == "programs"
+    assert outcomes_kind(make_task("calculator", {})) == "episodes"
 
 
 @pytest.mark.parametrize("answer", ["}{", "\\frac{1}{"])

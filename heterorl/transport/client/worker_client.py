@@ -90,9 +90,7 @@ class WorkerClient(Endpoint):
         self.busy_s = self.idle_s = 0.0  # reported in heartbeats; the rollout loop adds to them
         # `Heartbeat.reward_outcomes`, told within 50 ms of a change: give it a new dict, never change it in place
         self.reward_outcomes = self._outcomes_said = {}
-        self._answered_end = False  # this worker's bye answered the learner's end of the run
-        self.handshake_refused = ""  # the cause of the latest handshake ZeroMQ refused (`handshakes.py`)
-        self._handshakes: HandshakeMonitor | None = None  # the I/O thread's monitor of its control socket
+        self._answered_end, self.handshake_refused, self._handshakes = False, "", None  # `_run`, `handshakes.py`
         self.finished = threading.Event()  # the learner said the run is over (or refused this worker: `refused`)
         self.refused: str | None = None  # the learner's reason when it refused this worker
         self.busy: str | None = None  # the learner's reason when it last could not take this worker (BYE_BUSY)
@@ -285,7 +283,9 @@ class WorkerClient(Endpoint):
         return sock
 
     def _watch_handshakes(self, control: zmq.Socket) -> None:
-        """Read ZeroMQ's handshake failures on ``control`` (its monitor polled with the sockets)."""
+        """Read ZeroMQ's handshake failures on ``control`` (its monitor polled with the sockets): the latest's cause
+        is ``handshake_refused``, which `wait_ready`'s timeout names. (``_answered_end``: this worker's bye
+        answered the learner's end of the run.)"""
         self._handshakes = HandshakeMonitor(control, "worker")
         self._poller.register(self._handshakes.socket, zmq.POLLIN)
 
