@@ -1,8 +1,9 @@
 """`heterorl deploy k8s`: one run as Kubernetes objects (docs/DEPLOY.md, "Kubernetes").
 
-A ConfigMap holds the run config; the learner is a Deployment of one pod (strategy Recreate: its volume is
-ReadWriteOnce) behind a Service with the control port and the weights port (port + 1), its run dir on a
-PersistentVolumeClaim so that a pod started again resumes from the last checkpoint; the rollout workers are a
+A ConfigMap holds the run config; the learner is a Job of one pod (a new pod only once the old one has ended:
+its volume is ReadWriteOnce; complete when the run is) behind a Service with the control port and the weights
+port (port + 1), its run dir on a PersistentVolumeClaim so that a pod started again resumes from the last
+checkpoint; the rollout workers are a
 Deployment or a Job (cluster.k8s.workers_as) per class of workers (`worker_classes`: an engine and a throttle),
 each pod a worker whose id is its pod's name. The CurveZMQ keys are Secrets made from files (`secret_commands`),
 never written into the manifests. Pure: `render_k8s` returns the manifests as dicts."""
@@ -36,11 +37,12 @@ CONFIG_DIR, KEYS_DIR, RUN_DIR = "/etc/heterorl/config", "/etc/heterorl/keys", "/
 RUN_CONFIG = "run.yaml"
 # a learner whose run finished wrote this into its summary.json (`serve_learner`: it was not stopped)
 FINISHED = '"stopped_by": null'
+LEARNER_RESTARTS = 6  # the learner Job's backoffLimit: its pod's failures before the Job fails
 _LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 
 def render_k8s(cfg: Config) -> list[dict]:
-    """The run's manifests: ConfigMap, PersistentVolumeClaim, Service, the learner's Deployment, then one worker
+    """The run's manifests: ConfigMap, PersistentVolumeClaim, Service, the learner's Job, then one worker
     Deployment or Job per class of workers."""
     check_deployable(cfg, "k8s")
     if (cfg.runtime.learner_ranks > 1 and cfg.runtime.learner_sharding == "fsdp"
@@ -66,7 +68,7 @@ def render_k8s(cfg: Config) -> list[dict]:
 def manifests_text(cfg: Config, manifests: list[dict]) -> str:
     """The manifests as one YAML file, a comment on top."""
     k8s = cfg.cluster.k8s
-    header = (f"# Rendered by `heterorl deploy k8s`, for namespace {k8s.namespace}: the learner (Deployment and "
+    header = (f"# Rendered by `heterorl deploy k8s`, for namespace {k8s.namespace}: the learner (Job and "
               f"Service\n# {k8s.name}-learner, its run dir on the PersistentVolumeClaim {k8s.name}-run) and "
               f"{cfg.runtime.workers} rollout worker(s) ({k8s.workers_as}).\n"
               f"# The CurveZMQ keys come from the Secrets {k8s.name}-learner-keys and {k8s.name}-worker-keys, made "
@@ -155,11 +157,12 @@ def _container(cfg: Config, name: str, image: str, command: list[str], resources
 
 
 def _learner_script(cfg: Config) -> str:
-    """The learner pod's shell: a finished run stays finished; a run with a checkpoint resumes; else it starts."""
+    """The learner pod's shell: a finished run stays finished (the Job completes); a run with a checkpoint
+    resumes; else it starts."""
     command = [shlex.quote(word) for word in learner_command(cfg, f"{CONFIG_DIR}/{RUN_CONFIG}", KEYS_DIR)]
     return (f'if grep -qs \'{FINISHED}\' {RUN_DIR}/summary.json; then\n'
-            f'  echo "heterorl: the run in {RUN_DIR} has finished; delete its objects (docs/DEPLOY.md)"\n'
-            "  exec sleep infinity\n"
+            f'  echo "heterorl: the run in {RUN_DIR} has finished; copy it off the volume (docs/DEPLOY.md)"\n'
+            "  exit 0\n"
             "fi\n"
             "resume=\n"
             f"if [ -f {RUN_DIR}/{CHECKPOINTS}/{LEARNER_STATE} ]; then resume=--resume; fi\n"
@@ -186,9 +189,12 @@ def _learner(cfg: Config) -> dict:
                            volumeMounts=mounts)
     pod = {"terminationGracePeriodSeconds": 120,  # SIGTERM: the learner checkpoints after its step in progress
            **_node_selector(cfg.cluster.learner, "cluster.learner"), "containers": [container], "volumes": volumes}
-    return _object("apps/v1", "Deployment", f"{k8s.name}-learner", cfg, "learner", spec={
-        "replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": labels},
-        "template": {"metadata": {"labels": labels}, "spec": pod}})
+    # a Job: done when the run is (no pod left sleeping); a failed learner is started again in place (OnFailure)
+    # or on another node, up to LEARNER_RESTARTS times, each resuming from the volume's last checkpoint
+    return _object("batch/v1", "Job", f"{k8s.name}-learner", cfg, "learner", spec={
+        "completions": 1, "parallelism": 1, "backoffLimit": LEARNER_RESTARTS,
+        "podReplacementPolicy": "Failed",  # a new pod only once the old one has ended (the volume is ReadWriteOnce)
+        "template": {"metadata": {"labels": labels}, "spec": {**pod, "restartPolicy": "OnFailure"}}})
 
 
 def _workers(cfg: Config) -> list[dict]:

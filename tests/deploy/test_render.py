@@ -168,15 +168,18 @@ def test_demo_manifests_are_valid_and_say_what_the_config_says():
     cfg = demo()
     manifests = parsed_and_valid(cfg)
     kinds = by_kind(manifests)
-    assert [m["kind"] for m in manifests] == ["ConfigMap", "PersistentVolumeClaim", "Service", "Deployment",
+    assert [m["kind"] for m in manifests] == ["ConfigMap", "PersistentVolumeClaim", "Service", "Job",
                                               "Deployment"]
     run_config = kinds["ConfigMap"][0]["data"]["run.yaml"]
     same_run(run_config, cfg, **{"logging.run_dir": k8s.RUN_DIR, "transport.max_ids_per_key": 8})
     (service,) = kinds["Service"]
     assert [(p["name"], p["port"]) for p in service["spec"]["ports"]] == [("control", 5555), ("weights", 5556)]
-    learner, workers = kinds["Deployment"]
+    (learner,), (workers,) = kinds["Job"], kinds["Deployment"]
     assert service["spec"]["selector"] == learner["spec"]["template"]["metadata"]["labels"]
-    assert learner["spec"]["replicas"] == 1 and learner["spec"]["strategy"] == {"type": "Recreate"}
+    # a Job of one pod, replaced only once the old one has ended (its volume is ReadWriteOnce), complete with the run
+    spec = learner["spec"]
+    assert (spec["completions"], spec["parallelism"], spec["podReplacementPolicy"]) == (1, 1, "Failed")
+    assert spec["template"]["spec"]["restartPolicy"] == "OnFailure" and spec["backoffLimit"] == k8s.LEARNER_RESTARTS
     assert "exec heterorl learner --config /etc/heterorl/config/run.yaml --bind 'tcp://*:5555'" \
         in container(learner)["command"][2]
     assert workers["metadata"]["name"] == "heterorl-worker" and workers["spec"]["replicas"] == 2
@@ -194,7 +197,7 @@ def test_big_manifests_are_valid_and_give_each_worker_class_its_engine_resources
     same_run(kinds["ConfigMap"][0]["data"]["run.yaml"], cfg,
              **{"logging.run_dir": k8s.RUN_DIR, "transport.max_ids_per_key": 8})  # max(8, 2 x 3 workers)
     assert [p["port"] for p in kinds["Service"][0]["spec"]["ports"]] == [6000, 6001]
-    learner = kinds["Deployment"][0]
+    (learner,) = [m for m in kinds["Job"] if m["metadata"]["labels"]["app.kubernetes.io/component"] == "learner"]
     assert learner["metadata"] == {"name": "big-learner", "namespace": "rl", "labels": {
         "app.kubernetes.io/name": "heterorl", "app.kubernetes.io/instance": "big",
         "app.kubernetes.io/component": "learner"}}
@@ -231,6 +234,13 @@ def test_the_learner_pod_resumes_its_run_and_knows_a_finished_one(tmp_path):
     from heterorl.runtime.checkpoints import CHECKPOINTS, LEARNER_STATE
 
     assert f"{k8s.RUN_DIR}/{CHECKPOINTS}/{LEARNER_STATE} ]; then resume=--resume" in script
+    # a pod of a finished run ends at once (its Job completes), and says so; it never trains the run again
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json_text({"stopped_by": None}, indent=2))
+    out = subprocess.run(["sh", "-c", script.replace(k8s.RUN_DIR, str(run))], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0 and "has finished" in out.stdout
 
 
 def test_max_ids_per_key_covers_the_worker_pods():
