@@ -132,13 +132,13 @@ def _online_claims(sweep, task: str, measured: dict, online: str, small: str, la
     iv = mean_ci(list(gepo_drop.values())) if gepo_drop else None
     claims.append(_decide(
         _CLAIMS[0], iv, lambda i: _small_verdict(i, -float("inf"), CLOSE),
-        lambda i: f"GEPO's last-{LAST_EVALS}-evals success fell by {i} from {online} to {_label(measured, large)} "
-                  f"(n={i.n} seeds; 'little' = at most {CLOSE:.2f})"))
+        lambda i: f"GEPO's last-{LAST_EVALS}-evals success, {online} minus {_label(measured, large)}: {i} "
+                  f"(its fall; n={i.n} seeds; 'little' = at most {CLOSE:.2f})"))
     iv = _paired(grpo_drop, gepo_drop)
     claims.append(_decide(
         _CLAIMS[1], iv, _order_verdict,
-        lambda i: f"GRPO's fall minus GEPO's, {online} to {_label(measured, large)}: {i} (n={i.n}; GRPO fell "
-                  f"{_mean(grpo_drop):.3f}, GEPO {_mean(gepo_drop):.3f})"))
+        lambda i: f"GRPO's fall minus GEPO's, {online} to {_label(measured, large)}: {i} (n={i.n}; GRPO "
+                  f"{change(-_mean(grpo_drop))}, GEPO {change(-_mean(gepo_drop))})"))
     iv = _paired(per_seed("gepo", small), per_seed("grpo", small))
     if measured[small] <= SMALL_STALENESS:
         claims.append(_decide(
@@ -184,6 +184,16 @@ def _stale_claims(sweep, task: str, measured: dict, small: str, large: str) -> l
     return claims
 
 
+def change(delta: float) -> str:
+    """A change of held-out success in words, its sign said once: "rose by 0.012", "fell by 0.008", "did not
+    change" (below half the last digit shown)."""
+    if not math.isfinite(delta):
+        return "changed by an unknown amount"
+    if abs(delta) < 0.0005:
+        return "did not change"
+    return f"{'rose' if delta > 0 else 'fell'} by {abs(delta):.3f}"
+
+
 def _mean(values: Mapping[int, float]) -> float:
     return sum(values.values()) / len(values) if values else float("nan")
 
@@ -202,4 +212,5 @@ _CLAIMS = (
     "Importance-weight variance grows with staleness, and GEPO's stays lower",
 )
 
-__all__ = ["CLOSE", "SMALL_STALENESS", "Claim", "best_to_last_gap", "last_score", "paper_claims", "run_metric"]
+__all__ = ["CLOSE", "SMALL_STALENESS", "Claim", "best_to_last_gap", "change", "last_score", "paper_claims",
+           "run_metric"]

@@ -113,10 +113,10 @@ def _verdict(rows: list[MechanismRow], loss: str = "gepo") -> list[str]:
     if not stale:
         return []
     low, high = stale[0], stale[-1]
-    start = f"{online[0].applied_var:.3g} on-policy, " if online else ""
-    text = (f"Here, {loss.upper()}'s weight variance is {start}{low.applied_var:.3g} at KL {low.kl:.3g} and "
-            f"{high.applied_var:.3g} at KL {high.kl:.3g}, while Var(p/q) is {low.sequence_var:.3g} and "
-            f"{high.sequence_var:.3g}: the ratio goes {low.ratio:.3g} → {high.ratio:.3g}")
+    start = f" (on-policy, its weight variance is {online[0].applied_var:.3g})" if online else ""
+    # the table above holds each row's numbers: the sentence says only what they come to
+    text = (f"Here, {loss.upper()}'s ratio to Var(p/q) goes {low.ratio:.3g} → {high.ratio:.3g} from the least "
+            f"drift to the most in the table{start}")
     if len(stale) < 2 or high.kl <= low.kl:
         return [text + " (one drift level: nothing to compare).", ""]
     follows = high.ratio < low.ratio

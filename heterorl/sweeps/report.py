@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 from heterorl.errors import HeteroRLError
 from heterorl.runs import format_table, json_text, read_metrics
-from heterorl.sweeps.claims import Claim, paper_claims, run_metric
+from heterorl.sweeps.claims import Claim, last_score, paper_claims, run_metric
 from heterorl.sweeps.mechanism import markdown_section, plot_mechanism
 from heterorl.sweeps.plots import pyplot as _pyplot
 from heterorl.sweeps.plots import save as _save
@@ -98,7 +98,7 @@ class SummaryRow:
     best_std: float | None
     last_mean: float | None
     last_std: float | None
-    degradation_pct: float | None  # 100 * (online last_mean - last_mean) / online last_mean, same loss
+    degradation_pct: float | None  # 100 * (online - this) / online of the last-LAST_EVALS-evals score, same loss
     gap_mean: float | None  # mean over seeds of best - last
     staleness_mean: float | None
     staleness_p50: float | None  # the measured staleness's median, 95th percentile and maximum, over seeds (means;
@@ -202,14 +202,16 @@ def _summarise(sweep: SweepResults, task: str, loss: str, delay: str) -> Summary
     cells = sweep.finished(task, loss, delay)
     best = [c.summary["best_success"] for c in cells]
     last = [c.summary["final_success"] for c in cells]
-    online_last = _mean([c.summary["final_success"] for c in sweep.finished(task, loss, sweep.online_delay)])
+    # degradation: on the claims' measure (the mean of the last LAST_EVALS evals), the one measure of the page
+    online_score = _mean([last_score(c.summary["history"]) for c in sweep.finished(task, loss, sweep.online_delay)])
+    score = _mean([last_score(c.summary["history"]) for c in cells])
     last_mean = _mean(last)
     return SummaryRow(
         task=task, loss=loss, delay=delay, n_seeds=len(cells),
         base_mean=_mean([c.summary["base_success"] for c in cells]),
         best_mean=_mean(best), best_std=_std(best), last_mean=last_mean, last_std=_std(last),
-        degradation_pct=(None if not online_last or last_mean is None
-                         else 100.0 * (online_last - last_mean) / online_last),
+        degradation_pct=(None if not online_score or score is None
+                         else 100.0 * (online_score - score) / online_score),
         gap_mean=_mean([b - f for b, f in zip(best, last)]),
         staleness_mean=_mean([c.summary.get("staleness_mean") for c in cells]),
         staleness_p50=_mean([c.summary.get("staleness_p50") for c in cells]),
@@ -239,8 +241,8 @@ def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:+.1f}%"
 
 
-_SUMMARY_HEADER = ["loss", "delay", "n", "best", "last", "degradation", "best-last", "staleness mean/p50/p95/max",
-                   "p/q seq var", "KL k3"]
+_SUMMARY_HEADER = ["loss", "delay", "n", "best", "last", f"degradation (last {LAST_EVALS} evals)", "best-last",
+                   "staleness mean/p50/p95/max", "p/q seq var", "KL k3"]
 
 
 def _summary_cells(row: SummaryRow) -> list[str]:
@@ -254,9 +256,10 @@ def _footer(sweep: SweepResults) -> list[str]:
     return [
         "best, last: held-out eval success (best during the run, at its end), mean ± population std (ddof=0) "
         "over finished seeds; one seed gives std 0.",
-        f"degradation: (last_online - last) / last_online in percent, against the same loss at the online delay "
-        f"{sweep.online_delay!r}; positive means worse than online; n/a when that cell is missing or its last "
-        "success is 0.",
+        f"degradation: (online - stale) / online in percent of the mean success over the last {LAST_EVALS} evals "
+        f"(the measure the claims use; 'last' is the final eval alone), against the same loss at the online delay "
+        f"{sweep.online_delay!r}; positive means worse than online; n/a when that cell is missing or its score "
+        "is 0.",
         "best-last: mean over seeds of best minus last success. staleness: policy versions behind, as measured "
         "over the groups trained (mean, median, 95th percentile: means over seeds; max: the largest), whatever "
         "the delay setting's label says (a 'K' delay is a maximum tolerable delay; 'lagK' a fixed staleness). "

@@ -1,11 +1,22 @@
 """The paper's claims checked on a sweep: each verdict from paired 95 % intervals, on sweeps built by hand."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
-from heterorl.sweeps.claims import NOT_DECIDED, NOT_REPRODUCED, REPRODUCED, best_to_last_gap, paper_claims
+from heterorl.sweeps.claims import (
+    NOT_DECIDED,
+    NOT_REPRODUCED,
+    REPRODUCED,
+    best_to_last_gap,
+    change,
+    paper_claims,
+)
 from heterorl.sweeps.report import load_sweep, write_report
+
+COMMITTED = Path(__file__).parents[2] / "experiments" / "results"  # the sweeps whose reports are committed
 
 STALENESS = {"lag0": 0.0, "lag4": 4.0, "lag32": 32.0}
 # (loss, delay) -> the last-evals score of seeds 0, 1, 2
@@ -53,7 +64,7 @@ def test_a_sweep_that_agrees_with_the_paper_reproduces_every_claim(tmp_path):
     assert [c.verdict for c in claims] == [REPRODUCED] * 5, [c.sentence() for c in claims]
     # GEPO's drops lag0 -> lag32 are 0.01, 0.02, 0.01: mean 0.0133, t(0.975, 2) = 4.303, s = 0.00577,
     # half width 4.303 * 0.00577 / sqrt(3) = 0.0143 -> [-0.001, 0.028], inside "little" (<= 0.03)
-    assert "fell by 0.013 [-0.001, 0.028] from lag0 to lag32 (staleness 32.0)" in claims[0].evidence
+    assert "lag0 minus lag32 (staleness 32.0): 0.013 [-0.001, 0.028] (its fall;" in claims[0].evidence
     assert "lag4 (staleness 4.0)" in claims[2].evidence  # the smallest stale setting, by measured staleness
 
 
@@ -117,3 +128,32 @@ def test_a_sweep_of_one_stale_setting_decides_late_collapse_only(tmp_path):
     assert claims[3].verdict == REPRODUCED and "GSPO's best-to-last gap minus GEPO's at lag32" in claims[3].evidence
     assert claims[4].verdict == NOT_DECIDED and "one stale setting" in claims[4].evidence
     assert "GSPO's best-to-last gap is larger than GEPO's" in write_report(root).read_text()
+
+
+def test_a_change_is_said_with_its_sign_once():
+    assert (change(0.0123), change(-0.008), change(0.0001)) == ("rose by 0.012", "fell by 0.008", "did not change")
+
+
+def _reads_cleanly(claims) -> None:
+    """No sign said twice ("fell by -0.008", "+-"), no word repeated back to back, no clause said twice."""
+    for claim in claims:
+        text = claim.sentence()
+        assert not re.search(r"(rose|fell|by) -|\+-|-\+|--\d", text), text
+        assert not re.search(r"\b(\w+) \1\b", text), text
+        clauses = [c.strip() for c in re.split(r"[;:—]", text) if c.strip()]
+        assert len(clauses) == len(set(clauses)), text
+
+
+def test_a_sweep_where_gepo_rose_when_stale_reads_cleanly(tmp_path):
+    """GEPO better stale than online, GRPO too: the falls are negative, and said without a double sign."""
+    rose = {**SCORES, ("gepo", "lag32"): (0.83, 0.85, 0.84), ("grpo", "lag32"): (0.82, 0.84, 0.82)}
+    claims = paper_claims(load_sweep(_sweep(tmp_path, rose)), "arithmetic")
+    _reads_cleanly(claims)
+    assert "GRPO rose by 0.017, GEPO rose by 0.030" in claims[1].evidence, claims[1].evidence
+
+
+@pytest.mark.parametrize("sweep_dir", sorted(COMMITTED.glob("*/sweep.json")), ids=lambda p: p.parent.name)
+def test_the_claims_of_every_committed_sweep_read_cleanly(sweep_dir):
+    sweep = load_sweep(sweep_dir.parent)
+    for task in sweep.tasks:
+        _reads_cleanly(paper_claims(sweep, task))
