@@ -5,13 +5,19 @@ exist. Fast: it reads files and builds the argparse parser, nothing runs."""
 import argparse
 import ast
 import importlib
+import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from heterorl.cli import build_parser
+from heterorl.config import packaged
+from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -153,6 +159,48 @@ def test_the_readme_loop_runs_and_prints_its_rewards_and_held_out_success_before
                                                      "held-out success after"], out.stdout
     assert all(0 <= float(line.rsplit(" ", 1)[1]) <= 1 for line in lines)
     assert "Loading weights" not in out.stderr  # (a shipped policy loads without transformers' bar)
+
+
+RUNNABLE = re.compile(r"<!-- runnable(?::([^>]*))? -->\n```(?:bash|sh)\n(.*?)```", re.S)
+DATA_ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(1, 7) for b in range(1, 5)]
+
+
+def runnable_blocks() -> list[tuple[str, list[str]]]:
+    """Every shell block of the README and docs/ marked ``<!-- runnable[: key=value ...] -->``: (where, its heterorl
+    command lines, continuation lines joined, comments dropped, the marker's overrides appended to those of
+    sft, rl, train and sweep)."""
+    blocks = []
+    for page in PAGES:
+        text = page.read_text()
+        for match in RUNNABLE.finditer(text):
+            overrides = (match.group(1) or "").split()
+            lines = match.group(2).replace("\\\n", " ").splitlines()
+            commands = []
+            for line in lines:
+                words = shlex.split(line, comments=True)
+                if words[:1] == ["heterorl"]:
+                    takes = words[1] in ("sft", "rl", "train", "sweep")
+                    commands.append([*words[1:], *(overrides if takes else [])])
+            where = f"{page.relative_to(ROOT)}:{text[:match.start()].count(chr(10)) + 1}"
+            blocks.append((where, commands))
+    return blocks
+
+
+def test_runnable_blocks_are_marked():
+    blocks = runnable_blocks()
+    assert len(blocks) >= 5 and all(commands for _, commands in blocks), blocks
+
+
+@pytest.mark.parametrize("where, commands", runnable_blocks(), ids=lambda v: v if isinstance(v, str) else "")
+def test_each_runnable_block_of_the_docs_runs_as_written(where, commands, tmp_path):
+    """The block's heterorl commands, one after another, in a folder that holds what the docs' examples name:
+    ``my_run.yaml`` (the packaged demo.yaml) and ``data.jsonl`` (additions); each must exit 0 without a
+    traceback."""
+    (tmp_path / "my_run.yaml").write_text(packaged("demo.yaml").read_text())
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in DATA_ROWS))
+    for command in commands:
+        out = run_cli(*command, cwd=tmp_path, timeout=600)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, (where, command, out.stderr[-3000:])
 
 
 def test_python_blocks_in_the_docs_parse():

@@ -5,6 +5,7 @@ the checked-in examples are what the renderer makes now; the command writes, ref
 no network."""
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -342,3 +343,22 @@ def test_the_command_refuses_bad_input_clearly(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["deploy", "nomad", "demo.yaml"])
     assert exited.value.code == 2 and "invalid choice: 'nomad'" in capsys.readouterr().err
+
+
+def test_what_deploy_md_says_of_the_rendered_files_is_what_they_hold():
+    """The numbers and settings docs/DEPLOY.md states about the rendered files, read from the page and checked
+    against what the renderers make (so that the page cannot drift from them)."""
+    page = (REPO / "docs" / "DEPLOY.md").read_text()
+    cfg = demo()
+    kinds = by_kind(k8s.render_k8s(cfg))
+    (learner,) = [m for m in kinds["Job"] if m["metadata"]["name"].endswith("-learner")]
+    assert "Job `NAME-learner`" in page and learner["metadata"]["name"] == f"{cfg.cluster.k8s.name}-learner"
+    grace = int(re.search(r"the learner checkpoint after its step in progress; it has (\d+) s", page).group(1))
+    assert learner["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == grace
+    said = {int(n) for n in re.findall(r"`backoffLimit` (\d+)|up to (\d+) failures \(`backoffLimit`\)", page)[0] if n}
+    assert said == {learner["spec"]["backoffLimit"]}
+    assert "`podReplacementPolicy: Failed`" in page and learner["spec"]["podReplacementPolicy"] == "Failed"
+    script = slurm.render_slurm(cfg, "out")[slurm.SCRIPT]
+    assert "`SLURM_RESTART_COUNT` is above 0" in page
+    assert '"${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then resume=(--resume)' in script
+    assert "`--kill-on-bad-exit=0`" in page and "--kill-on-bad-exit=0" in script
