@@ -228,10 +228,12 @@ def rollout_waste(*, generated: int, trained: int, buffer: GroupBuffer, left_ove
 
 
 def waste_line(rollouts: dict) -> str:
-    """One line on the rollouts generated, trained and not trained, by reason."""
+    """One line on the rollouts generated, trained and not trained, by reason; a resumed learner's are those of
+    its own leg (``since_step``), and the line says so."""
     reasons = [f"{n} {reason.replace('_', ' ')}" for reason, n in rollouts["discarded"].items() if n]
     reasons += [f"{rollouts['left_over']} left over at the end"] if rollouts["left_over"] else []
-    return (f"rollouts: {rollouts['generated']} trajectories generated, {rollouts['trained']} trained; "
+    leg = f" since the resume at step {rollouts['since_step']}" if rollouts.get("since_step") else ""
+    return (f"rollouts{leg}: {rollouts['generated']} trajectories generated, {rollouts['trained']} trained; "
             f"{rollouts['wasted_frac']:.1%} wasted" + (f" ({', '.join(reasons)})" if reasons else ""))
 
 

@@ -326,10 +326,13 @@ class Learner:
         stats = self.server.stats
         inbox = self.inbox
         with inbox.lock:
-            return rollout_waste(generated=int(fleet["trajectories"]) + stats["rejected"], trained=self._trained_here,
-                                 buffer=inbox.buffer, left_over=inbox.buffer.held_trajectories + self.server.buffered(),
-                                 rejected=stats["rejected"], dropped_with_group=stats["dropped_trajectories"],
-                                 already_trained=inbox.dropped_trained)
+            left_over = inbox.buffer.held_trajectories + self.server.buffered()
+            waste = rollout_waste(generated=int(fleet["trajectories"]) + stats["rejected"], trained=self._trained_here,
+                                  buffer=inbox.buffer, left_over=left_over, rejected=stats["rejected"],
+                                  dropped_with_group=stats["dropped_trajectories"],
+                                  already_trained=inbox.dropped_trained)
+        # (the summary's other counts are the whole run's: the waste line says which leg its counts are of)
+        return {**waste, "since_step": self._resumed_step or None}
 
     def optimise(self, groups: list[Group], staleness: list[int], version: int) -> dict:
         """Train every rank on the batch (`optimize_batch`); tally it by engine, keep what the loss refused, note

@@ -6,7 +6,14 @@ from collections import Counter
 import pytest
 
 from heterorl.errors import HeteroRLError
-from heterorl.runtime.accounting import run_staleness, seconds_histogram, seconds_label, weights_line, weights_summary
+from heterorl.runtime.accounting import (
+    run_staleness,
+    seconds_histogram,
+    seconds_label,
+    waste_line,
+    weights_line,
+    weights_summary,
+)
 
 
 def test_seconds_fall_in_doubling_bins_listed_in_order_with_zeros():
@@ -79,3 +86,11 @@ def test_a_learner_state_written_before_the_tally_had_its_own_key_is_read(tmp_pa
     (tmp_path / LEARNER_STATE).write_text(json.dumps({**old, "tally": {"bogus": 1}}))
     with pytest.raises(HeteroRLError, match="a tally with no other keys than"):
         _read_learner_state(tmp_path / LEARNER_STATE)
+
+
+def test_a_resumed_learners_waste_line_says_its_counts_are_of_its_own_leg():
+    """The summary's steps and trajectories trained are the run's; the rollouts a resumed learner saw are its own
+    leg's (288 of a 1,280-trajectory run), and the line says so instead of mixing the two unsaid."""
+    leg = {"generated": 288, "trained": 288, "wasted_frac": 0.0, "discarded": {}, "left_over": 0}
+    assert waste_line({**leg, "since_step": 31}).startswith("rollouts since the resume at step 31: 288 trajectories")
+    assert waste_line({**leg, "since_step": None}).startswith("rollouts: 288 trajectories generated")
