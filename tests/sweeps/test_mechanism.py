@@ -103,3 +103,18 @@ def test_the_report_command_writes_the_summary_and_refuses_two_folders_without_i
         tmp_path / "S.md").read_text(), out.stderr
     out = run_cli("report", str(sweep_dir), str(sweep_dir))
     assert out.returncode != 0 and "give --summary FILE" in out.stderr
+
+
+def test_a_narrow_log_axis_gets_x_labels_that_do_not_run_into_each_other(tmp_path):
+    """A log axis over less than a decade (a sweep whose KL spans 0.041-0.049) labels its minor ticks, which
+    overlap; saved, the figure's labels are apart and still there."""
+    from heterorl.sweeps.plots import pyplot, save, x_labels_overlap
+
+    fig, ax = pyplot().subplots(figsize=(7, 5))
+    ax.scatter([0.041, 0.043, 0.046, 0.049], [0.1, 0.5, 1.0, 2.0])
+    ax.set(xscale="log", yscale="log")
+    fig.tight_layout()
+    assert x_labels_overlap(fig)  # (the case is real)
+    save(fig, tmp_path / "narrow.png")
+    assert not x_labels_overlap(fig)
+    assert sum(bool(t.get_text()) for t in ax.get_xticklabels()) >= 2
