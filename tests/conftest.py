@@ -44,6 +44,23 @@ def run_cli(*args: str, timeout: float = 600, cwd: Path | str = REPO) -> subproc
                           cwd=cwd, timeout=timeout)
 
 
+def interrupted_cli(*args: str, run_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``heterorl ARGS`` as a real process sent SIGINT (a terminal's Ctrl-C) once its run in ``run_dir`` has
+    logged a step after step 0; its exit status and output, once it has ended."""
+    from heterorl.runs import read_metrics
+
+    proc = subprocess.Popen([sys.executable, "-m", "heterorl.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
+    try:
+        wait_until(lambda: (run_dir / "metrics.jsonl").is_file() and any(
+            r["step"] >= 1 for r in read_metrics(run_dir / "metrics.jsonl")), timeout, "the run's first step")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def trajectory(*, completion_len: int | None = None, version: int | None = None, **fields) -> Trajectory:
     """A valid stamped trajectory; ``fields`` override any field. ``completion_len`` makes a completion of that
     many tokens (log-probs -0.5 each); ``version`` stamps every completion token with that policy version."""

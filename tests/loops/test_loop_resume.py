@@ -2,9 +2,6 @@
 with ``--resume`` as if they had never stopped."""
 
 import json
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +12,7 @@ from heterorl.loops.checkpoints import FOLDER, LoopCheckpoints, StopRequest, rea
 from heterorl.loops.sft import run_sft
 from heterorl.loops.sync_rl import run_sync_rl
 from heterorl.runs import read_metrics, setup_run
-from tests.conftest import ENV, REPO, run_cli, wait_until
+from tests.conftest import interrupted_cli, run_cli
 
 RL = ["rl.steps=4", "rl.eval_every=2", "rl.prompts_per_step=4", "rollout.group_size=4", "task.options.eval_size=16",
       "runtime.checkpoint_every=2", "logging.wandb_mode=disabled"]
@@ -97,16 +94,9 @@ def test_ctrl_c_stops_rl_after_its_step_with_the_resume_command_and_resume_finis
     run_dir = tmp_path / "run"
     args = ["rl", "--config", "add3_rl.yaml", *RL, "rl.steps=200", f"logging.run_dir={run_dir}",
             "logging.progress=false"]
-    proc = subprocess.Popen([sys.executable, "-m", "heterorl.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
-    try:
-        wait_until(lambda: (run_dir / "metrics.jsonl").is_file() and any(
-            r["step"] >= 1 for r in read_metrics(run_dir / "metrics.jsonl")), 300, "the first step")
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, err
+    stopped = interrupted_cli(*args, run_dir=run_dir)
+    err = stopped.stderr
+    assert stopped.returncode == 130, err
     summary = json.loads((run_dir / "summary.json").read_text())
     reached = summary["steps"]
     assert summary["stopped_by"] == "SIGINT" and 1 <= reached < 200

@@ -403,24 +403,14 @@ def test_ctrl_c_of_train_stops_its_learner_by_sigint_and_prints_the_resume_comma
     """A real `heterorl train` and a real SIGINT to it alone (a terminal's Ctrl-C: its children lead sessions of
     their own): the learner ends its step with a checkpoint, its summary says SIGINT (not the SIGTERM the
     launcher stops processes with), and the launcher prints the step, the checkpoint and `train --resume`."""
-    import subprocess
-    import sys
-
-    from tests.conftest import ENV, REPO
+    from tests.conftest import interrupted_cli
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "heterorl.cli", "train", "runtime.workers=1", "rl.steps=400",
-                             "rl.eval_every=400", "task.options.eval_size=16", f"logging.run_dir={run_dir}",
-                             "logging.progress=false", "logging.wandb_mode=disabled", "logging.save_policy=false"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
-    try:
-        wait_until(lambda: (run_dir / "metrics.jsonl").is_file() and any(
-            r["step"] >= 1 for r in read_metrics(run_dir / "metrics.jsonl")), 300, "the learner's first step")
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, err
+    stopped = interrupted_cli("train", "runtime.workers=1", "rl.steps=400", "rl.eval_every=400",
+                              "task.options.eval_size=16", f"logging.run_dir={run_dir}", "logging.progress=false",
+                              "logging.wandb_mode=disabled", "logging.save_policy=false", run_dir=run_dir)
+    out, err = stopped.stdout, stopped.stderr
+    assert stopped.returncode == 130, err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped_by"] == "SIGINT" and 1 <= summary["steps"] < 400
     checkpoint = read_checkpoint(run_dir).state.step
