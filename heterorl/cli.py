@@ -522,6 +522,9 @@ def _train(cfg, resume: bool = False, launcher: str = "local", address: str | No
 
         print(stopped_line(command, run_dir, summary["stopped_by"], summary.get("steps", 0), cfg.rl.steps,
                            checkpoint_step(run_dir), resume=f"heterorl train --resume {run_dir}"), file=sys.stderr)
+    elif code:  # interrupted before the learner could say where it stopped (its log says why)
+        print(f"heterorl {command}: interrupted before the learner wrote its summary ({run_dir / 'logs'}/learner.log "
+              f"says why); a checkpoint it wrote goes on with: heterorl train --resume {run_dir}", file=sys.stderr)
     return code
 
 

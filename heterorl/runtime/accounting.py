@@ -76,13 +76,24 @@ def weights_summary(stats: Counter, dtype: str, deltas: bool, ranks: int = 1, fl
     }
 
 
+def _known(value) -> bool:
+    """A number was measured: not None (a NaN that summary.json wrote as null) and not NaN."""
+    return value is not None and value == value
+
+
+def _measured(summary: dict, *keys: str) -> dict:
+    """``summary`` with each of ``keys`` that holds null (a NaN written to JSON: nothing measured, e.g. a run
+    stopped before its first step) as NaN, which formats as "nan" where None would not format at all."""
+    return {**summary, **{key: math.nan for key in keys if summary.get(key) is None}}
+
+
 def weights_line(weights: dict) -> str:
     """One line on the weights path, for `heterorl train`'s closing summary."""
     mb = 1e6
     line = f"weights: {weights['versions']} versions of {weights['version_bytes'] / mb:.3g} MB in {weights['dtype']}"
     if weights.get("ranks", 1) > 1:
         line += f" (rank 0's slices: every one of {weights['ranks']} learner ranks sends its own)"
-    if weights["deltas"] and weights["step_bytes_mean"] == weights["step_bytes_mean"]:  # (not NaN)
+    if weights["deltas"] and _known(weights["step_bytes_mean"]):
         line += (f", sent as deltas of {weights['step_bytes_mean'] / mb:.3g} MB a step "
                  f"({weights['bytes_ratio']:.1f}x smaller)")
     elif not weights["deltas"]:
@@ -92,7 +103,7 @@ def weights_line(weights: dict) -> str:
                  "transfers")
         if weights["link_skipped"]:
             line += f", {weights['link_skipped']} versions skipped while a link was busy"
-    if weights.get("arrived"):
+    if weights.get("arrived") and _known(weights.get("arrival_s_mean")):
         line += (f"; a version reached a worker {weights['arrival_s_mean']:.2f} s after its publish on average "
                  f"(at most {weights['arrival_s_max']:.2f} s)")
     return line
@@ -243,6 +254,9 @@ def summary_text(summary: dict, run_dir: Path) -> str:
     path, the engines' tallies, and where the logs and the plot are."""
     simulated = summary.get("execution") == "simulated"
     clock = " of virtual time" if simulated else ""
+    summary = _measured(summary, "base_success", "final_success", "best_success", "minutes", "staleness_mean",
+                        "staleness_p50", "staleness_p95", "tokens_per_s", "learner_idle_frac", "worker_idle_frac",
+                        "staleness_seconds_mean", "samples_per_s")
     lines = ["", format_table(
         ["", "held-out greedy success", "learner steps"],
         [["SFT base", summary["base_success"], 0],

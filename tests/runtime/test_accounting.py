@@ -94,3 +94,23 @@ def test_a_resumed_learners_waste_line_says_its_counts_are_of_its_own_leg():
     leg = {"generated": 288, "trained": 288, "wasted_frac": 0.0, "discarded": {}, "left_over": 0}
     assert waste_line({**leg, "since_step": 31}).startswith("rollouts since the resume at step 31: 288 trajectories")
     assert waste_line({**leg, "since_step": None}).startswith("rollouts: 288 trajectories generated")
+
+
+def test_the_summary_of_a_run_stopped_before_it_measured_anything_renders(tmp_path):
+    """A learner stopped (Ctrl-C) before its first step, or before its first delta, writes NaN as null: the
+    closing summary says "nan" there instead of failing on None."""
+    from heterorl.runtime.accounting import summary_text
+
+    nothing = None
+    summary = {"base_success": 0.557, "final_success": 0.557, "best_success": 0.557, "mode": "async",
+               "loss": "gepo", "steps": 0, "minutes": 0.1, "staleness_mean": nothing, "staleness_p50": nothing,
+               "staleness_p95": nothing, "staleness_max": 0, "tokens_per_s": nothing, "learner_idle_frac": nothing,
+               "worker_idle_frac": nothing, "staleness_seconds_mean": nothing, "samples_per_s": nothing,
+               "stopped_by": "SIGINT", "rollouts": {"generated": 0, "trained": 0, "wasted_frac": 0.0,
+                                                    "discarded": {}, "left_over": 0, "since_step": None},
+               "weights": {"dtype": "float32", "deltas": True, "versions": 1, "version_bytes": 4215296,
+                           "step_bytes_mean": nothing, "bytes_ratio": nothing, "link_transfers": 2,
+                           "link_bytes": 8430592, "link_skipped": 0, "ranks": 1, "arrived": 0,
+                           "arrival_s_mean": nothing, "arrival_s_max": nothing}}
+    text = summary_text(summary, tmp_path)
+    assert "staleness mean nan versions" in text and "weights: 1 versions of 4.22 MB in float32;" in text
