@@ -373,8 +373,6 @@ class Service:
             raise NotFound(evicted or f"no sampling client {model_id!r}; serving: {listed} "
                            "(save_weights_and_get_sampling_client makes one)")
         session, version, sampler = served[model_id]
-        if session.owner != CALLER.get().key:
-            raise NotFound(f"no sampling client {model_id!r} for this key (another key's sessions are its own)")
         with self._lock:
             if version in session.samplers:
                 self.budget.use((session.session_id, version))
@@ -416,11 +414,14 @@ class Service:
         return {model_id: (session.session_id, sampler) for model_id, (session, _, sampler) in self._served().items()}
 
     def _served(self) -> dict[str, tuple[Session, int, SamplingClient]]:
-        """Every model id served → (session, version, sampling client): by each session's id and by its name, and
-        "latest" where it names one session for the caller (`latest_session`)."""
-        served = {}
+        """Every model id served to the caller's key (`guard.CALLER`: another key's sessions are not listed) →
+        (session, version, sampling client): by each session's id and by its name, and "latest" where it names
+        one session for the caller (`latest_session`)."""
+        served, owner = {}, CALLER.get().key
         with self._lock:
             for session in self._sessions.values():
+                if session.owner != owner:
+                    continue
                 labels = [session.session_id, *([session.name] if session.name else [])]
                 for version, sampler in session.samplers.items():
                     for label in labels:

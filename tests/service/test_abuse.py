@@ -402,8 +402,10 @@ def test_latest_is_each_keys_own_newest_sampler_and_sessions_are_named_and_liste
             "session_id": a["session_id"], "name": "alice-run", "base_model": BASE, "version": 1,
             "latest": "heterorl:alice-run/latest"}]
         assert bob.get(f"/api/v1/sessions/{a['session_id']}").status_code == 404
-        assert bob.post("/v1/completions", json={"model": "heterorl:alice-run/latest", "prompt": "1",
-                                                 "max_tokens": 1}).status_code == 404
+        refused = bob.post("/v1/completions", json={"model": "heterorl:alice-run/latest", "prompt": "1",
+                                                    "max_tokens": 1})
+        assert refused.status_code == 404 and "alice" not in refused.json()["error"]["message"].split("serving")[1]
+        assert not any("alice" in m["id"] or a["session_id"] in m["id"] for m in bob.get("/v1/models").json()["data"])
         second = alice.post("/api/v1/sessions", json={"base_model": BASE, "seed": 1, "name": "alice-2"}).json()
         _call(alice, second["session_id"], "save_weights_and_get_sampling_client")
         ambiguous = alice.post("/v1/completions", json={"model": "latest", "prompt": "1", "max_tokens": 1})
