@@ -271,7 +271,7 @@ def _setup_loop(cfg, name: str, policy: str, resume: str | None):
     from heterorl.loops.checkpoints import FOLDER, LoopCheckpoints, read_loop_state
     from heterorl.runs import keep_metrics_until
 
-    run_dir = Path(cfg.logging.run_dir)
+    run_dir, state = Path(cfg.logging.run_dir), None
     if resume:
         state = read_loop_state(run_dir / FOLDER, name)
         keep_metrics_until(run_dir / "metrics.jsonl", state.step)
@@ -280,29 +280,23 @@ def _setup_loop(cfg, name: str, policy: str, resume: str | None):
                             f"--resume {run_dir}`, or give another logging.run_dir (or delete it)")
     task, training, logger, run_dir = _setup(cfg, name, policy, append=bool(resume))
     return task, training, logger, run_dir, LoopCheckpoints(run_dir, name, cfg.runtime.checkpoint_every,
-                                                            resume=bool(resume))
+                                                            resume=state)
 
 
 @contextlib.contextmanager
 def _stop_after_step(command: str):
     """SIGINT and SIGTERM during the block ask the loop to stop after its step in progress, with a checkpoint (a
     second one stops it at once); yields the `StopRequest` the loop reads."""
-    import signal
-
     from heterorl.loops.checkpoints import StopRequest
-    from heterorl.runtime.signals import signal_handlers
+    from heterorl.runtime.signals import stop_after_step
 
     stop = StopRequest()
 
-    def on_signal(signum, _frame) -> None:
-        name = signal.Signals(signum).name
-        if stop.by:
-            raise KeyboardInterrupt(f"{name} again: stopping at once")
-        stop.request(name)
+    def announce(name: str) -> None:
         print(f"\nheterorl {command}: {name}: stopping after the step in progress, with a checkpoint (again: stop "
               "at once)", file=sys.stderr, flush=True)
 
-    with signal_handlers(on_signal):
+    with stop_after_step(lambda: stop.by, stop.request, announce):
         yield stop
 
 

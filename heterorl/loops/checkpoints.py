@@ -19,7 +19,7 @@ from typing import Callable
 
 from heterorl.errors import HeteroRLError
 from heterorl.files import write_atomically
-from heterorl.training.session import TrainingClient, read_training_state
+from heterorl.training.session import TrainingClient
 
 FOLDER = "checkpoints"  # under the run dir, as the learner's
 LOOP_STATE = "loop_state.json"
@@ -43,10 +43,11 @@ class LoopState:
 
 
 class LoopCheckpoints:
-    """Writes a loop's checkpoints into ``RUN_DIR/checkpoints`` and, with ``resume``, reads the latest back."""
+    """Writes a loop's checkpoints into ``RUN_DIR/checkpoints``; ``resume``: the checkpoint there to go on from
+    (`read_loop_state` read and checked it)."""
 
-    def __init__(self, run_dir: str | Path, command: str, every: int, *, resume: bool = False) -> None:
-        self.folder, self.command, self.every, self.resume_asked = Path(run_dir) / FOLDER, command, every, resume
+    def __init__(self, run_dir: str | Path, command: str, every: int, *, resume: LoopState | None = None) -> None:
+        self.folder, self.command, self.every, self.resumed_from = Path(run_dir) / FOLDER, command, every, resume
         self.saved_step: int | None = None  # the step of the latest checkpoint written or read
 
     def due(self, step: int, last_step: int) -> bool:
@@ -67,11 +68,11 @@ class LoopCheckpoints:
         self.saved_step = step
 
     def resume(self, training: TrainingClient) -> LoopState | None:
-        """With ``resume``: the latest checkpoint, its training state loaded into ``training``; None without."""
-        if not self.resume_asked:
+        """With ``resume``: that checkpoint, its training state loaded into ``training``; None without."""
+        state = self.resumed_from
+        if state is None:
             return None
-        state = read_loop_state(self.folder, self.command)
-        training.load_state(read_training_state(self.folder / state.weights, "cpu")).result()
+        training.load_state(self.folder / state.weights).result()
         self.saved_step = state.step
         return state
 

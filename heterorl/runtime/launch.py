@@ -29,7 +29,7 @@ from heterorl.config import Config, to_yaml, worker_command_word
 from heterorl.errors import HeteroRLError
 from heterorl.files import write_atomically
 from heterorl.runs import json_text, keep_metrics_until, setup_run
-from heterorl.runtime.signals import signal_handlers
+from heterorl.runtime.signals import signal_handlers, stop_after_step
 from heterorl.runtime.supervise import Child, WorkerFleet
 
 log = logging.getLogger("heterorl.runtime.launch")
@@ -165,14 +165,10 @@ def _stop_on_signals(learner):
     """SIGTERM and SIGINT end the learner's run after its step in progress, with a checkpoint (`Learner.request_stop`);
     a second one stops it at once. Outside the main thread (a learner run from a library) nothing changes."""
 
-    def stop(signum, _frame) -> None:
-        if learner.stopped_by:
-            raise KeyboardInterrupt(f"{signal.Signals(signum).name} again: stopping at once")
-        learner.request_stop(signal.Signals(signum).name)
-        log.warning("%s: stopping after the step in progress, with a checkpoint (send it again to stop at once)",
-                    signal.Signals(signum).name)
+    def announce(name: str) -> None:
+        log.warning("%s: stopping after the step in progress, with a checkpoint (send it again to stop at once)", name)
 
-    with signal_handlers(stop):
+    with stop_after_step(lambda: learner.stopped_by, learner.request_stop, announce):
         yield
 
 

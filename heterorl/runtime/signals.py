@@ -25,3 +25,21 @@ def signal_handlers(handler: Handler, signals: tuple[signal.Signals, ...] = (sig
     finally:
         for sig, previous in before.items():
             signal.signal(sig, previous)
+
+
+@contextlib.contextmanager
+def stop_after_step(stopped_by: Callable[[], str | None], request: Callable[[str], None],
+                    announce: Callable[[str], None]):
+    """SIGTERM and SIGINT during the block ask a loop to stop after its step in progress: the first one calls
+    ``request(NAME)`` and ``announce(NAME)`` (NAME: ``SIGINT``, ``SIGTERM``); a second one, once ``stopped_by()``
+    is set, raises KeyboardInterrupt to stop at once. Used by the learner and by the sync loops of sft and rl."""
+
+    def on_signal(signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        if stopped_by():
+            raise KeyboardInterrupt(f"{name} again: stopping at once")
+        request(name)
+        announce(name)
+
+    with signal_handlers(on_signal):
+        yield

@@ -4,7 +4,7 @@ and says nothing unless asked. Here it is asked:
 
 - the learner's authenticator (`RefusalLoggingAuthenticator`) names each key it refuses, with the peer's address;
 - a socket monitor (`HandshakeMonitor`) on each end reads ZeroMQ's handshake failures: the learner logs them, and
-  a worker keeps the latest, which its timeout message names (`cause`).
+  a worker keeps the latest, which its timeout message names (`WorkerClient.handshake_refused`).
 
 The learner's lines are rate-limited (`RateLimitedLog`): a worker dialling again every second is one line per
 ``every_s`` per cause, with the count of the others. ZeroMQ's monitor gives the learner's listening endpoint,

@@ -34,7 +34,8 @@ def _run(loop, config: str, overrides: list[str], run_dir, *, stop_at: int | Non
         if step == stop_at:
             stop.request("SIGINT")
 
-    checkpoints = LoopCheckpoints(run_dir, command, cfg.runtime.checkpoint_every, resume=resume)
+    checkpoints = LoopCheckpoints(run_dir, command, cfg.runtime.checkpoint_every,
+                                  resume=read_loop_state(run_dir / FOLDER, command) if resume else None)
     try:
         result = loop(cfg, training, task, logger, progress, checkpoints=checkpoints, stop=stop)
     finally:
