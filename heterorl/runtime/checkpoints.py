@@ -14,7 +14,6 @@ from pathlib import Path
 from heterorl.errors import HeteroRLError
 from heterorl.files import write_atomically
 from heterorl.runtime.accounting import RunTally
-from heterorl.training.session import read_training_state
 
 CHECKPOINTS = "checkpoints"  # the folder under the run dir
 LEARNER_STATE = "learner_state.json"  # the latest checkpoint: the learner's state, naming its weights file
@@ -72,6 +71,8 @@ def _read_pair(folder: Path, name: str, map_location) -> tuple[LearnerState, dic
     """The learner state ``name`` and the weights file it names, checked to belong together."""
     state = _read_learner_state(folder / name)
     weights = folder / Path(state.weights).name
+    from heterorl.training.session import read_training_state  # (torch: only to resume)
+
     training_state = read_training_state(weights, map_location)
     if state.version >= 0 and training_state["version"] != state.version:
         raise HeteroRLError(f"{weights} holds policy version {training_state['version']}, but {name} was written "

@@ -17,18 +17,27 @@ Security: CurveZMQ whenever a `CurveConfig` is given; plaintext only on loopback
 Delays (``heterorl.delay``) hold trajectories on the worker and weights notices on the learner.
 """
 
-from heterorl.transport.client import WorkerClient
-from heterorl.transport.registry import WorkerInfo
-from heterorl.transport.server import LearnerServer
-from heterorl.transport.sockets import (
-    CurveConfig,
-    DelaySchedule,
-    TransportError,
-    TransportTimeout,
-    is_loopback,
-    make_keypair,
-    revoke_key,
-)
+# Exported lazily (PEP 562): `heterorl keys` and the other commands that only need keys or addresses do not pay for
+# torch, which the worker's end (weights unpacking) imports.
+_EXPORTS = {
+    "WorkerClient": "heterorl.transport.client", "WorkerInfo": "heterorl.transport.registry",
+    "LearnerServer": "heterorl.transport.server", "CurveConfig": "heterorl.transport.sockets",
+    "DelaySchedule": "heterorl.transport.sockets", "TransportError": "heterorl.transport.sockets",
+    "TransportTimeout": "heterorl.transport.sockets", "is_loopback": "heterorl.transport.sockets",
+    "make_keypair": "heterorl.transport.sockets", "revoke_key": "heterorl.transport.sockets",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["CurveConfig", "DelaySchedule", "LearnerServer", "TransportError", "TransportTimeout", "WorkerClient",
-           "WorkerInfo", "is_loopback", "make_keypair", "revoke_key"]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'heterorl.transport' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
