@@ -377,15 +377,16 @@ class WorkerClient(Endpoint):
         """One message on the control channel, handed to the handler of its kind (others are ignored)."""
         self._last_heard = self._now
         message = self._decode(frames, "control")
-        handler = self._handlers.get(message.kind) if message is not None else None
-        if handler is not None:
-            handler(message)
         if isinstance(message, Bye) and message.ends_run and not self._answered_end:
             # answered at once, not when the rollout loop closes this client: the learner keeps its end open until
-            # this arrives (`LearnerIO._await_answers`), so its own bye is not cut off on a lossy link
+            # this arrives (`LearnerIO._await_answers`), so its own bye is not cut off on a lossy link; and before
+            # the bye is handled, so whoever waits on `finished` sees the answer counted
             self._answered_end = True
             if send_frames(sock, encode(Bye(self.worker_id, "done: the run is over")), self.stats, "bye"):
                 self.stats["end_of_run/answered"] += 1
+        handler = self._handlers.get(message.kind) if message is not None else None
+        if handler is not None:
+            handler(message)
 
     def _on_ready(self, ready: Ready) -> None:
         session = str(ready.settings.get("weights_session", ""))
