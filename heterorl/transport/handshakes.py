@@ -31,20 +31,32 @@ def fingerprint(z85_key: bytes | str) -> str:
     return text[:FINGERPRINT_CHARS] + "…"
 
 
+MISMATCH = ("one end speaks CURVE and the other plaintext: give both ends keys (--curve-secret, and the learner's "
+            "public key as --server-key on the worker) or neither")
+
+
 def handshake_cause(event: int, value: int, side: str) -> str:
-    """What a handshake failure means, in words, as ``side`` ("learner" or "worker") sees it."""
+    """What a handshake failure means, in words, as ``side`` ("learner", "worker" or "plaintext worker") sees
+    it. The end that finds a mismatch of mechanisms (CURVE against plaintext) closes the connection, and which end
+    finds it first is a race: the other sees only a handshake closed without a reason, so that is told by what
+    this end knows (a plaintext worker's cause is the mismatch)."""
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return ("the learner refused this worker's CURVE key: its public key is not in the learner's allowed-keys "
                 "folder (copy this worker's NAME.key there; `heterorl keys revoke` removes one)" if side == "worker"
                 else "a CURVE key not in the allowed-keys folder")
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-        return ("one end speaks CURVE and the other plaintext: give both ends keys (--curve-secret, and the "
-                "learner's public key as --server-key on the worker) or neither")
+        return MISMATCH
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
         return "a CURVE handshake that could not be decrypted: the worker's --server-key is not this learner's key"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and side == "plaintext worker":
+        return ("the learner closed the handshake without a reason: most likely it uses CURVE and this worker "
+                f"does not ({MISMATCH})")
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and side == "worker":
         return ("the learner closed the CURVE handshake without a reason: most likely --server-key is not the "
                 "learner's public key (its log says so)")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return (f"a handshake the peer closed without a reason: most likely {MISMATCH.split(':')[0]}, or the "
+                "worker's --server-key is not this learner's key (the worker's own log says which)")
     return f"ZeroMQ handshake failure (event {event}, value {value})"
 
 

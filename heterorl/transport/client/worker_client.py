@@ -286,7 +286,7 @@ class WorkerClient(Endpoint):
         """Read ZeroMQ's handshake failures on ``control`` (its monitor polled with the sockets): the latest's cause
         is ``handshake_refused``, which `wait_ready`'s timeout names. (``_answered_end``: this worker's bye
         answered the learner's end of the run.)"""
-        self._handshakes = HandshakeMonitor(control, "worker")
+        self._handshakes = HandshakeMonitor(control, "worker" if self._curve is not None else "plaintext worker")
         self._poller.register(self._handshakes.socket, zmq.POLLIN)
 
     def _unwatch_handshakes(self) -> None:
