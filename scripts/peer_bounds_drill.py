@@ -9,8 +9,11 @@ learner's resident memory above its level before the first attack.
 The attacks, one per bound: groups opened and never completed (one member each of 32 groups, then gone);
 silent peers, peers claiming 2^31 - 1 groups started and one sending groups without permits; a flood of
 messages of 4,096 refusable trajectories; members held for their groups out of large messages; contract-valid
-log-probabilities of -49.99 (importance weights ~5e20); invented reward outcome names and engine names; and
-connections asking for weights chunks that never read. Prints one table and writes OUT/drill.json; exit status
+log-probabilities of -49.99 (importance weights ~5e20); invented reward outcome names and engine names;
+connections asking for weights chunks that never read; and, against the budgets per peer (docs/RELIABILITY.md,
+"Budgets per peer"), a non-reading peer's ~15.6 MB messages, messages of 4,096 duplicates, a new connection per
+message, data frames 4 bytes short, and hellos repeated in a tight loop. Prints one table and writes
+OUT/drill.json; exit status
 0 when every attack left the honest worker at least --min-share of the quiet rate, training resumed within
 --resume-s, and memory stayed within --max-rss-mib.
 """
@@ -18,6 +21,7 @@ connections asking for weights chunks that never read. Prints one table and writ
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
@@ -36,7 +40,8 @@ from drill_support import wait  # noqa: E402
 from hostile_fleet import OVERRIDES, PEER, _endpoint, cli, member  # noqa: E402 (the drill's sibling)
 
 ATTACKS = ("open_groups", "silent_and_claiming", "flood", "held_members", "extreme_logprobs", "invented_names",
-           "weights_readers")
+           "weights_readers", "large_messages", "duplicates", "connection_per_message", "short_frames",
+           "repeated_hellos")
 
 
 class Learner:
@@ -193,6 +198,72 @@ def weights_readers(endpoint: str, ctx: zmq.Context, stop: threading.Event) -> N
     for sock in socks:
         sock.close(0)
     client.close()
+
+
+def large_messages(endpoint: str, ctx: zmq.Context, stop: threading.Event) -> None:
+    """A registered peer that never reads, sending messages of ~15.6 MB as fast as it can: 1,500 trajectories,
+    each with 2,048 environment-span entries (5-byte integers in msgpack), all past their completion (refused
+    once the header is unpacked, its cost)."""
+    sock = raw_peer(ctx, endpoint, "large")
+    spans = tuple(range(70_000, 72_048))
+    frames = encode(TrajectoryBatch([dataclasses.replace(member("large", f"l-{j}", 0, size=1), env_spans=spans)
+                                     for j in range(1500)]))
+    while not stop.is_set():
+        sock.send_multipart(frames)
+        stop.wait(0.01)
+    sock.close(0)
+
+
+def duplicates(endpoint: str, ctx: zmq.Context, stop: threading.Event) -> None:
+    """A registered peer delivers one whole group on its permit, then sends messages of 4,096 copies of it:
+    duplicates, each acknowledged again and never refused (no throttle counts them)."""
+    client, _ = registered(endpoint, "dup")
+    while not client.acquire_starts(1, 0.2) and not stop.is_set():
+        pass
+    version = (client.latest_weights() or (0,))[0]
+    group = [member("dup", "dup-0", j, version=version) for j in range(4)]
+    send_ignoring_credit(client, group)
+    client.close()
+    sock = raw_peer(ctx, endpoint, "dup")
+    frames = encode(TrajectoryBatch([group[j % 4] for j in range(4096)]))
+    while not stop.is_set():
+        sock.send_multipart(frames)
+        stop.wait(0.01)
+    sock.close(0)
+
+
+def connection_per_message(endpoint: str, ctx: zmq.Context, stop: threading.Event) -> None:
+    """A new connection for every message: hello, then one message of 4,096 refusable trajectories, then gone
+    (a throttle per connection never sees the same one twice)."""
+    frames = encode(TrajectoryBatch([member("churn", f"c-{j}", 0, size=1) for j in range(4096)]))
+    while not stop.is_set():
+        sock = raw_peer(ctx, endpoint, "churn")
+        sock.send_multipart(frames)
+        sock.close(0)
+        stop.wait(0.01)
+
+
+def short_frames(endpoint: str, ctx: zmq.Context, stop: threading.Event) -> None:
+    """A registered peer's batches of 512 trajectories whose data frame is 4 bytes short (refused at decode,
+    after the header is unpacked)."""
+    sock = raw_peer(ctx, endpoint, "short")
+    header, data = encode(TrajectoryBatch([member("short", f"s-{j}", 0, size=1) for j in range(512)]))
+    while not stop.is_set():
+        sock.send_multipart([header, bytes(data)[:-4]])
+        stop.wait(0.001)
+    sock.close(0)
+
+
+def repeated_hellos(endpoint: str, ctx: zmq.Context, stop: threading.Event) -> None:
+    """One connection saying hello in a tight loop and never heartbeating: each is answered ready again (a hello
+    repeated before the first heartbeat is not a refusal)."""
+    sock = raw_peer(ctx, endpoint, "hellos")
+    frames = encode(Hello("hellos", "h", 1, 0, time.time()))
+    while not stop.is_set():
+        for _ in range(100):
+            sock.send_multipart(frames)
+        stop.wait(0.001)
+    sock.close(0)
 
 
 def measure(learner: Learner, seconds: float) -> float:

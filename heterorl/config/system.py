@@ -99,6 +99,15 @@ class TransportConfig:
     max_refusals_per_s: int = learner_only(1000)
     throttle_s: float = learner_only(1.0)
     throttles_before_disconnect: int = learner_only(3)
+    # one budget per peer (its CURVE key, else its worker id; connections before their hello share one), what it
+    # may have the learner's I/O thread hold and do (docs/RELIABILITY.md, "Budgets per peer"): bytes of its
+    # messages received and not yet handled (0: what its credit lets an honest worker have in flight,
+    # credits_per_worker trajectories of the contract's longest, and 1 MiB); the same for all peers together; the
+    # I/O thread's CPU seconds a second its messages may take, in a bucket of peer_work_burst_s
+    peer_inbound_bytes: int = learner_only(0)
+    inbound_bytes: int = learner_only(2**30)
+    peer_work_s_per_s: float = learner_only(0.25)
+    peer_work_burst_s: float = learner_only(1.0)
     max_trajectories_per_s: float = 0.0  # per worker, enforced through its credit; 0: no limit
     keys_reload_s: float = 2.0  # how often the learner re-reads its allowed-keys folder (revocation)
     linger_ms: int = 1000
@@ -113,7 +122,11 @@ class TransportConfig:
                   "max_ids_per_key", "weights_bytes_in_flight", "max_layouts",
                   "heartbeat_interval_s", "open_groups_per_worker", "open_group_bytes_per_worker", "group_timeout_s",
                   "keys_reload_s", "group_deadline_min_s", "permit_lease_s", "permit_lease_min_s", "probation_permits",
-                  "max_refusals_per_s", "throttle_s", "throttles_before_disconnect")
+                  "max_refusals_per_s", "throttle_s", "throttles_before_disconnect", "inbound_bytes",
+                  "peer_work_s_per_s", "peer_work_burst_s")
+        if not 0 <= self.peer_inbound_bytes <= self.inbound_bytes:
+            fail(f"{key}.peer_inbound_bytes", self.peer_inbound_bytes,
+                  f"must be 0 (what a worker's credit allows) or at most `{key}.inbound_bytes` ({self.inbound_bytes})")
         if self.permit_lease_min_s > self.permit_lease_s:
             fail(f"{key}.permit_lease_min_s", self.permit_lease_min_s,
                   f"must be at most `{key}.permit_lease_s` ({self.permit_lease_s})")

@@ -56,6 +56,7 @@ class Admission:
         self.ahead, self.local_threads = 1, 0  # permits a worker may hold; threads advised (0: none)
         self.max_lag: int | None = None  # versions a worker's weights may lag its newest and still get permits
         self.awaited_version = -1  # sync mode: the version every worker waits for before it may sample again
+        self._granted_at: float | None = None  # when `grant_all` last ran (the lease clocks' tick)
 
     def set(self, cap: int | None, ahead: int, max_lag: int | None = None) -> None:
         self.cap, self.ahead, self.max_lag = cap, max(1, ahead), max_lag
@@ -89,7 +90,7 @@ class Admission:
         self._end_probation(worker)
         worker.groups_session = worker.starts_granted_session = worker.start_limit_told = 0
         worker.permits_voided = worker.permits_reusable = 0
-        worker.busy_base, worker.starts_reported = worker.busy_s, -1
+        worker.owing_s, worker.starts_reported = 0.0, -1
         worker.last_start_limit_sent = -2
         worker.groups_completed_session = worker.groups_dropped_session = 0
         worker.first_permit_at = -1.0
@@ -253,9 +254,13 @@ class Admission:
         if self.cap is None:
             return
         live = [w for w in self.registry.workers.values() if w.alive]
+        tick = 0.0 if self._granted_at is None else max(0.0, now - self._granted_at)
+        self._granted_at = now
         for worker in live:  # the lease clock stops while a worker owes nothing, or the learner owes it
             if not self._owes(worker) or waits_on_learner(worker) or worker.version_held < self.awaited_version:
                 worker.lease_from = now
+            else:
+                worker.owing_s += tick  # (its speed's measure: `WorkerInfo.start_rate`)
         delivering = [w for w in live if self.delivering(w, now)]
         on_probation = [w for w in live if not self.delivering(w, now)]
         # a probation permit lasts permit_lease_s; permit_lease_min_s when another worker on probation waits for

@@ -1,7 +1,8 @@
 """The learner's I/O thread (`LearnerIO`): it binds both channels of the learner's end, takes in what arrives —
-hands each control message to its room, answers each weights request — and, at least every 50 ms, sends each live
-worker what the rooms say it is owed (acks, credit, permits, weights notices); on close, a bye to every live
-worker, and at the end of the run a wait (bounded) for each one's answer. It owns both sockets and is the only
+reads each control message into its peer's queue (`PeerInbox`: one budget of bytes and work per peer) and hands
+them, fairly, to their rooms; answers each weights request — and, at least every 50 ms, sends each live worker
+what the rooms say it is owed (acks, credit, permits, weights notices); on close, a bye to every live worker, and
+at the end of the run a wait (bounded) for each one's answer. It owns both sockets and is the only
 one to send (the rooms return what is to be sent), and it takes the rooms' lock (`Rooms`) around every room it
 touches. `LearnerServer` starts it and is the API the learner calls.
 """
@@ -9,8 +10,12 @@ touches. `LearnerServer` starts it and is the API the learner calls.
 from __future__ import annotations
 
 import logging
+import math
+import os
+import socket
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,6 +24,7 @@ import zmq
 from heterorl.config import TransportConfig
 from heterorl.errors import ConfigError, HeteroRLError
 from heterorl.transport.handshakes import HandshakeMonitor, RateLimitedLog, RefusalLoggingAuthenticator
+from heterorl.transport.inbound import PROBATION, PeerInbox, peer_budget_bytes
 from heterorl.transport.membership import REVOKED, refusal
 from heterorl.transport.protocol import (
     BYE_LEARNER_STOPPING,
@@ -50,6 +56,9 @@ from heterorl.transport.sockets import (
 from heterorl.transport.throttle import Verdict
 
 log = logging.getLogger("heterorl.transport")
+READ_AT_ONCE = 4096  # control messages moved into the inbox per read (ZeroMQ holds at most control_hwm per peer)
+HANDLE_SLICE_S = 0.05  # the inbox is handled this long at most between two rounds of housekeeping
+CUT_AFTER_S = 0.2  # a disconnected peer's TCP connection is cut this long after its bye was sent
 
 
 def bind_router(ctx: zmq.Context, address: str, hwm: int, config: TransportConfig, limits: Limits,
@@ -77,6 +86,25 @@ def bind_router(ctx: zmq.Context, address: str, hwm: int, config: TransportConfi
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT) or address
 
 
+def hold_connection(frame: zmq.Frame) -> socket.socket | None:
+    """The TCP connection ``frame`` came on, held by a duplicate of its descriptor (ZeroMQ's ``SRCFD``), to cut
+    (`cut`) once what is queued for it has gone out: held, the connection stays the same one whatever ZeroMQ
+    does with its own descriptor meanwhile. None when there is none (not TCP, or already gone)."""
+    try:
+        return socket.socket(fileno=os.dup(frame.get(zmq.SRCFD)))
+    except (zmq.ZMQError, OSError, ValueError):
+        return None
+
+
+def cut(connection: socket.socket) -> None:
+    """Shut the held connection down (ZeroMQ sees it end and drops what it still queues of it) and let it go."""
+    try:
+        connection.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # (gone already)
+    connection.close()
+
+
 class LearnerIO:
     """The I/O thread of one `LearnerServer` (see the module): `start` binds and starts it, `close` stops it."""
 
@@ -97,6 +125,10 @@ class LearnerIO:
         self._handshakes: HandshakeMonitor | None = None
         self.control_endpoint = self.weights_endpoint = ""
         self._wakeup = Wakeup()
+        self._cuts: list[tuple[float, socket.socket]] = []  # connections to cut, and when (`_count_refusals`)
+        self.peer_bytes = peer_budget_bytes(config, rooms.intake.contract, limits)
+        self._inbox = PeerInbox(self.peer_bytes, max(self.peer_bytes, config.inbound_bytes), config.peer_work_s_per_s,
+                                config.peer_work_burst_s)
         self._thread = threading.Thread(target=self._run, name="heterorl-learner-io", daemon=True)
 
     def start(self) -> None:
@@ -182,6 +214,8 @@ class LearnerIO:
                     told.add(worker.worker_id)
             if self._bye_reason == BYE_RUN_FINISHED and told:
                 self._await_answers(control, told)
+            for _, held in self._cuts:
+                cut(held)
             self._handshakes.close()
             control.close(self.config.linger_ms)
             weights.close(self.config.linger_ms)
@@ -199,15 +233,17 @@ class LearnerIO:
         poller.register(self._handshakes.socket, zmq.POLLIN)
         last_beat = 0.0
         while not self._stop.is_set():
-            events = dict(poller.poll(timeout=50))
+            wait = self._inbox.wait_s(time.monotonic())
+            events = dict(poller.poll(timeout=50 if wait is None else min(50, math.ceil(wait * 1000))))
             if self._wakeup.read_fd in events:
                 self._wakeup.drain()
             if self._handshakes.socket in events:
                 self._on_handshakes()
             if control in events:
-                receive_waiting(control, self._on_control)
+                self._read_control(control)
             if weights in events:
                 receive_waiting(weights, self._on_weights)
+            self._handle_inbox(control)
             now = time.monotonic()
             beat = now - last_beat >= self.config.heartbeat_interval_s
             if beat:
@@ -222,7 +258,8 @@ class LearnerIO:
         deadline = time.monotonic() + self.config.end_of_run_wait_s
         while not told <= self._answered and time.monotonic() < deadline:
             if control.poll(timeout=50):
-                receive_waiting(control, self._on_control)
+                self._read_control(control)
+            self._handle_inbox(control)
         unanswered = told - self._answered
         self.stats["end_of_run/answered"] += len(told) - len(unanswered)
         if unanswered:
@@ -239,34 +276,136 @@ class LearnerIO:
             if event != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._refusals.warning(cause, f"refused a handshake on {self.control_endpoint}: {cause}")
 
-    def _on_control(self, sock: zmq.Socket, frames: list) -> None:
-        """A control message: discarded unread while its connection is throttled; else handled, and its refusals
-        counted against its connection (`PeerThrottle`), which may throttle it (`Membership.throttled`)."""
-        rooms = self._rooms
-        routing_id, now = frames[0].bytes, time.monotonic()
-        self.stats["received"] += 1
-        if rooms.throttle.discards(routing_id, now):
-            self.stats["throttled/discarded"] += 1
-            return
+    # -- control messages: read into the inbox, handled from it ---------------------------------
+    def _peer_of(self, routing_id: bytes, frames: list) -> str:
+        """Who answers for a message (`PeerInbox`): its CURVE key, else its connection's registered worker id,
+        else `PROBATION`."""
+        if self._curve is not None:
+            return "key:" + (frames[-1].get("User-Id") or "")
+        worker_id = self._rooms.registry.by_routing.get(routing_id)  # (one dict read: no lock needed)
+        return PROBATION if worker_id is None else "id:" + worker_id
+
+    def _read_control(self, sock: zmq.Socket) -> None:
+        """Move the control messages waiting in ZeroMQ into their peers' queues, without decoding them: those of
+        a throttled connection are discarded, and what a peer's budget has no room for is dropped (`_dropped`)."""
+        now, start, read = time.monotonic(), time.thread_time(), Counter()
+        for _ in range(READ_AT_ONCE):
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self.stats["received"] += 1
+            routing_id = frames[0].bytes
+            if self._rooms.throttle.discards(routing_id, now):
+                self.stats["throttled/discarded"] += 1
+                continue
+            size, peer = sum(len(frame) for frame in frames[1:]), self._peer_of(routing_id, frames)
+            read[peer] += 1
+            for dropped_peer, (dropped_id, dropped_frames, dropped_size), reason in self._inbox.add(
+                    peer, (routing_id, frames, size), size, now, routing_id):
+                self._dropped(sock, dropped_peer, dropped_id, dropped_frames, dropped_size, reason, now)
+        if read:  # the reads' CPU time, shared by the peers read, by count
+            cost = (time.thread_time() - start) / sum(read.values())
+            for peer, count in read.items():
+                self._inbox.charge(peer, cost * count, now)
+
+    def _handle_inbox(self, sock: zmq.Socket) -> None:
+        """Handle queued control messages, the next one always the fairest (`PeerInbox.next`), for at most
+        `HANDLE_SLICE_S`; each one's CPU time is charged to its peer. ZeroMQ is read again between messages, so
+        its queues stay short while an expensive message is handled."""
+        deadline = time.monotonic() + HANDLE_SLICE_S
+        while (now := time.monotonic()) < deadline:
+            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._read_control(sock)
+            taken = self._inbox.next(now)
+            if taken is None:
+                return
+            peer, (routing_id, frames, _) = taken
+            if self._rooms.throttle.discards(routing_id, now):  # (throttled since it was read)
+                self.stats["throttled/discarded"] += 1
+                continue
+            start = time.thread_time()
+            self._on_control(sock, peer, routing_id, frames)
+            self._inbox.charge(peer, time.thread_time() - start, time.monotonic())
+
+    def _dropped(self, sock: zmq.Socket, peer: str, routing_id: bytes, frames: list, size: int, reason: str,
+                 now: float) -> None:
+        """A message of ``peer`` dropped unread for ``reason`` (`PeerInbox.add`): counted, logged, told to its
+        worker (rate-limited), and counted as a refusal of its connection (a connection that floods past its
+        peer's budget is throttled, then cut: `_count_refusals`)."""
+        self.stats["inbound/dropped"] += 1
+        self.stats[f"inbound/dropped/{reason}"] += 1
+        self.stats["inbound/dropped_bytes"] += size
+        if self._inbox.may_tell(peer, now):  # (told, and logged, at most once a second: a flood is not formatted)
+            text = f"{reason}: a message of {size} bytes was dropped unread: {self._drop_cause(peer, reason)}"
+            self._refusals.warning(f"inbound/{reason}", f"{peer}: {text}")
+            self._tell(sock, routing_id, text, refuse=reason == "too_large")
+        self._count_refusals(sock, routing_id, frames, 1, now)
+
+    def _drop_cause(self, peer: str, reason: str) -> str:
+        return {"too_large": "it is larger than the learner takes from one peer (transport.peer_inbound_bytes, "
+                             f"{self.peer_bytes} bytes): send fewer trajectories per message "
+                             "(transport.trajectory_batch)",
+                "over_budget": f"the learner holds {self._inbox.queued_of(peer)} bytes of this peer's messages not "
+                               f"yet handled (transport.peer_inbound_bytes, {self.peer_bytes}): wait for its acks",
+                "inbound_full": "the learner holds transport.inbound_bytes of all peers' messages not yet handled, "
+                                "this peer's the most",
+                "work_spent": "this peer's messages used the I/O thread's time it may use "
+                              "(transport.peer_work_s_per_s): send less often"}[reason]
+
+    def _tell(self, sock: zmq.Socket, routing_id: bytes, text: str, refuse: bool) -> None:
+        """Tell the peer on ``routing_id`` why something it sent was not taken: its worker in its next ack. A
+        connection that has not said hello is told only what would never pass (``refuse``), with a refusal (a
+        rollout worker stops and says why): what a moment's load refused (its hello dropped while the queue
+        of connections on probation was full, say) it sends again."""
+        with self._rooms.lock:
+            worker = self._rooms.registry.of_connection(routing_id)
+            if worker is not None:
+                worker.rejects.append(text[:256])
+                return
+        if refuse:
+            self._send(sock, routing_id, refusal(f"the learner refused a message it sent: {text}"[:512]))
+
+    def _on_control(self, sock: zmq.Socket, peer: str, routing_id: bytes, frames: list) -> None:
+        """A control message from ``peer``, handled; its refusals counted against its connection
+        (`PeerThrottle`), which may throttle it (`Membership.throttled`)."""
+        now = time.monotonic()
         refused = self.stats["rejected"]
         try:
-            self._handle_control(sock, routing_id, frames)
+            self._handle_control(sock, peer, routing_id, frames)
         finally:
-            verdict = rooms.throttle.count(routing_id, self.stats["rejected"] - refused, now)
-            if verdict is not Verdict.OK:
-                self.stats[f"throttled/{verdict.value}"] += 1
-                with rooms.lock:
-                    bye = rooms.membership.throttled(routing_id, verdict, now)
-                if bye is not None:
-                    self._send(sock, routing_id, bye)
+            self._count_refusals(sock, routing_id, frames, self.stats["rejected"] - refused, now)
 
-    def _handle_control(self, sock: zmq.Socket, routing_id: bytes, frames: list) -> None:
+    def _count_refusals(self, sock: zmq.Socket, routing_id: bytes, frames: list, refusals: int, now: float) -> None:
+        """Count ``refusals`` (refused or dropped messages) against connection ``routing_id`` (`PeerThrottle`):
+        throttled, its worker is told; disconnected, its worker leaves the registry and its TCP connection is
+        cut, so what it still sends stops costing this thread a read (it may dial again: a new connection starts
+        on probation, and a hello under a banned id or key is answered busy)."""
         rooms = self._rooms
+        verdict = rooms.throttle.count(routing_id, refusals, now)
+        if verdict is Verdict.OK:
+            return
+        self.stats[f"throttled/{verdict.value}"] += 1
+        with rooms.lock:
+            bye = rooms.membership.throttled(routing_id, verdict, now)
+        if bye is not None:
+            self._send(sock, routing_id, bye)
+        if verdict is Verdict.DISCONNECT and (held := hold_connection(frames[-1])) is not None:
+            self._cuts.append((now + CUT_AFTER_S, held))  # (after its bye has gone out: `_housekeeping`)
+
+    def _handle_control(self, sock: zmq.Socket, peer: str, routing_id: bytes, frames: list) -> None:
+        rooms = self._rooms
+        if peer == PROBATION and len(frames) > 2 and routing_id not in rooms.registry.by_routing:
+            # a connection that has not said hello may send only a hello (one frame): the rest is refused unread
+            rooms.reject("unknown_peer", "a message of several frames from a peer that has not said hello")
+            return
         try:
             message = decode(frames[1:], self.limits)
-        except ProtocolError as exc:
+        except ProtocolError as exc:  # counted, and told (rate-limited): an honest sender with a bug learns why
             worker_id = rooms.registry.by_routing.get(routing_id)
             rooms.reject(exc.reason, f"from {worker_id or 'unknown peer'}: {exc}")
+            if self._inbox.may_tell(peer, time.monotonic()):
+                self._tell(sock, routing_id, f"refused_at_decode: {exc.reason}: {exc}", refuse=True)
             return
         user_id = frames[1].get("User-Id") if self._curve is not None else None
         with rooms.lock:
@@ -278,7 +417,8 @@ class LearnerIO:
             if isinstance(message, Hello):
                 answer = rooms.membership.hello(routing_id, message, user_id, time.monotonic(), self._settings,
                                                 port_of(self.weights_endpoint))
-                self._send(sock, routing_id, answer)
+                if answer is not None:
+                    self._send(sock, routing_id, answer)
                 return
             worker = rooms.registry.of_connection(routing_id)
             if worker is None:
@@ -296,7 +436,7 @@ class LearnerIO:
                 if message.sender_id != worker.worker_id:
                     rooms.reject("forged_id", f"heartbeat names {message.sender_id!r} on {worker.worker_id}'s link")
                     return
-                rooms.registry.heartbeat(worker, message)
+                rooms.registry.heartbeat(worker, message, now)
             elif isinstance(message, Bye):
                 rooms.membership.left(worker, message.failed, message.reason)
                 self._answered.add(worker.worker_id)
@@ -304,29 +444,50 @@ class LearnerIO:
                 rooms.reject("unexpected_kind", f"{message.kind} is not sent by workers", worker)
 
     def _on_weights(self, sock: zmq.Socket, frames: list) -> None:
+        """A weights request, answered at once (it is small, and the bytes of the replies in flight are bounded
+        where they are made); its CPU time is charged to its peer (its CURVE key, else the worker it names), and
+        it is dropped unanswered while that peer's work budget is spent (the worker asks again)."""
+        start = time.thread_time()
+        user_id = frames[1].get("User-Id") if self._curve is not None else None
+        peer = "key:" + (user_id or "") if self._curve is not None else PROBATION
+        try:
+            peer = self._answer_weights(sock, peer, user_id, frames)
+        finally:
+            self._inbox.charge(peer, time.thread_time() - start, time.monotonic())
+
+    def _answer_weights(self, sock: zmq.Socket, peer: str, user_id: str | None, frames: list) -> str:
+        """`_on_weights`' work; returns the peer charged for it."""
         rooms = self._rooms
         routing_id = frames[0].bytes
         try:
             request = decode(frames[1:], self.limits)
         except ProtocolError as exc:
-            return rooms.reject(exc.reason, f"on the weights channel: {exc}")
+            rooms.reject(exc.reason, f"on the weights channel: {exc}")
+            return peer
         if not isinstance(request, WeightsRequest):
-            return rooms.reject("unexpected_kind", f"{request.kind} on the weights channel")
-        user_id = frames[1].get("User-Id") if self._curve is not None else None
+            rooms.reject("unexpected_kind", f"{request.kind} on the weights channel")
+            return peer
+        if self._curve is None:
+            peer = "id:" + request.worker_id
+        if not self._inbox.may_work(peer, time.monotonic()):
+            self.stats["inbound/dropped"] += 1
+            self.stats["inbound/dropped/weights_over_budget"] += 1
+            return peer
         with rooms.lock:
             worker = rooms.registry.workers.get(request.worker_id)
             if worker is None or not (rooms.registry.owns(worker, user_id) and rooms.registry.key_allowed(user_id)):
                 rooms.reject("unknown_peer", f"weights request for unknown worker {request.worker_id!r}")
-                return
+                return peer
             if not rooms.release.in_session(worker, request.session):
                 rooms.reject("wrong_session", f"weights request for {request.worker_id!r} without the token of its "
                              "current session (a connection that is not its session's)")
-                return
+                return peer
             reply = rooms.release.reply(request, worker)
         if reply is not None:
             frames, carried = reply
             if send_frames(sock, [routing_id, *frames], self.stats, "weights_chunk" if carried else "weights_header"):
                 self.stats["weights/bytes_sent"] += carried
+        return peer
 
     def _housekeeping(self, sock: zmq.Socket, now: float, beat: bool) -> None:
         """Revoke removed keys, time out workers and their incomplete groups, release due notices, and send each
@@ -335,6 +496,9 @@ class LearnerIO:
         rooms = self._rooms
         clock_now = self._clock()
         outgoing = []
+        while self._cuts and self._cuts[0][0] <= now:
+            cut(self._cuts.pop(0)[1])
+            self.stats["throttled/connections_cut"] += 1
         with rooms.lock:
             if rooms.registry.keys_due(now) and rooms.registry.reload_keys():
                 for routing_id, message in rooms.membership.revoke():
@@ -361,6 +525,8 @@ class LearnerIO:
                     worker.last_start_limit_sent = start_limit
             if any(isinstance(m, WeightsNotice) for _, m in outgoing):
                 rooms.release.trim()  # released notices may free versions no worker can still be given
+            if beat:  # replies ZeroMQ let go of (sent, or dropped with a connection that went) are counted out
+                rooms.release.in_flight.settle_all()
         for routing_id, message in outgoing:
             self._send(sock, routing_id, message)
 

@@ -35,11 +35,12 @@ class Membership:
         self.admission, self.release, self._reject, self.throttle = admission, release, reject, throttle
 
     def hello(self, routing_id: bytes, hello: Hello, user_id: str | None, now: float, settings: dict[str, Any],
-              weights_port: int) -> Message:
+              weights_port: int) -> Message | None:
         """The answer to ``hello`` on connection ``routing_id`` (signed by CURVE key ``user_id``): ``ready`` with
         ``settings`` (the run's) and the learner's weights ports, a refusal (its id is another key's, its layout
         does not fit) or busy (the registry is full of live workers, or the CURVE key holds ``max_ids_per_key`` live
-        ids). One connection is one worker: an entry under another id on it is replaced."""
+        ids); None for a hello repeated within half a ``hello_interval_s`` of its ready (a flood of them is answered
+        once). One connection is one worker: an entry under another id on it is replaced."""
         registry = self.registry
         banned_s = self.throttle.banned_for([hello.worker_id, user_id or ""], now)
         if banned_s:
@@ -56,6 +57,9 @@ class Membership:
             # connection still being set up): the same session's ready again, not a rejoin
             registry.stats["hellos_repeated"] += 1
             worker.last_seen = now
+            if now - worker.ready_at < self.config.hello_interval_s / 2:  # (answered a moment ago: once is enough)
+                registry.stats["hellos_repeated/unanswered"] += 1
+                return None
             return self._ready(worker, settings, weights_port, now)
         previous = registry.by_routing.get(routing_id)
         if previous is not None and previous != hello.worker_id:
@@ -85,6 +89,7 @@ class Membership:
 
     def _ready(self, worker: WorkerInfo, settings: dict[str, Any], weights_port: int, now: float) -> Ready:
         """The ``ready`` of ``worker``'s current session."""
+        worker.ready_at = now
         worker.last_credit_sent = self.intake.credit_limit(worker, now)
         return Ready(worker_id=worker.worker_id, credits=worker.last_credit_sent,
                      newest_version=worker.released_version, heartbeat_interval_s=self.config.heartbeat_interval_s,

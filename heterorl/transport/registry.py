@@ -109,6 +109,7 @@ class WorkerInfo:
     duplicates: int = 0
     buffered: int = 0  # accepted, not yet taken by the consumer
     received_session: int = 0  # trajectory messages received since its last hello
+    ready_at: float = float("-inf")  # when the learner last answered its hello with ready (its monotonic clock)
     heard_in_session: bool = False  # it sent a heartbeat this session (its first message after ready): a hello
     # from it now is a rejoin, not a hello repeated before its ready arrived
     weights_lagging: bool = False  # its weights lag the newest by more than the admission's max_lag (no permits)
@@ -120,9 +121,12 @@ class WorkerInfo:
     acks: list = field(default_factory=list)
     rejects: list = field(default_factory=list)
     last_credit_sent: int = -1
-    busy_s: float = 0.0  # the worker's cumulative seconds generating (from its heartbeats)
-    busy_base: float = 0.0  # busy_s when this session began: its start rate counts the busy seconds since
+    busy_s: float = 0.0  # the worker's cumulative seconds generating (from its heartbeats, clipped: `heartbeat`)
     idle_s: float = 0.0  # ... and waiting for credit, permits or weights
+    timings_said: tuple = (0.0, 0.0)  # (busy_s, idle_s) as its latest heartbeat said them (its process's own)
+    timing_allowance: float = 0.0  # seconds of busy + idle it may still claim (`WorkerRegistry.heartbeat`)
+    timing_allowance_at: float = -1.0  # when that allowance was last topped up (-1: no heartbeat yet)
+    owing_s: float = 0.0  # seconds this session it owed a group and nothing held it back (`Admission.grant_all`)
     groups_session: int = 0  # groups whose first trajectory arrived this session
     reward_outcomes: dict = field(default_factory=dict)  # its process's programs run by outcome (heartbeats; folded)
     outcomes_said: dict = field(default_factory=dict)  # ... as its latest heartbeat said them (at most 64 names)
@@ -155,10 +159,12 @@ class WorkerInfo:
     rate_refilled: float = 0.0
 
     def start_rate(self) -> float | None:
-        """Groups this session started per second of generating: the worker's measured speed (None until it
-        has generated for half a second)."""
-        busy = self.busy_s - self.busy_base
-        return self.groups_session / busy if busy > 0.5 and self.groups_session else None
+        """Groups completed this session per second it owed one (held a permit it had not turned into a group,
+        none of its groups waiting for the learner): its speed as the learner measured it, from the groups that
+        arrived and when — never from what the worker says (None until it has owed for half a second and
+        completed a group)."""
+        done = self.groups_completed_session
+        return done / self.owing_s if self.owing_s > 0.5 and done else None
 
     def credit_limit(self, window: int, rate_room: float = float("inf")) -> int:
         return self.received_session + int(max(0, min(window - self.buffered, rate_room)))
@@ -172,6 +178,7 @@ class WorkerRegistry:
         self.config, self.stats = config, stats
         self.workers: dict[str, WorkerInfo] = {}
         self.by_routing: dict[bytes, str] = {}
+        self.started = time.monotonic()  # (a version's arrival said in a heartbeat is at most the run's age)
         self._departed: Counter = Counter()  # `_TOTALS` of the workers removed from the registry
         self._departed_outcomes: Counter = Counter()  # and their `reward_outcomes`
         self._departed_arrival_max_s = 0.0  # and the most of their `weights_arrival_max_s`
@@ -232,11 +239,27 @@ class WorkerRegistry:
         worker.received_session, worker.heard_in_session = 0, False
         return worker
 
-    def heartbeat(self, worker: WorkerInfo, beat: Heartbeat) -> None:
+    def heartbeat(self, worker: WorkerInfo, beat: Heartbeat, now: float) -> None:
+        """Take in ``beat`` at ``now`` (the learner's monotonic clock). What it says of time is clipped to what
+        the learner can check: the seconds busy and idle it adds, to the time that passed (an allowance that grows
+        a second a second, at most `heartbeat_timeout_s` ahead); a version's arrival, to the run's age."""
         worker.version_held, worker.heard_in_session = beat.version_held, True
-        if beat.busy_s < worker.busy_s:  # a new process under the same id: its clock starts at 0
-            worker.busy_base = 0.0
-        worker.busy_s, worker.idle_s = beat.busy_s, beat.idle_s
+        said = (beat.busy_s, beat.idle_s)
+        new_process = said[0] < worker.timings_said[0] or said[1] < worker.timings_said[1]
+        busy, idle = (said if new_process else (said[0] - worker.timings_said[0], said[1] - worker.timings_said[1]))
+        worker.timings_said = said
+        cap = self.config.heartbeat_timeout_s
+        if worker.timing_allowance_at < 0:
+            worker.timing_allowance = cap
+        else:
+            worker.timing_allowance = min(cap, worker.timing_allowance + now - worker.timing_allowance_at)
+        worker.timing_allowance_at = now
+        scale = min(1.0, worker.timing_allowance / (busy + idle)) if busy + idle > 0 else 1.0
+        if scale < 1.0:
+            self.stats["heartbeats/timings_clipped"] += 1
+        worker.busy_s += busy * scale
+        worker.idle_s += idle * scale
+        worker.timing_allowance -= (busy + idle) * scale
         worker.starts_reported = beat.groups_started
         # cumulative over the worker's process: lower counts come from a new process under the same id, so the
         # previous process's counts are kept aside. Compared by the names it said; kept by the names it may hold
@@ -246,13 +269,14 @@ class WorkerRegistry:
             worker.outcomes_before.update(worker.reward_outcomes)
         worker.outcomes_said = said
         worker.reward_outcomes = self.outcome_names.fold(said, worker.worker_id)
-        arrived = (beat.weights_arrived, beat.weights_arrival_s)
+        age = now - self.started  # no version arrived later than the run is old
+        arrived = (beat.weights_arrived, min(beat.weights_arrival_s, beat.weights_arrived * age))
         if arrived[0] < worker.arrivals_said[0]:  # a new process under the same id: its counts start at 0
             worker.arrivals_before = tuple(a + b for a, b in zip(worker.arrivals_before, worker.arrivals_said))
         worker.arrivals_said = arrived
         worker.weights_arrived = worker.arrivals_before[0] + arrived[0]
         worker.weights_arrival_s = worker.arrivals_before[1] + arrived[1]
-        worker.weights_arrival_max_s = max(worker.weights_arrival_max_s, beat.weights_arrival_max_s)
+        worker.weights_arrival_max_s = max(worker.weights_arrival_max_s, min(beat.weights_arrival_max_s, age))
 
     def mark_dead_if_silent(self, worker: WorkerInfo, now: float) -> bool:
         """Take a live worker silent for ``heartbeat_timeout_s`` for dead; True when it just died."""

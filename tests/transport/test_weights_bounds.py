@@ -295,3 +295,48 @@ def test_a_hello_beyond_max_layouts_is_refused_naming_it_and_a_departed_worker_f
         for rank in ranks:
             rank.close()
         ctx.term()
+
+
+def test_the_bytes_of_replies_to_connections_that_went_are_counted_out_and_their_memory_given_back():
+    """Connections in a registered worker's name ask for chunks and never read, then close: within a few
+    heartbeats the learner counts none of their bytes in flight (before, they stayed counted until that worker
+    asked again, and a peer gone for good never does: 1.62 GB still counted 30 s after its 40 connections
+    closed), and the copies' memory is back with the system (once the bytes counted fell by `TRIM_AFTER_BYTES`
+    and no reply was added for `TRIM_IDLE_S`, the allocator is told to give its free memory back: measured
+    without it, 61 of 153 MiB stayed resident)."""
+    ctx = zmq.Context()
+    chunk = 4 * 2**20
+    config = TransportConfig(**{**QUICK, "heartbeat_timeout_s": 30.0}, weights_chunk_bytes=chunk,
+                             weights_pipeline=8, weights_deltas=False, weights_bytes_in_flight_per_worker=256 * 2**20)
+    with LearnerServer("tcp://127.0.0.1:0", config) as server:
+        stuck = []
+        try:
+            ready, control = join(ctx, server, "gone")
+            token = ready.settings["weights_session"]
+            server.publish(1, {"w": torch.randn(64 * 2**20 // 4)})  # 64 MiB: 16 chunks
+            wait_until(lambda: [w.released_version for w in server.workers()] == [1], 10, "the version released")
+            before = rss_mib()
+            stuck = [dealer(ctx, server.weights_endpoint, receive_buffer=4096) for _ in range(4)]
+            for sock in stuck:
+                for i in range(16):
+                    sock.send_multipart(encode(WeightsRequest("gone", version=1, chunk=i, session=token)))
+            wait_until(lambda: server.stats["weights/bytes_in_flight"] >= 128 * 2**20, 20,
+                       lambda: dict(server.stats))
+            held = rss_mib() - before
+            assert held >= 100, held  # the copies are resident while queued
+            for sock in stuck:
+                sock.close(0)
+            wait_until(lambda: server.stats["weights/bytes_in_flight"] == 0, 20, lambda: dict(server.stats))
+            wait_until(lambda: rss_mib() - before < held / 4, 20, lambda: (rss_mib() - before, held))
+            control.close(0)
+        finally:
+            for sock in stuck:
+                sock.close(0)
+    ctx.term()
+
+
+def rss_mib() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0

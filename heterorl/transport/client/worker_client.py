@@ -420,7 +420,7 @@ class WorkerClient(Endpoint):
             self.advised_threads = ack.threads
             self._lock.notify_all()
         for reason in ack.rejected[:3]:
-            log.warning("learner refused a trajectory: %s", reason)
+            log.warning("the learner refused: %s", reason)
 
     def _on_notice(self, notice: WeightsNotice) -> None:
         if notice.published_at > 0:

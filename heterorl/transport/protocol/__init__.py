@@ -43,6 +43,7 @@ from heterorl.transport.protocol.trajectories import (
     BatchExtremes,
     Trajectory,
     TrajectoryBatch,
+    max_trajectory_wire_bytes,
 )
 from heterorl.transport.protocol.weights import (
     TENSOR_DTYPES,
@@ -58,5 +59,5 @@ __all__ = [
     "MAX_OUTCOMES", "MESSAGES", "MIN_LOGPROB", "SCHEMA_VERSION", "TENSOR_DTYPES", "Ack", "BatchExtremes", "Breach",
     "Bye", "Heartbeat", "Hello", "Limits", "Message", "ProtocolError", "Ready", "Trajectory", "TrajectoryBatch",
     "TrajectoryContract", "WeightsChunk", "WeightsHeader", "WeightsNotice", "WeightsRequest", "chunk_checksum",
-    "decode", "encode",
+    "decode", "encode", "max_trajectory_wire_bytes",
 ]

@@ -319,6 +319,14 @@ class TrajectoryBatch(Message):
         return batch
 
 
+def max_trajectory_wire_bytes(max_sequence_len: int, limits: Limits) -> int:
+    """The most bytes one trajectory of at most ``max_sequence_len`` tokens adds to a `TrajectoryBatch` message:
+    its arrays (4 bytes per prompt token, 12 per completion token), its header entries (4 ids of
+    ``limits.max_id_chars``, 6 numbers, a stop reason of 32) and its environment spans (`MAX_ENV_SPANS` ranges of
+    integers of up to 5 bytes in msgpack)."""
+    return 12 * max_sequence_len + 4 * (limits.max_id_chars + 5) + 6 * 9 + 40 + 2 * MAX_ENV_SPANS * 5 + 16
+
+
 def _batch_env_spans(value, completion_len: list[int]) -> list[tuple[int, ...]]:
     """Each trajectory's ``env_spans`` from a batch header's list of lists (None: all single-turn)."""
     n = len(completion_len)

@@ -126,7 +126,7 @@ class WeightsRelease:
         released = store.versions.get(worker.released_version) if store is not None else None
         if released is None:
             return None
-        return store.reply(request, released, self.in_flight, worker.worker_id)
+        return store.reply(request, released, self.in_flight, worker.public_key or worker.worker_id)
 
     # -- notices ----------------------------------------------------------------------------------
     def schedule_notice(self, worker: WorkerInfo, version: int, now: float, size: int) -> None:
