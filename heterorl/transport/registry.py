@@ -244,10 +244,11 @@ class WorkerRegistry:
         the learner can check: the seconds busy and idle it adds, to the time that passed (an allowance that grows
         a second a second, at most `heartbeat_timeout_s` ahead); a version's arrival, to the run's age."""
         worker.version_held, worker.heard_in_session = beat.version_held, True
-        said = (beat.busy_s, beat.idle_s)
-        new_process = said[0] < worker.timings_said[0] or said[1] < worker.timings_said[1]
-        busy, idle = (said if new_process else (said[0] - worker.timings_said[0], said[1] - worker.timings_said[1]))
-        worker.timings_said = said
+        timings = (beat.busy_s, beat.idle_s)
+        new_process = timings[0] < worker.timings_said[0] or timings[1] < worker.timings_said[1]
+        busy, idle = timings if new_process else (timings[0] - worker.timings_said[0],
+                                                  timings[1] - worker.timings_said[1])
+        worker.timings_said = timings
         cap = self.config.heartbeat_timeout_s
         if worker.timing_allowance_at < 0:
             worker.timing_allowance = cap

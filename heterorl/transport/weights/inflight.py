@@ -2,21 +2,19 @@
 (`BytesInFlight`), per holder — the CURVE key of the worker asking, else its worker id, so the ids of one key
 share one bound — and in all, each held under its bound.
 
-A peer that asks for chunks and never reads leaves its replies queued in ZeroMQ (up to ``weights_hwm`` a
-connection, any number of connections). Each chunk reply is therefore a copy of its chunk (`WeightsStore.reply`),
-not a view of the version's buffer: a queued view would keep its whole version alive for as long as the peer
-stays connected (one version per stuck chunk, however old), where a copy keeps only its own bytes, and those are
-what this count bounds. Freed copies stay with the allocator for reuse (the next chunks take them: no page
-faults), so once the bytes counted fall by `TRIM_AFTER_BYTES` from their peak (a peer that did not read went)
-and no reply was added for `TRIM_IDLE_S`, the allocator is told to give its free memory back to the system
-(`malloc_trim`). The copy costs one memory pass
-over each chunk sent (docs/RELIABILITY.md, "Weights serving", has the measurement). A chunk
-request that would take its holder past ``per_worker``, or every holder past ``total``, is answered with its
-transfer's header instead (`WeightsStore.reply`), and the worker asks again for the chunks it lacks a moment later
-(`heterorl.transport.client.fetch`). An honest fetch has at most its pipeline out (the default bound is twice
-that), but ZeroMQ says a frame is sent a little after the fact (pyzmq releases it on its own thread), so it can
-meet the bound for a moment; it then waits that moment, never
-``fetch_timeout_s``.
+A peer that asks for chunks and never reads leaves its replies queued in ZeroMQ (up to ``weights_hwm`` a connection,
+any number of connections). Each chunk reply is therefore a copy of its chunk (`WeightsStore.reply`), not a view of
+the version's buffer: a queued view would keep its whole version alive for as long as the peer stays connected (one
+version per stuck chunk, however old), where a copy keeps only its own bytes, and those are what this count bounds.
+Freed copies stay with the allocator for reuse (the next chunks take them: no page faults), so once the bytes
+counted fall by `TRIM_AFTER_BYTES` from their peak (a peer that did not read went) and no reply was added for
+`TRIM_IDLE_S`, the allocator is told to give its free memory back to the system (`malloc_trim`). The copy costs one
+memory pass over each chunk sent (docs/RELIABILITY.md, "Weights serving", has the measurement). A chunk request that
+would take its holder past ``per_worker``, or every holder past ``total``, is answered with its transfer's header
+instead (`WeightsStore.reply`), and the worker asks again for the chunks it lacks a moment later
+(`heterorl.transport.client.fetch`). An honest fetch has at most its pipeline out (the default bound is twice that),
+but ZeroMQ says a frame is sent a little after the fact (pyzmq releases it on its own thread), so it can meet the
+bound for a moment; it then waits that moment, never ``fetch_timeout_s``.
 """
 
 from __future__ import annotations

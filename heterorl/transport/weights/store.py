@@ -108,15 +108,16 @@ class WeightsStore:
         return self.payloads[key]
 
     def reply(self, request: WeightsRequest, released: PackedWeights, in_flight: BytesInFlight,
-              worker_id: str) -> tuple[list, int]:
-        """Under the lock: the frames that answer ``request`` from worker ``worker_id``, released ``released``,
-        and the chunk bytes they carry (0: a header). A header request gets ``released``'s header (as steps from
+              holder: str) -> tuple[list, int]:
+        """Under the lock: the frames that answer ``request``, released ``released``, and the chunk bytes they
+        carry (0: a header), counted against ``holder`` (the asking worker's CURVE key, else its worker id:
+        `BytesInFlight`). A header request gets ``released``'s header (as steps from
         the worker's ``delta_base`` when they are kept); a chunk request a copy of the chunk in a tracked frame,
         counted in ``in_flight`` (what a peer that does not read keeps queued is that copy, never the version:
         `heterorl.transport.weights.inflight`), or, when that would take the worker's bytes in flight or
         everyone's past their bound, the header of its transfer again (``weights/held_back``): the worker asks
         once more for the chunks it lacks a moment later."""
-        if request.chunk >= 0 and not in_flight.room(worker_id, self.config.weights_chunk_bytes):
+        if request.chunk >= 0 and not in_flight.room(holder, self.config.weights_chunk_bytes):
             transfer = (self.versions.get(request.version) if request.delta_base < 0
                         else self.payloads.get((request.delta_base, request.version)))
             return encode((transfer or released).header), 0
@@ -134,7 +135,7 @@ class WeightsStore:
         chunk = WeightsChunk(version=packed.header.version, index=request.chunk,
                              checksum=packed.chunk_checksum(request.chunk))
         frame = zmq.Frame(bytes(data), copy=False, track=True)
-        in_flight.add(worker_id, frame, len(data))
+        in_flight.add(holder, frame, len(data))
         header, _ = encode(chunk)
         return [header, frame], len(data)
 
