@@ -140,13 +140,7 @@ class PeerInbox:
         dropped = []
         while self.queued_bytes > self.total_bytes:
             holder_name, holder = max(self._waiting.items(), key=lambda kv: kv[1].queued_bytes)
-            newest_size, newest, connection = holder.queue.pop()
-            self._unqueued(connection)
-            holder.queued_bytes -= newest_size
-            self.queued_bytes -= newest_size
-            if not holder.queue:
-                del self._waiting[holder_name]
-            dropped.append((holder_name, newest, "inbound_full"))
+            dropped.append((holder_name, self._take(holder_name, holder, newest=True), "inbound_full"))
         return dropped
 
     # -- out ------------------------------------------------------------------------------------
@@ -161,14 +155,18 @@ class PeerInbox:
         if best is None:
             return None
         tag, name, peer = best
-        size, item, connection = peer.queue.popleft()
+        self._served_tag = tag
+        return name, self._take(name, peer, newest=False)
+
+    def _take(self, name: str, peer: _Peer, newest: bool) -> Any:
+        """Take the oldest (or ``newest``) message out of peer ``name``'s queue."""
+        size, item, connection = peer.queue.pop() if newest else peer.queue.popleft()
         self._unqueued(connection)
         peer.queued_bytes -= size
         self.queued_bytes -= size
         if not peer.queue:
             del self._waiting[name]
-        self._served_tag = tag
-        return name, item
+        return item
 
     def _unqueued(self, connection: Any) -> None:
         if connection is not None:
