@@ -378,9 +378,8 @@ class WorkerClient(Endpoint):
         self._last_heard = self._now
         message = self._decode(frames, "control")
         if isinstance(message, Bye) and message.ends_run and not self._answered_end:
-            # answered at once, not when the rollout loop closes this client: the learner keeps its end open until
-            # this arrives (`LearnerIO._await_answers`), so its own bye is not cut off on a lossy link; and before
-            # the bye is handled, so whoever waits on `finished` sees the answer counted
+            # answered at once, before the bye is handled (who waits on `finished` sees it counted): the learner keeps
+            # its end open until this arrives (`LearnerIO._await_answers`), lest its own bye be cut off on a lossy link
             self._answered_end = True
             if send_frames(sock, encode(Bye(self.worker_id, "done: the run is over")), self.stats, "bye"):
                 self.stats["end_of_run/answered"] += 1
