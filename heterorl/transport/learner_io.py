@@ -400,7 +400,7 @@ class LearnerIO:
 
     def _handle_control(self, sock: zmq.Socket, peer: str, routing_id: bytes, frames: list) -> None:
         rooms = self._rooms
-        if peer == PROBATION and len(frames) > 2 and routing_id not in rooms.registry.by_routing:
+        if len(frames) > 2 and routing_id not in rooms.registry.by_routing:
             # a connection that has not said hello may send only a hello (one frame): the rest is refused unread
             rooms.reject("unknown_peer", "a message of several frames from a peer that has not said hello")
             return
