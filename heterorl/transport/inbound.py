@@ -62,7 +62,7 @@ class _Peer:
     tokens: float  # seconds of work it may use now (may go below 0 by the last message's cost)
     refilled: float
     tag: float = 0.0  # its virtual time: the work it has been served, from when it was last idle
-    queue: deque = field(default_factory=deque)  # (size, item), oldest first
+    queue: deque = field(default_factory=deque)  # (size, item, connection), oldest first
     queued_bytes: int = 0
     told_at: float = float("-inf")
 
@@ -114,8 +114,9 @@ class PeerInbox:
     # -- in -------------------------------------------------------------------------------------
     def add(self, name: str, item: Any, size: int, now: float, connection: Any = None) -> list[tuple[str, Any, str]]:
         """Queue ``item`` (``size`` bytes) from peer ``name``; returns what was dropped for it, as
-        (peer, item, reason) — the item itself (``too_large``, ``over_budget``), or the newest messages of the
-        peer holding the most when all peers together would pass ``total_bytes`` (``inbound_full``).
+        (peer, item, reason) — the item itself (``too_large``, ``over_budget``, or ``work_spent`` while its
+        peer's bucket is empty), or the newest messages of the peer holding the most when all peers together would
+        pass ``total_bytes`` (``inbound_full``).
         ``connection``: while earlier messages of it wait, a message joins them, under their peer, whatever
         ``name`` says (a connection's messages are handled in the order they came, its hello's registration
         notwithstanding)."""
