@@ -27,8 +27,8 @@ from heterorl.transport.protocol import (
     decode,
     encode,
 )
-from heterorl.transport.weights import pack_state_dict
-from heterorl.transport.weights.inflight import BytesInFlight
+from heterorl.transport.weights import inflight, pack_state_dict
+from heterorl.transport.weights.inflight import MALLOC_TRIM, BytesInFlight
 from heterorl.transport.weights.reshard import DestLayout, Placement
 from heterorl.transport.weights.shards import ShardServer
 from tests.conftest import wait_until
@@ -258,6 +258,35 @@ def test_bytes_in_flight_are_held_per_worker_and_in_all_and_freed_once_sent():
         TransportConfig(weights_chunk_bytes=10, weights_pipeline=3, weights_bytes_in_flight_per_worker=20).validate()
 
 
+def test_the_freed_copies_memory_goes_back_once_the_bytes_fell_from_their_peak_and_nothing_was_sent_since(
+        monkeypatch):
+    """`settle_all` counts out the replies ZeroMQ let go, of holders that never ask again too, and tells the
+    allocator to give its free memory back once the count fell `TRIM_AFTER_BYTES` below its peak and no reply was
+    added for `TRIM_IDLE_S`: not while replies still go out (a run fetching every step keeps its memory warm)."""
+    trims, clock = [], [100.0]
+    monkeypatch.setattr(inflight, "MALLOC_TRIM", lambda pad: trims.append(pad))
+    monkeypatch.setattr(inflight.time, "monotonic", lambda: clock[0])
+    stats = Counter()
+    flight = BytesInFlight(per_worker=2**40, total=2**40, stats=stats)
+    frames = [_Sent() for _ in range(20)]
+    for frame in frames:
+        flight.add("gone", frame, 4 * 2**20)  # 80 MiB asked for, and then the peer went
+    for frame in frames:
+        frame.tracker.done = True  # ZeroMQ dropped them with its connection
+    flight.settle_all()
+    assert flight.bytes == 0 and stats["weights/bytes_in_flight"] == 0  # counted out, though "gone" never asks again
+    assert trims == []  # a reply was added a moment ago
+    clock[0] += inflight.TRIM_IDLE_S
+    flight.settle_all()
+    assert trims == [0] and stats["weights/memory_trims"] == 1
+    flight.settle_all()
+    assert trims == [0]  # once per fall from a peak
+    flight.add("honest", _Sent(), 4 * 2**20)  # small traffic after: no fall of 64 MiB, no trim
+    clock[0] += 10 * inflight.TRIM_IDLE_S
+    flight.settle_all()
+    assert trims == [0]
+
+
 def test_a_hello_beyond_max_layouts_is_refused_naming_it_and_a_departed_worker_frees_its_layout():
     """A sharded learner packs each declared layout every publish: with ``max_layouts`` 2, a third distinct
     layout is refused (naming the setting, counted under ``rejected/bad_layout``), one already held is not, and
@@ -301,9 +330,9 @@ def test_the_bytes_of_replies_to_connections_that_went_are_counted_out_and_their
     """Connections in a registered worker's name ask for chunks and never read, then close: within a few
     heartbeats the learner counts none of their bytes in flight (before, they stayed counted until that worker
     asked again, and a peer gone for good never does: 1.62 GB still counted 30 s after its 40 connections
-    closed), and the copies' memory is back with the system (once the bytes counted fell by `TRIM_AFTER_BYTES`
-    and no reply was added for `TRIM_IDLE_S`, the allocator is told to give its free memory back: measured
-    without it, 61 of 153 MiB stayed resident)."""
+    closed), and the copies' memory is back with the system (how much the allocator would have kept without its
+    trim depends on what else the process holds: 61 of 153 MiB in a fresh process, measured; the rule itself is
+    tested on its own below)."""
     ctx = zmq.Context()
     chunk = 4 * 2**20
     config = TransportConfig(**{**QUICK, "heartbeat_timeout_s": 30.0}, weights_chunk_bytes=chunk,
@@ -315,6 +344,8 @@ def test_the_bytes_of_replies_to_connections_that_went_are_counted_out_and_their
             token = ready.settings["weights_session"]
             server.publish(1, {"w": torch.randn(64 * 2**20 // 4)})  # 64 MiB: 16 chunks
             wait_until(lambda: [w.released_version for w in server.workers()] == [1], 10, "the version released")
+            if MALLOC_TRIM is not None:  # what earlier tests in this process freed goes back first: the copies
+                MALLOC_TRIM(0)  # below then take new pages, which RSS sees (not memory freed before)
             before = rss_mib()
             stuck = [dealer(ctx, server.weights_endpoint, receive_buffer=4096) for _ in range(4)]
             for sock in stuck:
@@ -323,7 +354,7 @@ def test_the_bytes_of_replies_to_connections_that_went_are_counted_out_and_their
             wait_until(lambda: server.stats["weights/bytes_in_flight"] >= 128 * 2**20, 20,
                        lambda: dict(server.stats))
             held = rss_mib() - before
-            assert held >= 100, held  # the copies are resident while queued
+            assert held >= 64, held  # the copies are resident while queued
             for sock in stuck:
                 sock.close(0)
             wait_until(lambda: server.stats["weights/bytes_in_flight"] == 0, 20, lambda: dict(server.stats))
