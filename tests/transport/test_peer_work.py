@@ -2,6 +2,7 @@
 whose messages are refused at a high rate is throttled — its messages discarded unread — and then its worker
 disconnected for a back-off, on real loopback sockets; `PeerThrottle`'s rules on their own."""
 
+import contextlib
 import time
 
 import msgpack
@@ -16,45 +17,53 @@ from tests.transport.test_peer_bounds import ADDRESS, QUICK, hello_socket, membe
 from tests.transport.test_permit_leases import HONEST_GROUPS, Honest, Pace, peer
 
 
+@contextlib.contextmanager
+def beside_an_honest_worker(config: TransportConfig, attacker: str):
+    """A learner's end taking groups as a learner does (`Pace`), an honest worker sending its groups (`Honest`),
+    and a raw registered peer named ``attacker``: (the server, its pace, the peer's socket), all closed after."""
+    ctx = zmq.Context()
+    with LearnerServer(ADDRESS, config) as server:
+        pace = Pace(server)
+        honest = Honest(server.control_endpoint, config).start()
+        sock = peer(ctx, server, attacker)
+        try:
+            yield server, pace, sock
+        finally:
+            honest.close()
+            pace.close()
+            sock.close(0)
+    ctx.term()
+
+
 def test_a_peer_flooding_refusable_messages_is_throttled_then_disconnected_and_the_honest_worker_goes_on():
     """Three waves of 20 messages of 2,048 trajectories each beyond the peer's permits: each wave's first
     message is decoded and refused, and its connection throttled: the other 19 are discarded unread (before,
     each cost the learner's I/O thread its decoding and 2,048 refusals); at the third throttle the peer is told
     busy, its id refused for the back-off and its TCP connection cut; the honest worker's groups are all taken."""
     config = TransportConfig(**{**QUICK, "heartbeat_timeout_s": 30.0}, credits_per_worker=64, throttle_s=0.5)
-    ctx = zmq.Context()
-    with LearnerServer(ADDRESS, config) as server:
-        pace = Pace(server)
-        honest = Honest(server.control_endpoint, config).start()
-        flood = peer(ctx, server, "flood")
-        try:
-            frames = encode(TrajectoryBatch([member("flood", f"f-{j}", 0, size=1) for j in range(2048)]))
-            for wave, back_off in enumerate((0.5, 1.0, 2.0)):  # each wave once the last throttle is over
-                for _ in range(20):
-                    flood.send_multipart(frames)
-                wait_until(lambda: server.stats["throttled/discarded"] == 19 * (wave + 1), 30,
-                           lambda: dict(server.stats))  # the wave's first message decoded, the rest unread
-                time.sleep(back_off + 0.1)
-            assert (server.stats["throttled/throttled"], server.stats["throttled/disconnect"]) == (2, 1)
-            wait_until(lambda: pace.taken.get("honest", 0) == HONEST_GROUPS, 60,
-                       lambda: f"the honest worker's groups taken: {pace.taken}")
-            assert "flood" not in {w.worker_id for w in server.workers()}
-            answers = []
-            while flood.poll(1000):
-                answers.append(decode(flood.recv_multipart()))
-            byes = [a for a in answers if isinstance(a, Bye)]
-            assert byes and byes[-1].busy and "disconnected for 2 s" in byes[-1].reason
-            # and its TCP connection was cut once the bye had gone out: what it sends now comes on a new connection,
-            # which has not said hello, and a message of several frames from one is refused unread
-            wait_until(lambda: server.stats["throttled/connections_cut"] == 1, 10, lambda: dict(server.stats))
-            refused = server.stats["rejected/unknown_peer"]
-            flood.send_multipart(encode(TrajectoryBatch([member("flood", "x", 0, size=1)])))
-            wait_until(lambda: server.stats["rejected/unknown_peer"] == refused + 1, 10, lambda: dict(server.stats))
-        finally:
-            honest.close()
-            pace.close()
-            flood.close(0)
-            ctx.term()
+    with beside_an_honest_worker(config, "flood") as (server, pace, flood):
+        frames = encode(TrajectoryBatch([member("flood", f"f-{j}", 0, size=1) for j in range(2048)]))
+        for wave, back_off in enumerate((0.5, 1.0, 2.0)):  # each wave once the last throttle is over
+            for _ in range(20):
+                flood.send_multipart(frames)
+            wait_until(lambda: server.stats["throttled/discarded"] == 19 * (wave + 1), 30,
+                       lambda: dict(server.stats))  # the wave's first message decoded, the rest unread
+            time.sleep(back_off + 0.1)
+        assert (server.stats["throttled/throttled"], server.stats["throttled/disconnect"]) == (2, 1)
+        wait_until(lambda: pace.taken.get("honest", 0) == HONEST_GROUPS, 60,
+                   lambda: f"the honest worker's groups taken: {pace.taken}")
+        assert "flood" not in {w.worker_id for w in server.workers()}
+        answers = []
+        while flood.poll(1000):
+            answers.append(decode(flood.recv_multipart()))
+        byes = [a for a in answers if isinstance(a, Bye)]
+        assert byes and byes[-1].busy and "disconnected for 2 s" in byes[-1].reason
+        # and its TCP connection was cut once the bye had gone out: what it sends now comes on a new connection,
+        # which has not said hello, and a message of several frames from one is refused unread
+        wait_until(lambda: server.stats["throttled/connections_cut"] == 1, 10, lambda: dict(server.stats))
+        refused = server.stats["rejected/unknown_peer"]
+        flood.send_multipart(encode(TrajectoryBatch([member("flood", "x", 0, size=1)])))
+        wait_until(lambda: server.stats["rejected/unknown_peer"] == refused + 1, 10, lambda: dict(server.stats))
 
 
 def test_the_throttle_doubles_its_back_off_disconnects_and_forgets_a_quiet_peer():
@@ -95,28 +104,18 @@ def test_messages_larger_than_a_peers_byte_budget_are_dropped_unread_and_the_pee
     honest worker's groups are all taken."""
     config = TransportConfig(**{**QUICK, "heartbeat_timeout_s": 30.0}, credits_per_worker=64,
                              peer_inbound_bytes=2**20)
-    ctx = zmq.Context()
-    with LearnerServer(ADDRESS, config) as server:
-        pace = Pace(server)
-        honest = Honest(server.control_endpoint, config).start()
-        big = peer(ctx, server, "big")
-        try:
-            frames = encode(TrajectoryBatch([member("big", f"b-{j}", 0, size=1, tokens=40_000) for j in range(4)]))
-            assert sum(len(f) for f in frames) > 2 * 10**6
-            for _ in range(30):
-                big.send_multipart(frames)
-            wait_until(lambda: server.stats["inbound/dropped/too_large"] == 30, 30, lambda: dict(server.stats))
-            assert server.stats["rejected"] == 0 and "big" not in pace.taken  # never decoded
-            reasons = [r for r in told(answers_of(big, 1.5)) if r.startswith("too_large")]
-            assert 1 <= len(reasons) <= 2, reasons  # once a second at most
-            assert "transport.peer_inbound_bytes" in reasons[0] and "transport.trajectory_batch" in reasons[0]
-            wait_until(lambda: pace.taken.get("honest", 0) == HONEST_GROUPS, 60,
-                       lambda: f"the honest worker's groups taken: {pace.taken}")
-        finally:
-            honest.close()
-            pace.close()
-            big.close(0)
-            ctx.term()
+    with beside_an_honest_worker(config, "big") as (server, pace, big):
+        frames = encode(TrajectoryBatch([member("big", f"b-{j}", 0, size=1, tokens=40_000) for j in range(4)]))
+        assert sum(len(f) for f in frames) > 2 * 10**6
+        for _ in range(30):
+            big.send_multipart(frames)
+        wait_until(lambda: server.stats["inbound/dropped/too_large"] == 30, 30, lambda: dict(server.stats))
+        assert server.stats["rejected"] == 0 and "big" not in pace.taken  # never decoded
+        reasons = [r for r in told(answers_of(big, 1.5)) if r.startswith("too_large")]
+        assert 1 <= len(reasons) <= 2, reasons  # once a second at most
+        assert "transport.peer_inbound_bytes" in reasons[0] and "transport.trajectory_batch" in reasons[0]
+        wait_until(lambda: pace.taken.get("honest", 0) == HONEST_GROUPS, 60,
+                   lambda: f"the honest worker's groups taken: {pace.taken}")
 
 
 def test_a_peer_past_its_work_budget_is_not_handled_until_it_refills_and_what_it_sends_meanwhile_is_dropped():
@@ -130,34 +129,24 @@ def test_a_peer_past_its_work_budget_is_not_handled_until_it_refills_and_what_it
     size = sum(len(frame) for frame in frames)
     config = TransportConfig(**{**QUICK, "heartbeat_timeout_s": 30.0}, credits_per_worker=4096,
                              peer_work_s_per_s=0.05, peer_work_burst_s=0.05, peer_inbound_bytes=2 * size + 2**16)
-    ctx = zmq.Context()
-    with LearnerServer(ADDRESS, config) as server:
-        pace = Pace(server)
-        honest = Honest(server.control_endpoint, config).start()
-        dup = peer(ctx, server, "dup")
-        try:
-            wait_until(lambda: server.workers() and any(
-                w.worker_id == "dup" and w.starts_granted_session >= 1 for w in server.workers()), 10,
-                "the peer's probation permit")
-            dup.send_multipart(encode(TrajectoryBatch(group)))  # one whole group on its permit: taken in
-            wait_until(lambda: any(w.worker_id == "dup" and w.trajectories == 4 for w in server.workers()), 10,
-                       lambda: dict(server.stats))
-            for _ in range(40):
-                dup.send_multipart(frames)
-            # dropped as they are read: while its bucket is empty (work_spent), or, while it holds two messages
-            # waiting, beyond its bytes (over_budget), whichever comes first on this machine
-            wait_until(lambda: server.stats["inbound/dropped/work_spent"] + server.stats["inbound/dropped/over_budget"]
-                       >= 1, 30, lambda: dict(server.stats))
-            assert any(r.startswith(("work_spent", "over_budget")) and "transport.peer_" in r
-                       for r in told(answers_of(dup, 1.5)))
-            assert server.stats["duplicates"] < 40 * 2048  # not every message was handled
-            wait_until(lambda: pace.taken.get("honest", 0) == HONEST_GROUPS, 60,
-                       lambda: f"the honest worker's groups taken: {pace.taken}")
-        finally:
-            honest.close()
-            pace.close()
-            dup.close(0)
-            ctx.term()
+    with beside_an_honest_worker(config, "dup") as (server, pace, dup):
+        wait_until(lambda: server.workers() and any(
+            w.worker_id == "dup" and w.starts_granted_session >= 1 for w in server.workers()), 10,
+            "the peer's probation permit")
+        dup.send_multipart(encode(TrajectoryBatch(group)))  # one whole group on its permit: taken in
+        wait_until(lambda: any(w.worker_id == "dup" and w.trajectories == 4 for w in server.workers()), 10,
+                   lambda: dict(server.stats))
+        for _ in range(40):
+            dup.send_multipart(frames)
+        # dropped as they are read: while its bucket is empty (work_spent), or, while it holds two messages
+        # waiting, beyond its bytes (over_budget), whichever comes first on this machine
+        wait_until(lambda: server.stats["inbound/dropped/work_spent"] + server.stats["inbound/dropped/over_budget"]
+                   >= 1, 30, lambda: dict(server.stats))
+        assert any(r.startswith(("work_spent", "over_budget")) and "transport.peer_" in r
+                   for r in told(answers_of(dup, 1.5)))
+        assert server.stats["duplicates"] < 40 * 2048  # not every message was handled
+        wait_until(lambda: pace.taken.get("honest", 0) == HONEST_GROUPS, 60,
+                   lambda: f"the honest worker's groups taken: {pace.taken}")
 
 
 def test_a_message_refused_at_decode_is_told_naming_its_field():
