@@ -105,13 +105,65 @@ def cut(connection: socket.socket) -> None:
     connection.close()
 
 
-class LearnerIO:
-    """The I/O thread of one `LearnerServer` (see the module): `start` binds and starts it, `close` stops it.
+class WeightsRequests:
+    """The weights channel's requests at the learner's end, answered by `LearnerIO`'s thread (it owns the socket):
+    checked against the worker's session, charged to the peer's work budget in the same `PeerInbox` as its
+    control messages, and answered from the weights release room."""
 
-    About 430 lines, over the house's 400, for a stated reason: it is the one owner of both sockets (ZeroMQ
-    sockets are not thread-safe), and each of its parts — reading into the inbox, handling, refusing and
-    cutting, answering weights, housekeeping — sends on them; the rules those parts apply live in the rooms and
-    in `PeerInbox`, not here."""
+    def __init__(self, rooms: Rooms, inbox: PeerInbox, limits: Limits, curve: CurveConfig | None) -> None:
+        self._rooms, self._inbox, self.limits, self._curve = rooms, inbox, limits, curve
+        self.stats = rooms.stats
+
+    def on_request(self, sock: zmq.Socket, frames: list) -> None:
+        """A weights request, answered at once (it is small, and the bytes of the replies in flight are bounded
+        where they are made); its CPU time is charged to its peer (its CURVE key, else the worker it names), and
+        it is dropped unanswered while that peer's work budget is spent (the worker asks again)."""
+        start = time.thread_time()
+        user_id = frames[1].get("User-Id") if self._curve is not None else None
+        peer = "key:" + (user_id or "") if self._curve is not None else PROBATION
+        try:
+            peer = self._answer(sock, peer, user_id, frames)
+        finally:
+            self._inbox.charge(peer, time.thread_time() - start, time.monotonic())
+
+    def _answer(self, sock: zmq.Socket, peer: str, user_id: str | None, frames: list) -> str:
+        """`on_request`'s work; returns the peer charged for it."""
+        rooms = self._rooms
+        routing_id = frames[0].bytes
+        try:
+            request = decode(frames[1:], self.limits)
+        except ProtocolError as exc:
+            rooms.reject(exc.reason, f"on the weights channel: {exc}")
+            return peer
+        if not isinstance(request, WeightsRequest):
+            rooms.reject("unexpected_kind", f"{request.kind} on the weights channel")
+            return peer
+        if self._curve is None:
+            peer = "id:" + request.worker_id
+        if not self._inbox.may_work(peer, time.monotonic()):
+            self.stats["inbound/dropped"] += 1
+            self.stats["inbound/dropped/weights_over_budget"] += 1
+            return peer
+        with rooms.lock:
+            worker = rooms.registry.workers.get(request.worker_id)
+            if worker is None or not (rooms.registry.owns(worker, user_id) and rooms.registry.key_allowed(user_id)):
+                rooms.reject("unknown_peer", f"weights request for unknown worker {request.worker_id!r}")
+                return peer
+            if not rooms.release.in_session(worker, request.session):
+                rooms.reject("wrong_session", f"weights request for {request.worker_id!r} without the token of its "
+                             "current session (a connection that is not its session's)")
+                return peer
+            reply = rooms.release.reply(request, worker)
+        if reply is not None:
+            frames, carried = reply
+            if send_frames(sock, [routing_id, *frames], self.stats, "weights_chunk" if carried else "weights_header"):
+                self.stats["weights/bytes_sent"] += carried
+        return peer
+
+
+class LearnerIO:
+    """The I/O thread of one `LearnerServer` (see the module): `start` binds and starts it, `close` stops it;
+    the weights channel's requests are `WeightsRequests`'."""
 
     def __init__(self, rooms: Rooms, address: str, weights_address: str | None, config: TransportConfig,
                  limits: Limits, curve: CurveConfig | None, settings: dict[str, Any],
@@ -134,6 +186,7 @@ class LearnerIO:
         self.peer_bytes = peer_budget_bytes(config, rooms.intake.contract, limits)
         self._inbox = PeerInbox(self.peer_bytes, max(self.peer_bytes, config.inbound_bytes), config.peer_work_s_per_s,
                                 config.peer_work_burst_s)
+        self._weights_requests = WeightsRequests(rooms, self._inbox, limits, curve)
         self._thread = threading.Thread(target=self._run, name="heterorl-learner-io", daemon=True)
 
     def start(self) -> None:
@@ -247,7 +300,7 @@ class LearnerIO:
             if control in events:
                 self._read_control(control)
             if weights in events:
-                receive_waiting(weights, self._on_weights)
+                receive_waiting(weights, self._weights_requests.on_request)
             self._handle_inbox(control)
             now = time.monotonic()
             beat = now - last_beat >= self.config.heartbeat_interval_s
@@ -447,52 +500,6 @@ class LearnerIO:
                 self._answered.add(worker.worker_id)
             else:
                 rooms.reject("unexpected_kind", f"{message.kind} is not sent by workers", worker)
-
-    def _on_weights(self, sock: zmq.Socket, frames: list) -> None:
-        """A weights request, answered at once (it is small, and the bytes of the replies in flight are bounded
-        where they are made); its CPU time is charged to its peer (its CURVE key, else the worker it names), and
-        it is dropped unanswered while that peer's work budget is spent (the worker asks again)."""
-        start = time.thread_time()
-        user_id = frames[1].get("User-Id") if self._curve is not None else None
-        peer = "key:" + (user_id or "") if self._curve is not None else PROBATION
-        try:
-            peer = self._answer_weights(sock, peer, user_id, frames)
-        finally:
-            self._inbox.charge(peer, time.thread_time() - start, time.monotonic())
-
-    def _answer_weights(self, sock: zmq.Socket, peer: str, user_id: str | None, frames: list) -> str:
-        """`_on_weights`' work; returns the peer charged for it."""
-        rooms = self._rooms
-        routing_id = frames[0].bytes
-        try:
-            request = decode(frames[1:], self.limits)
-        except ProtocolError as exc:
-            rooms.reject(exc.reason, f"on the weights channel: {exc}")
-            return peer
-        if not isinstance(request, WeightsRequest):
-            rooms.reject("unexpected_kind", f"{request.kind} on the weights channel")
-            return peer
-        if self._curve is None:
-            peer = "id:" + request.worker_id
-        if not self._inbox.may_work(peer, time.monotonic()):
-            self.stats["inbound/dropped"] += 1
-            self.stats["inbound/dropped/weights_over_budget"] += 1
-            return peer
-        with rooms.lock:
-            worker = rooms.registry.workers.get(request.worker_id)
-            if worker is None or not (rooms.registry.owns(worker, user_id) and rooms.registry.key_allowed(user_id)):
-                rooms.reject("unknown_peer", f"weights request for unknown worker {request.worker_id!r}")
-                return peer
-            if not rooms.release.in_session(worker, request.session):
-                rooms.reject("wrong_session", f"weights request for {request.worker_id!r} without the token of its "
-                             "current session (a connection that is not its session's)")
-                return peer
-            reply = rooms.release.reply(request, worker)
-        if reply is not None:
-            frames, carried = reply
-            if send_frames(sock, [routing_id, *frames], self.stats, "weights_chunk" if carried else "weights_header"):
-                self.stats["weights/bytes_sent"] += carried
-        return peer
 
     def _housekeeping(self, sock: zmq.Socket, now: float, beat: bool) -> None:
         """Revoke removed keys, time out workers and their incomplete groups, release due notices, and send each
