@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from heterorl.errors import HeteroRLError
+from heterorl.runtime.preloaded import ForkedChild, forking_enabled
 
 RESTART_WINDOW_S = 3600.0  # runtime.worker_restarts counts the restarts within this window
 BACKOFF_S, MAX_BACKOFF_S = 1.0, 60.0  # before the k-th restart in a row: BACKOFF_S × 2^(k−1), at most MAX_BACKOFF_S
@@ -24,7 +25,8 @@ STEADY_S = 60.0  # a worker that ran this long before it failed starts its back-
 
 class Child:
     """One process of the run (`heterorl <argv>`, under the command ``prefix`` when one is given), in its own
-    session, its output appended to ``log_path``."""
+    session, its output appended to ``log_path``: forked from the preloaded server (`preloaded.ForkedChild`)
+    when it runs this Python, one rank, no prefix and no GPUs of its own; otherwise started by exec."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, ranks: int = 1,
                  python: str = sys.executable, devices: str = "", prefix: list[str] | None = None) -> None:
@@ -36,6 +38,9 @@ class Child:
             env["CUDA_VISIBLE_DEVICES"] = devices
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
         self.started = time.monotonic()
+        if python == sys.executable and ranks == 1 and not prefix and not devices and forking_enabled():
+            self.proc = ForkedChild(argv, log_path, env)
+            return
         command = [*(prefix or []), python, *launcher, "-m", "heterorl.cli", *argv]
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
