@@ -334,7 +334,7 @@ def train(cfg: Config, *, resume: bool = False, progress=None) -> int:
             i = int(name.rsplit("-", 1)[1])
             prefix = [worker_command_word(word, i) for word in cfg.runtime.worker_prefix]
             return Child(name, worker_argv(cfg, i, endpoint, engines[i]), logs / f"{name}.log", python=pythons[i],
-                         devices=_nth(cfg.runtime.worker_devices, i, ""), prefix=prefix)
+                         devices=_nth(cfg.runtime.worker_devices, i, ""), prefix=prefix, forkable=engines[i] != "vllm")
 
         fleet = WorkerFleet(start_worker, [f"worker-{i}" for i in range(len(engines))], cfg.runtime.worker_restarts)
         try:

@@ -2,24 +2,32 @@
 
 A learner or a rollout worker spends most of its start-up importing: torch, transformers and the model's code
 take about 3 CPU seconds in every process (measured: 13 of the 23 CPU seconds of a 4-step run with 2 workers on
-2 cores went to imports). `heterorl train` therefore starts one server process (multiprocessing's forkserver)
-that imports them once, and forks each learner and worker from it: the child runs `heterorl ROLE ARGS` as
-the command would, in a session of its own, its output in its log, its command line set to that command (so
-`ps` and `pgrep -f` see `heterorl rollout --worker-id worker-1 ...`, not the server's).
+2 cores went to imports). `heterorl train` therefore starts one server process (`python -m
+heterorl.runtime.preloaded`) that imports them once, and forks each learner and worker from it: the child runs
+`heterorl ROLE ARGS` as that command would run, in a session of its own, its output unbuffered in its log, with
+the environment and working folder it was given, its command line set to that command (so that `ps` and
+`pgrep -f` see `... -m heterorl.cli rollout --worker-id worker-1 ...`, not the server's).
 
-The server lives as long as the process that started it and leaves when it does. A child that needs a Python
-of its own (a vLLM worker in its venv), a command prefix, several ranks (`torch.distributed.run`) or its own
-GPUs (``CUDA_VISIBLE_DEVICES`` must be set before CUDA is first looked at) is started by exec as before;
-``HETERORL_FORK_CHILDREN=0`` starts every child by exec (docs/RUNTIME.md, "How the processes start").
+The server answers on its stdin and stdout, one JSON line each way: a request ``{"argv", "log", "env", "cwd"}``
+is answered ``{"pid": N}`` (or ``{"error": ...}``), and each child's end ``{"exited": N, "status": S}``, the
+status as `subprocess.Popen.returncode` gives it (negative: the signal that ended it). It is single-threaded, so
+that a fork copies no lock another thread holds, and it leaves when its stdin closes: when the process that
+started it exits, however it exits.
+
+A child that needs a Python of its own (a vLLM worker in its venv), a command prefix, several ranks
+(`torch.distributed.run`) or its own GPUs (``CUDA_VISIBLE_DEVICES`` must be set before CUDA is first looked at)
+is started by exec as before; ``HETERORL_FORK_CHILDREN=0`` starts every child by exec (docs/RUNTIME.md, "How the
+processes start").
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 # imported once, in the server: what the learner and the workers import before their first step (the runtime,
@@ -28,6 +36,8 @@ PRELOAD = ("heterorl.cli", "heterorl.runtime.launch", "heterorl.runtime.learner"
            "heterorl.policies.tiny", "heterorl.policies.hf_folder", "transformers.models.qwen2.modeling_qwen2",
            "transformers.models.llama.modeling_llama")
 SWITCH = "HETERORL_FORK_CHILDREN"  # "0": start every child by exec
+REAP_EVERY_S = 0.05  # the server looks for children that ended this often while no request comes
+GONE = 255  # the status of a child whose server died before it could tell (its status is lost with the server)
 
 
 def forking_enabled() -> bool:
@@ -35,45 +45,104 @@ def forking_enabled() -> bool:
     return sys.platform == "linux" and os.environ.get(SWITCH, "1") != "0"
 
 
-_context = None
+class PreloadedServer:
+    """The launcher's end of the server: `start` forks a child, `status` and `wait_for` give its exit status."""
 
+    _shared: PreloadedServer | None = None
+    _shared_lock = threading.Lock()
 
-def _server():
-    global _context
-    if _context is None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(list(PRELOAD))
-        _context = context
-    return _context
+    @classmethod
+    def shared(cls) -> PreloadedServer:
+        """This process's server, started on first use (one per process: it serves every child it starts)."""
+        with cls._shared_lock:
+            if cls._shared is None or cls._shared._dead:
+                cls._shared = cls()
+            return cls._shared
+
+    def __init__(self) -> None:
+        package_root = str(Path(__file__).resolve().parents[2])  # the heterorl this process runs, first
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root,
+                                                                         os.environ.get("PYTHONPATH")]))}
+        self._proc = subprocess.Popen([sys.executable, "-m", "heterorl.runtime.preloaded"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
+                                      bufsize=1)
+        self._changed = threading.Condition()
+        self._answers: list[dict] = []
+        self._statuses: dict[int, int] = {}
+        self._dead = False
+        self._request_lock = threading.Lock()
+        threading.Thread(target=self._read, name="preloaded-server", daemon=True).start()
+
+    def start(self, argv: list[str], log_path: Path, env: dict[str, str], cwd: str) -> int:
+        """Fork `heterorl ARGV` from the server; its pid. OSError when the server cannot."""
+        with self._request_lock:
+            try:
+                self._proc.stdin.write(json.dumps({"argv": argv, "log": str(log_path), "env": env,
+                                                   "cwd": cwd}) + "\n")
+                self._proc.stdin.flush()
+            except (BrokenPipeError, ValueError) as exc:
+                raise OSError(f"the preloaded server is gone ({exc})") from exc
+            with self._changed:
+                self._changed.wait_for(lambda: self._answers or self._dead)
+                if not self._answers:
+                    raise OSError("the preloaded server exited before it forked the child")
+                answer = self._answers.pop(0)
+        if "pid" not in answer:
+            raise OSError(f"the preloaded server could not fork the child: {answer.get('error')}")
+        return answer["pid"]
+
+    def status(self, pid: int) -> int | None:
+        """``pid``'s exit status once it has ended (`GONE` when the server died first and it is gone), else None."""
+        with self._changed:
+            if pid in self._statuses:
+                return self._statuses[pid]
+            if self._dead and not _alive(pid):
+                return GONE
+            return None
+
+    def wait_for(self, pid: int, timeout: float | None) -> int | None:
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._statuses or self._dead, timeout)
+        return self.status(pid)
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            message = json.loads(line)
+            with self._changed:
+                if "exited" in message:
+                    self._statuses[message["exited"]] = message["status"]
+                else:
+                    self._answers.append(message)
+                self._changed.notify_all()
+        with self._changed:
+            self._dead = True
+            self._changed.notify_all()
 
 
 class ForkedChild:
     """`heterorl ARGV` forked from the preloaded server, with the face of the `subprocess.Popen` it replaces:
-    ``pid``, ``args``, ``returncode``, `poll`, `wait`, `send_signal`, `terminate`, `kill`. Its exit status is
-    the command's (negative: the signal that ended it)."""
+    ``pid``, ``args``, ``returncode``, `poll`, `wait`, `send_signal`, `terminate`, `kill`."""
 
     def __init__(self, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
-        self.args = ["heterorl", *argv]
-        self._process = _server().Process(target=_run_command, args=(argv, str(log_path), env, os.getcwd()),
-                                          name=" ".join(argv[:1]), daemon=False)
-        self._process.start()
-        self.pid = self._process.pid
+        self.args = [sys.executable, "-m", "heterorl.cli", *argv]
+        self._server = PreloadedServer.shared()
+        self.pid = self._server.start(argv, log_path, env, os.getcwd())
 
     @property
     def returncode(self) -> int | None:
-        return self._process.exitcode
+        return self._server.status(self.pid)
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        return self._server.status(self.pid)
 
     def wait(self, timeout: float | None = None) -> int:
-        self._process.join(timeout)
-        if self._process.exitcode is None:
+        status = self._server.wait_for(self.pid, timeout)
+        if status is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
-        return self._process.exitcode
+        return status
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # (a reaped pid may be another process's)
+        if self.poll() is None:  # (once it has ended, its pid may be another process's)
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
@@ -86,11 +155,72 @@ class ForkedChild:
         self.send_signal(signal.SIGKILL)
 
 
-def _run_command(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -> None:
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# --- the server -------------------------------------------------------------------------------------------------
+
+def serve() -> None:
+    """The server's loop: preload, then fork a child per request and tell each child's end, until stdin closes."""
+    import importlib
+    import selectors
+
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is its launcher's to handle
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 (a child imports what it needs itself)
+            pass
+    requests, answers = sys.stdin.buffer, os.fdopen(sys.stdout.fileno(), "w", buffering=1, closefd=False)
+    selector = selectors.DefaultSelector()
+    selector.register(requests.fileno(), selectors.EVENT_READ)
+    pending = b""
+    while True:
+        for child, status in _reaped():
+            answers.write(json.dumps({"exited": child, "status": status}) + "\n")
+        if not selector.select(REAP_EVERY_S):
+            continue
+        chunk = os.read(requests.fileno(), 1 << 20)
+        if not chunk:
+            return  # its launcher is gone
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            try:
+                request = json.loads(line)
+                pid = os.fork()
+            except (ValueError, OSError) as exc:
+                answers.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+                continue
+            if pid == 0:
+                selector.close()
+                signal.signal(signal.SIGINT, interrupt)
+                os._exit(_run_command(request["argv"], request["log"], request["env"], request["cwd"]))
+            answers.write(json.dumps({"pid": pid}) + "\n")
+
+
+def _reaped() -> list[tuple[int, int]]:
+    ended = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return ended
+        if pid == 0:
+            return ended
+        ended.append((pid, os.waitstatus_to_exitcode(status)))
+
+
+def _run_command(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -> int:
     """In the forked child: become `heterorl ARGV` started by exec in a session of its own, output unbuffered
-    into ``log_path``, then run it; exit with its status, after the exit handlers a process that exits runs."""
+    into ``log_path``, then run it; its exit status, after the exit handlers a process that exits runs."""
     import atexit
     import io
+    import traceback
 
     os.setsid()
     try:  # (before the environment changes: the title is written over the memory of argv and the environment)
@@ -99,10 +229,13 @@ def _run_command(argv: list[str], log_path: str, env: dict[str, str], cwd: str) 
         setproctitle.setproctitle(" ".join([sys.executable, "-m", "heterorl.cli", *argv]))
     except ImportError:  # (a dependency of the package; without it `ps` shows the server's command line)
         pass
+    null = os.open(os.devnull, os.O_RDONLY)
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    for source, target in ((null, 0), (log, 1), (log, 2)):
+        os.dup2(source, target)
+    os.close(null)
     os.close(log)
+    sys.stdin = open(0, closefd=False)
     sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True)  # as python -u
     sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True,
                                   errors="backslashreplace")
@@ -110,12 +243,24 @@ def _run_command(argv: list[str], log_path: str, env: dict[str, str], cwd: str) 
     os.environ.update(env)
     os.chdir(cwd)
     sys.argv = ["heterorl", *argv]
-    from heterorl.cli import main
-
     try:
+        from heterorl.cli import main
+
         code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 (as Python reports an uncaught exception, and exits 1)
+        traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()  # (the child leaves by os._exit: what it registered would not run otherwise)
     finally:
-        atexit._run_exitfuncs()  # (a forked child leaves by os._exit: what it registered would not run)
         sys.stdout.flush()
         sys.stderr.flush()
-    sys.exit(code)
+    return code if isinstance(code, int) else 0
+
+
+if __name__ == "__main__":
+    serve()

@@ -26,10 +26,12 @@ STEADY_S = 60.0  # a worker that ran this long before it failed starts its back-
 class Child:
     """One process of the run (`heterorl <argv>`, under the command ``prefix`` when one is given), in its own
     session, its output appended to ``log_path``: forked from the preloaded server (`preloaded.ForkedChild`)
-    when it runs this Python, one rank, no prefix and no GPUs of its own; otherwise started by exec."""
+    when it is ``forkable`` (a vLLM worker is not: vLLM starts processes of its own) and runs this Python, one
+    rank, no prefix and no GPUs of its own; otherwise started by exec."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, ranks: int = 1,
-                 python: str = sys.executable, devices: str = "", prefix: list[str] | None = None) -> None:
+                 python: str = sys.executable, devices: str = "", prefix: list[str] | None = None,
+                 forkable: bool = True) -> None:
         self.name, self.log_path = name, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("ab")
@@ -38,9 +40,12 @@ class Child:
             env["CUDA_VISIBLE_DEVICES"] = devices
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
         self.started = time.monotonic()
-        if python == sys.executable and ranks == 1 and not prefix and not devices and forking_enabled():
-            self.proc = ForkedChild(argv, log_path, env)
-            return
+        if forkable and python == sys.executable and ranks == 1 and not (prefix or devices) and forking_enabled():
+            try:
+                self.proc = ForkedChild(argv, log_path, env)
+                return
+            except OSError as exc:
+                print(f"heterorl train: {name} is started by exec: {exc}", file=sys.stderr, flush=True)
         command = [*(prefix or []), python, *launcher, "-m", "heterorl.cli", *argv]
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
