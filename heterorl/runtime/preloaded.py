@@ -22,6 +22,8 @@ processes start").
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import signal
@@ -72,6 +74,17 @@ class PreloadedServer:
         self._dead = False
         self._request_lock = threading.Lock()
         threading.Thread(target=self._read, name="preloaded-server", daemon=True).start()
+        atexit.register(self.close)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Let the server go (it leaves when its stdin closes) and reap it; the children it forked live on."""
+        with contextlib.suppress(OSError):
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
 
     def start(self, argv: list[str], log_path: Path, env: dict[str, str], cwd: str) -> int:
         """Fork `heterorl ARGV` from the server; its pid. OSError when the server cannot."""
@@ -220,6 +233,7 @@ def _run_command(argv: list[str], log_path: str, env: dict[str, str], cwd: str) 
     into ``log_path``, then run it; its exit status, after the exit handlers a process that exits runs."""
     import atexit
     import io
+    import runpy
     import traceback
 
     os.setsid()
@@ -242,11 +256,10 @@ def _run_command(argv: list[str], log_path: str, env: dict[str, str], cwd: str) 
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    sys.argv = ["heterorl", *argv]
-    try:
-        from heterorl.cli import main
-
-        code = main(argv)
+    sys.argv = [sys.executable, *argv]
+    try:  # as `python -m heterorl.cli ARGV` runs it
+        runpy.run_module("heterorl.cli", run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
@@ -259,7 +272,7 @@ def _run_command(argv: list[str], log_path: str, env: dict[str, str], cwd: str) 
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-    return code if isinstance(code, int) else 0
+    return code
 
 
 if __name__ == "__main__":
