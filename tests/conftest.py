@@ -222,6 +222,7 @@ SERIAL_GROUPS = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids it schedules by
 def pytest_collection_modifyitems(config, items):
     if not config.pluginmanager.hasplugin("xdist"):  # (the vLLM lane's venv runs in one process, without it)
         return
@@ -230,3 +231,15 @@ def pytest_collection_modifyitems(config, items):
         for group, prefixes in SERIAL_GROUPS.items():
             if path.startswith(prefixes):
                 item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's: a group it did not write into the test's id is not scheduled as one
+def pytest_collection_finish(session):
+    if not (os.environ.get("PYTEST_XDIST_WORKER") and session.config.getvalue("loadgroup")):
+        return
+    lost = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group")
+            and "@" not in item.nodeid.rpartition("]")[2].rpartition("::")[2]]
+    if lost:
+        raise pytest.UsageError(f"pytest-xdist's --dist loadgroup did not take the serial groups ({len(lost)} tests, "
+                                f"{lost[0]} first): this pytest ({pytest.__version__}) and pytest-xdist do not work "
+                                "together; install the versions setup.cfg's [dev] names (make install)")
