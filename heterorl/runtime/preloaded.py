@@ -124,7 +124,8 @@ class PreloadedServer:
             with self._changed:
                 if "exited" in message:
                     self._statuses[message["exited"]] = message["status"]
-                else:
+                else:  # (a new child's pid may be an earlier child's: its status, told before, is not the new one's)
+                    self._statuses.pop(message.get("pid"), None)
                     self._answers.append(message)
                 self._changed.notify_all()
         with self._changed:
