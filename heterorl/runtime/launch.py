@@ -254,7 +254,7 @@ def _learner_server(cfg: Config, addresses: tuple[str, str | None], training, *,
     contract = trajectory_contract(cfg, training.model)  # checked on every trajectory before it is buffered
     server = LearnerServer(bind, transport, curve=curve, weights_address=weights_address, weights_delay=weights_delay,
                            settings=learner_settings(cfg, contract, training.base_hash), clock=delay_clock(cfg).now,
-                           contract=contract,
+                           contract=contract, admission_control=cfg.buffer.policy == "admission",
                            published_before=published_before,
                            shard_ranks=_shard_ranks(cfg), shard_ports=shard_ports,
                            model_shapes={name: tuple(t.shape) for name, t in training.model.state_dict().items()})

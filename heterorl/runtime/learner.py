@@ -118,6 +118,9 @@ class Learner:
             raise HeteroRLError(f"{self.ranks.world} learner ranks need at least as many groups per update; "
                                 f"raise rl.prompts_per_step (now {cfg.rl.prompts_per_step}) or lower "
                                 f"rl.updates_per_batch (now {cfg.rl.updates_per_batch})")
+        if server is not None and cfg.buffer.policy == "admission" and server.permits_left() is None:
+            raise ValueError("buffer.policy 'admission' needs a LearnerServer made with admission_control=True: "
+                             "a worker that joined before the first permits would start groups without limit")
         self.run_dir = Path(run_dir)
         self.logger, self.progress = logger, progress
         self.inbox = LearnerInbox(cfg, server, lambda: self.stopped_by)  # the buffer, fed by the ingest thread

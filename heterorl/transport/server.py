@@ -49,14 +49,16 @@ class LearnerServer(Endpoint):
                  settings: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic,
                  contract: TrajectoryContract | None = None, published_before: int = -1,
                  shard_ranks: int = 1, shard_ports: list[int] | None = None,
-                 model_shapes: dict[str, tuple[int, ...]] | None = None) -> None:
-        """``contract``: what every trajectory must satisfy to be buffered (`set_contract`); None checks only
-        that frames are well formed. ``published_before``: the newest version an earlier learner of this run
-        published (a resumed learner's, docs/RELIABILITY.md "Crash and resume"): workers may hold it, so the
-        contract takes trajectories stamped up to it before this server publishes anything, and `publish` goes
-        above it. An incomplete group is dropped ``config.group_timeout_s`` after its first member arrived.
-        ``weights_delay``: `WeightsRelease.schedule_notice`; ``clock``: the delays' clock.
-        ``shard_ranks`` > 1: a sharded learner whose ranks each send their own slices
+                 model_shapes: dict[str, tuple[int, ...]] | None = None, admission_control: bool = False) -> None:
+        """``admission_control``: the learner will hand out admission permits (`set_admission`); until it does,
+        a worker that joins may start nothing, rather than everything (told it has no limit, it would start groups
+        uncounted, and refused once the limit came, lose them). ``contract``: what every trajectory must satisfy
+        to be buffered (`set_contract`); None checks only that frames are well formed. ``published_before``: the
+        newest version an earlier learner of this run published (a resumed learner's, docs/RELIABILITY.md "Crash
+        and resume"): workers may hold it, so the contract takes trajectories stamped up to it before this server
+        publishes anything, and `publish` goes above it. An incomplete group is dropped ``config.group_timeout_s``
+        after its first member arrived. ``weights_delay``: `WeightsRelease.schedule_notice`; ``clock``: the
+        delays' clock. ``shard_ranks`` > 1: a sharded learner whose ranks each send their own slices
         (heterorl.transport.weights.shards); rank r's weights channel is at ``shard_ports[r - 1]`` (the port it
         bound, on this host), and every worker is told so when it joins; a worker may then declare the slices it
         wants (its hello's ``layout``), checked against ``model_shapes``."""
@@ -70,6 +72,8 @@ class LearnerServer(Endpoint):
                                   weights_delay, shard_ranks, shard_ports, model_shapes)
         self.stats = self._rooms.stats
         self._clock = clock
+        if admission_control:
+            self._rooms.admission.set(0, ahead=1)
         self._io = LearnerIO(self._rooms, address, weights_address, self.config, limits, curve, dict(settings or {}),
                              clock)
         self._io.start()

@@ -86,8 +86,8 @@ def test_a_hostile_worker_cannot_stop_the_learner_and_is_told_why(tmp_path):
     training = TrainingClient(model, tokenizer, seed=0)
     contract = trajectory_contract(cfg, training.model)
     assert contract == TrajectoryContract(vocab_size=VOCAB, max_sequence_len=CONTEXT, group_size=4)
-    server = LearnerServer("tcp://127.0.0.1:0", cfg.transport, settings=learner_settings(cfg, contract),
-                           contract=contract)
+    server = LearnerServer("tcp://127.0.0.1:0", cfg.transport, admission_control=True,
+                           settings=learner_settings(cfg, contract), contract=contract)
     learner = Learner(cfg, training, task, server, tmp_path / "run")
     outcome: dict = {}
     poison_done, stop = threading.Event(), threading.Event()
@@ -179,7 +179,7 @@ def test_a_batch_whose_loss_is_not_finite_is_skipped_and_kept_for_inspection(tmp
     (tmp_path / "run.yaml").write_text(hostile_run(tmp_path / "run"))
     cfg = load_config(tmp_path / "run.yaml", [f"rl.max_log_ratio={max_log_ratio}"])
     model, tokenizer = load_policy("maze-sft-base")
-    server = LearnerServer("tcp://127.0.0.1:0", cfg.transport, settings=learner_settings(cfg))
+    server = LearnerServer("tcp://127.0.0.1:0", cfg.transport, admission_control=True, settings=learner_settings(cfg))
     records = []
 
     class Logger:

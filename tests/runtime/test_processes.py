@@ -258,7 +258,7 @@ def test_a_worker_with_a_skewed_clock_does_not_corrupt_staleness(tmp_path):
     task = make_task_from(cfg.task)
     model, tokenizer = load_policy("maze-sft-base")
     training = TrainingClient(model, tokenizer, seed=0)
-    server = LearnerServer("tcp://127.0.0.1:0", cfg.transport, settings=learner_settings(cfg))
+    server = LearnerServer("tcp://127.0.0.1:0", cfg.transport, admission_control=True, settings=learner_settings(cfg))
     skew_s = 600.0
     stop = threading.Event()
 

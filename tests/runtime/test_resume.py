@@ -171,7 +171,8 @@ def test_a_learner_killed_between_checkpoints_resumes_and_its_workers_carry_on(t
 
 
 class _Publisher:
-    """What `Learner.publish` and `_admit` need of a server: ``publish``, ``set_admission``."""
+    """What `Learner.publish` and `_admit` need of a server: ``publish``, ``set_admission``, ``permits_left``
+    (a server made with admission control)."""
 
     def __init__(self) -> None:
         self.published, self.admission, self.ahead = [], None, None
@@ -181,6 +182,9 @@ class _Publisher:
 
     def set_admission(self, cap: int | None, ahead: int = 1, max_lag: int | None = None) -> None:
         self.admission, self.ahead, self.max_lag = cap, ahead, max_lag
+
+    def permits_left(self) -> int:
+        return 0
 
 
 @pytest.fixture

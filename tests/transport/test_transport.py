@@ -605,6 +605,31 @@ def test_admission_control_caps_the_groups_the_fleet_may_start(learner):
             c.close()
 
 
+def test_a_worker_that_joins_before_the_first_cap_starts_only_on_permits():
+    """A learner under admission control binds before it computes its first cap: a worker that joins in between
+    is under admission control from its ready (a probation permit, counted), not told "no limit", under which it
+    would start groups uncounted that the learner refuses once the limit comes (`over_start_limit`: its books and
+    the learner's no longer agree, and every group it starts beyond them is lost)."""
+    with LearnerServer("tcp://127.0.0.1:0", FAST, admission_control=True) as server:
+        assert server.permits_left() == 0
+        client = WorkerClient(server.control_endpoint, "early", FAST)
+        try:
+            client.wait_ready(10)
+            assert client.start_limit >= 0
+            assert client.acquire_starts(5, timeout_s=10) == 1  # its probation permit, and no more
+            assert client.acquire_starts(1, timeout_s=0.3) == 0
+            client.send(traj("early", 0), timeout_s=5)
+            server.set_admission(cap=3, ahead=2)  # the learner's first cap
+            started = 1 + sum(_acquire([client], 2))
+            for i in range(1, started):
+                client.send(traj("early", i), timeout_s=5)
+            assert started == 3
+            wait_until(lambda: server.stats["accepted"] == 3, 10, lambda: dict(server.stats))
+            assert server.stats["rejected/over_start_limit"] == 0
+        finally:
+            client.close()
+
+
 def test_permits_are_shared_in_proportion_to_each_workers_measured_speed():
     """Once every live worker's speed is measured (groups started per second generating, from its heartbeats),
     the fleet's ahead x workers permits are split in their proportion: a slow worker holds few, never none."""
