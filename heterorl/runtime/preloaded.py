@@ -9,8 +9,9 @@ the environment and working folder it was given, its command line set to that co
 `pgrep -f` see `... -m heterorl.cli rollout --worker-id worker-1 ...`, not the server's).
 
 The server answers on its stdin and stdout, one JSON line each way: a request ``{"argv", "log", "env", "cwd"}``
-is answered ``{"pid": N}`` (or ``{"error": ...}``), and each child's end ``{"exited": N, "status": S}``, the
-status as `subprocess.Popen.returncode` gives it (negative: the signal that ended it). It is single-threaded, so
+(and ``"err"``: a file of its own for the child's stderr, which otherwise goes to its log too) is answered
+``{"pid": N}`` (or ``{"error": ...}``), and each child's end ``{"exited": N, "status": S}``, the status as
+`subprocess.Popen.returncode` gives it (negative: the signal that ended it). It is single-threaded, so
 that a fork copies no lock another thread holds, and it leaves when its stdin closes: when the process that
 started it exits, however it exits.
 
@@ -86,12 +87,14 @@ class PreloadedServer:
             self._proc.kill()
             self._proc.wait()
 
-    def start(self, argv: list[str], log_path: Path, env: dict[str, str], cwd: str) -> int:
-        """Fork `heterorl ARGV` from the server; its pid. OSError when the server cannot."""
+    def start(self, argv: list[str], log_path: Path, env: dict[str, str], cwd: str,
+              err_path: Path | None = None) -> int:
+        """Fork `heterorl ARGV` from the server, its output appended to ``log_path`` (its stderr to ``err_path``
+        when given); its pid. OSError when the server cannot."""
         with self._request_lock:
             try:
-                self._proc.stdin.write(json.dumps({"argv": argv, "log": str(log_path), "env": env,
-                                                   "cwd": cwd}) + "\n")
+                self._proc.stdin.write(json.dumps({"argv": argv, "log": str(log_path), "env": env, "cwd": cwd,
+                                                   "err": str(err_path or log_path)}) + "\n")
                 self._proc.stdin.flush()
             except (BrokenPipeError, ValueError) as exc:
                 raise OSError(f"the preloaded server is gone ({exc})") from exc
@@ -137,10 +140,11 @@ class ForkedChild:
     """`heterorl ARGV` forked from the preloaded server, with the face of the `subprocess.Popen` it replaces:
     ``pid``, ``args``, ``returncode``, `poll`, `wait`, `send_signal`, `terminate`, `kill`."""
 
-    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str], cwd: str | Path | None = None,
+                 err_path: Path | None = None) -> None:
         self.args = [sys.executable, "-m", "heterorl.cli", *argv]
         self._server = PreloadedServer.shared()
-        self.pid = self._server.start(argv, log_path, env, os.getcwd())
+        self.pid = self._server.start(argv, log_path, env, str(cwd or os.getcwd()), err_path)
 
     @property
     def returncode(self) -> int | None:
@@ -213,7 +217,8 @@ def serve() -> None:
             if pid == 0:
                 selector.close()
                 signal.signal(signal.SIGINT, interrupt)
-                os._exit(_run_command(request["argv"], request["log"], request["env"], request["cwd"]))
+                os._exit(_run_command(request["argv"], request["log"], request.get("err", request["log"]),
+                                      request["env"], request["cwd"]))
             answers.write(json.dumps({"pid": pid}) + "\n")
 
 
@@ -229,9 +234,10 @@ def _reaped() -> list[tuple[int, int]]:
         ended.append((pid, os.waitstatus_to_exitcode(status)))
 
 
-def _run_command(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -> int:
+def _run_command(argv: list[str], log_path: str, err_path: str, env: dict[str, str], cwd: str) -> int:
     """In the forked child: become `heterorl ARGV` started by exec in a session of its own, output unbuffered
-    into ``log_path``, then run it; its exit status, after the exit handlers a process that exits runs."""
+    into ``log_path`` (its stderr into ``err_path``), then run it; its exit status, after the exit handlers a
+    process that exits runs."""
     import atexit
     import io
     import runpy
@@ -246,10 +252,11 @@ def _run_command(argv: list[str], log_path: str, env: dict[str, str], cwd: str) 
         pass
     null = os.open(os.devnull, os.O_RDONLY)
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    for source, target in ((null, 0), (log, 1), (log, 2)):
+    err = log if err_path == log_path else os.open(err_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for source, target in ((null, 0), (log, 1), (err, 2)):
         os.dup2(source, target)
-    os.close(null)
-    os.close(log)
+    for fd in {null, log, err}:
+        os.close(fd)
     sys.stdin = open(0, closefd=False)
     sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True)  # as python -u
     sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True,
