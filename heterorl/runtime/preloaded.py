@@ -265,7 +265,10 @@ def _run_command(argv: list[str], log_path: str, err_path: str, env: dict[str, s
     os.environ.update(env)
     os.chdir(cwd)
     sys.argv = [sys.executable, *argv]
-    try:  # as `python -m heterorl.cli ARGV` runs it
+    # as `python -m heterorl.cli ARGV` runs it: the module preloaded is not that `__main__` (runpy would warn that
+    # it was imported first, and a later `import heterorl.cli` gets a module of its own, as after exec)
+    sys.modules.pop("heterorl.cli", None)
+    try:
         runpy.run_module("heterorl.cli", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:

@@ -63,6 +63,11 @@ def test_a_forked_commands_exit_status_and_output_are_its_own(tmp_path):
     child.stop()
     text = log.read_text()
     assert text.startswith("an earlier line\n") and "invalid choice: 'no-such-command'" in text  # appended
+    # nothing but the command's own output: no word of the module having been imported in the server first
+    assert text.splitlines()[1].startswith("usage: heterorl"), text
+    out, err = tmp_path / "out", tmp_path / "err"  # (stderr in a file of its own, as the tests' `run_cli` asks)
+    assert ForkedChild(["no-such-command"], out, {}, err_path=err).wait(60) == 2
+    assert out.read_text() == "" and err.read_text().startswith("usage: heterorl"), err.read_text()
 
 
 def test_what_cannot_be_forked_is_started_by_exec(tmp_path, monkeypatch):
