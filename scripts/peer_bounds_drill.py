@@ -14,8 +14,8 @@ connections asking for weights chunks that never read; and, against the budgets 
 "Budgets per peer"), a non-reading peer's ~15.6 MB messages, messages of 4,096 duplicates, a new connection per
 message, data frames 4 bytes short, and hellos repeated in a tight loop. Prints one table and writes
 OUT/drill.json; exit status
-0 when every attack left the honest worker at least --min-share of the quiet rate, training resumed within
---resume-s, and memory stayed within --max-rss-mib.
+0 when every attack left the honest worker at least --min-share of the quiet rate (and the learner made at least
+--min-steps steps during it), training resumed within --resume-s, and memory stayed within --max-rss-mib.
 """
 
 from __future__ import annotations
@@ -266,11 +266,16 @@ def repeated_hellos(endpoint: str, ctx: zmq.Context, stop: threading.Event) -> N
     sock.close(0)
 
 
-def measure(learner: Learner, seconds: float) -> float:
-    """Steps per second over ``seconds``."""
+def measure(learner: Learner, seconds: float, min_steps: int = 0, give_up_s: float = 0.0) -> tuple[float, int]:
+    """Steps per second over ``seconds``, or longer, until ``min_steps`` steps were made (``give_up_s`` at most),
+    and the steps made."""
     first, start = learner.steps(), time.monotonic()
     time.sleep(seconds)
-    return (learner.steps() - first) / (time.monotonic() - start)
+    deadline = start + max(seconds, give_up_s)
+    while learner.steps() - first < min_steps and time.monotonic() < deadline and learner.process.poll() is None:
+        time.sleep(0.05)
+    made = learner.steps() - first
+    return made / (time.monotonic() - start), made
 
 
 def run(args) -> dict:
@@ -281,13 +286,13 @@ def run(args) -> dict:
     ctx, report = zmq.Context(), {"attacks": {}}
     try:
         wait(lambda: learner.steps() >= 5, 300, "five quiet steps")
-        report["quiet_steps_per_s"] = quiet = measure(learner, args.window_s)
+        report["quiet_steps_per_s"] = quiet = measure(learner, args.window_s)[0]
         base_rss = report["rss_before_mib"] = learner.rss_mib()
         for name in args.attacks:
             stop = threading.Event()
             attack = threading.Thread(target=globals()[name], args=(learner.endpoint, ctx, stop), daemon=True)
             attack.start()
-            rate = measure(learner, args.window_s)
+            rate, made = measure(learner, args.window_s, args.min_steps, args.give_up_s)
             rss = learner.rss_mib()
             stop.set()
             attack.join(30)
@@ -298,7 +303,7 @@ def run(args) -> dict:
                 resumed = round(time.monotonic() - ended, 2)
             except TimeoutError:
                 resumed = float("inf")  # (reported as Infinity: no step within --give-up-s)
-            report["attacks"][name] = {"steps_per_s": round(rate, 2), "share": round(rate / quiet, 2),
+            report["attacks"][name] = {"steps_per_s": round(rate, 2), "share": round(rate / quiet, 2), "steps": made,
                                        "resume_s": resumed,
                                        "rss_above_before_mib": round(rss - base_rss, 1)}
             time.sleep(2)  # the learner settles before the next attack
@@ -316,6 +321,8 @@ def broken(report: dict, args) -> list[str]:
     for name, seen in report["attacks"].items():
         if seen["share"] < args.min_share:
             found.append(f"{name}: {seen['share']:.2f} of the quiet steps/s < {args.min_share}")
+        if seen["steps"] < args.min_steps:
+            found.append(f"{name}: {seen['steps']} steps during the attack in {args.give_up_s:g} s < {args.min_steps}")
         if seen["resume_s"] > args.resume_s:
             found.append(f"{name}: resumed after {seen['resume_s']:.1f} s > {args.resume_s}")
         if seen["rss_above_before_mib"] > args.max_rss_mib:
@@ -329,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1_000_000, help="learner steps (the drill stops it)")
     parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS)
     parser.add_argument("--min-share", type=float, default=0.5, help="steps/s during an attack / quiet, at least")
+    parser.add_argument("--min-steps", type=int, default=0, help=(
+        "steps the learner must make during each attack: the attack lasts past its window until it has, "
+        "--give-up-s at most (0: the window only)"))
     parser.add_argument("--resume-s", type=float, default=10.0, help="seconds to the first step after an attack")
     parser.add_argument("--max-rss-mib", type=float, default=300.0, help="learner RSS above its level before")
     parser.add_argument("--give-up-s", type=float, default=120.0, help="wait this long for a step after an attack")
