@@ -41,10 +41,12 @@ OVERRIDES = ["loss.name=gepo", "runtime.mode=async", "task.options.eval_size=8",
              "rl.prompts_per_step=4", "rl.eval_every=1000",
              "runtime.workers=2", "runtime.groups_per_call=2", "runtime.checkpoint_every=5", "runtime.fleet_wait_s=600",
              "delay.up.kind=none", "delay.down.kind=none", "transport.heartbeat_interval_s=0.5",
-             "transport.heartbeat_timeout_s=2.0", "logging.wandb_mode=disabled", "logging.progress=false",
+             "transport.heartbeat_timeout_s=5.0", "logging.wandb_mode=disabled", "logging.progress=false",
              "logging.save_policy=false"]
 VOCAB, CONTEXT, GROUP = 12, 256, 4  # the shipped maze base: 12 token ids, 256 positions
-PEER = TransportConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0, hello_interval_s=0.1)
+# 5 s without a heartbeat is death: on a loaded machine a peer (or the late worker) went silent for 2 s, was taken
+# for dead and rejoined, its permits reclaimed, until the replaying peer got none in its 60 s
+PEER = TransportConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0, hello_interval_s=0.1)
 
 
 def member(worker: str, group: str, j: int, *, prompt=(5, 6, 7), completion=(9, 10), logprob=-0.5, version=0,
