@@ -47,7 +47,9 @@ def run_cli(*args: str, timeout: float = 600, cwd: Path | str = REPO) -> subproc
     from heterorl.runtime.preloaded import ForkedChild, forking_enabled
 
     command = [sys.executable, "-m", "heterorl.cli", *args]
-    if not forking_enabled():
+    # a command that names vLLM is started by exec, as the launcher starts its vLLM workers (vLLM starts processes
+    # of its own)
+    if not forking_enabled() or any("vllm" in arg for arg in args):
         return subprocess.run(command, capture_output=True, text=True, env=ENV, cwd=cwd, timeout=timeout)
     with tempfile.TemporaryDirectory(prefix="heterorl-cli-") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
