@@ -206,9 +206,15 @@ class RLConfig:
     # loss and counted (optim/dropped_groups); null: no bound
     max_log_ratio: Optional[float] = learner_only(10.0)
     max_abs_reward: Optional[float] = learner_only(10.0)
+    # a group whose effective importance weight (its gradient's coefficient mass over the same group's on the
+    # behaviour policy's log-probs) exceeds this has its gradient scaled down to it (optim/capped_groups); null: no cap
+    max_group_weight: Optional[float] = learner_only(32.0)
 
     def validate(self, key: str = "rl") -> None:
         positive(self, key, "steps", "prompts_per_step", "updates_per_batch", "eval_every")
+        if self.max_group_weight is not None and not self.max_group_weight >= 1:
+            fail(f"{key}.max_group_weight", self.max_group_weight, "must be >= 1 (an on-policy group's weight is 1), "
+                 "or null for no cap")
         for name in ("max_log_ratio", "max_abs_reward"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 fail(f"{key}.{name}", getattr(self, name), "must be > 0, or null for no bound")

@@ -105,6 +105,71 @@ def bounded(loss_fn, max_log_ratio: float | None, max_abs_reward: float | None, 
     return loss
 
 
+@dataclass
+class CappedGroups:
+    """Groups `capped` scaled down in a minibatch's gradient: their effective weights before the cap."""
+
+    group_ids: list[int]
+    weights: list[float]
+
+
+def group_weights(loss_fn, batch: LossBatch, config, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(group index of each row, each group's id, its effective importance weight, the loss's coefficients).
+
+    The loss's gradient reaches the model only through the learner's log-probs: ∇θ L = Σ_t c_t ∇θ log p_t with
+    c = ∂L/∂log p, the loss's coefficients (autograd through the loss alone, not the model). A group's coefficient
+    mass is Σ |c_t| over its completion tokens; its effective weight is that mass over the mass the same group has
+    when its log-probs are the behaviour policy's (every ratio 1: on-policy). It is 1 on-policy, whatever the loss,
+    the advantages or the lengths; NaN for a group with no mass on-policy (nothing to scale)."""
+    (coef,) = torch.autograd.grad(value, batch.logprobs, retain_graph=True, allow_unused=True)
+    ids = batch.group_ids if batch.group_ids is not None else torch.zeros(len(batch.logprobs), dtype=torch.long,
+                                                                           device=batch.logprobs.device)
+    group_ids, rows = torch.unique(ids, return_inverse=True)
+    if coef is None:  # a loss that does not read the learner's log-probs: nothing it could weigh
+        return rows, group_ids, torch.full((len(group_ids),), float("nan"), dtype=torch.float64), None
+    values = {f.name: getattr(batch, f.name) for f in fields(batch) if f.init}
+    behaviour = batch.behaviour_logprobs.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        on_policy, _ = loss_fn(LossBatch(**{**values, "logprobs": behaviour}), config)
+        (coef0,) = torch.autograd.grad(on_policy, behaviour, allow_unused=True)
+    mass = torch.zeros(len(group_ids), dtype=torch.float64, device=coef.device)
+    mass.index_add_(0, rows.to(coef.device), coef.detach().abs().sum(-1).double())
+    mass0 = torch.zeros_like(mass)
+    if coef0 is not None:
+        mass0.index_add_(0, rows.to(coef0.device), coef0.abs().sum(-1).double())
+    weight = torch.where(mass0 > 0, mass / mass0.clamp(min=1e-300), torch.full_like(mass, float("nan")))
+    return rows, group_ids, weight, coef.detach()
+
+
+def capped(loss_fn, max_group_weight: float | None, capped_groups: list[CappedGroups], seen: list[float]):
+    """``loss_fn`` whose gradient gives no group an effective importance weight above ``max_group_weight``
+    (`group_weights`; docs/RELIABILITY.md, "Bounds on one group"): a group over it has its coefficients scaled by
+    max_group_weight / its weight, so its gradient is the one it would make with that weight, its direction kept
+    (group-level truncated importance sampling, as TIS truncates a token's weight and dual-clip PPO a negative
+    advantage's ratio). The loss's value is unchanged; only its gradient is. None: no cap. Each call appends the
+    groups it scaled to ``capped_groups`` and the largest weight it measured to ``seen``. Only where the learner's
+    log-probs carry a gradient and the batch has behaviour log-probs (an RL loss on sampled data)."""
+    def loss(batch: LossBatch, config):
+        value, metrics = loss_fn(batch, config)
+        if max_group_weight is None or batch.behaviour_logprobs is None or not batch.logprobs.requires_grad:
+            return value, metrics
+        rows, group_ids, weight, coef = group_weights(loss_fn, batch, config, value)
+        measured = weight[~weight.isnan()]
+        if len(measured):
+            seen.append(float(measured.max()))
+        over = weight > max_group_weight  # (NaN: not over)
+        if coef is None or not bool(over.any()):
+            return value, metrics
+        capped_groups.append(CappedGroups(group_ids[over].tolist(), weight[over].tolist()))
+        scale = torch.where(over, max_group_weight / weight, torch.ones_like(weight))[rows.to(weight.device)]
+        # a surrogate with the loss's value and the gradient Σ_t scale · c_t ∇log p_t (built from the scaled
+        # coefficients, not as the loss's gradient plus a correction: at a weight of e^40 that sum cancels in float32)
+        surrogate = ((scale[:, None].to(coef) * coef) * batch.token("logprobs")).sum()
+        return value.detach() + (surrogate - surrogate.detach()), metrics  # (x − x: exactly 0)
+
+    return loss
+
+
 def refused_on_any_rank(loss_fn, rank: int, world: int):
     """``loss_fn`` for rank ``rank`` of ``world`` data-parallel ranks: it refuses (`gepo.LossInputError`) on every
     rank when it refuses on any. The ranks agree by one all-reduce of a (world,) flag vector after the loss and
@@ -144,11 +209,13 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
 
     A group that breaks a bound on one group's weight (``cfg.rl.max_log_ratio``, ``cfg.rl.max_abs_reward``:
     `bounded`) is dropped from its minibatch before the loss, which trains on the rest; ``optim/dropped_groups``
-    (present only when > 0) counts them and a warning says why. A minibatch whose loss raises
-    ``gepo.LossInputError`` (a non-finite loss, inconsistent input, every group dropped), or whose gradient norm is
-    not finite, is skipped without a step and logged; ``optim/bad_batches`` (present only when > 0) counts them.
-    ``skipped``, when given, receives a `SkippedUpdate` for each skipped minibatch and for the dropped groups of
-    each minibatch that trained, so the caller can keep their rows.
+    (present only when > 0) counts them and a warning says why. A group whose effective importance weight exceeds
+    ``cfg.rl.max_group_weight`` has its gradient scaled down to that weight (`capped`); ``optim/capped_groups``
+    (present only when > 0) counts them, ``optim/group_weight_max`` is the largest weight measured. A minibatch
+    whose loss raises ``gepo.LossInputError`` (a non-finite loss, inconsistent input, every group dropped), or whose
+    gradient norm is not finite, is skipped without a step and logged; ``optim/bad_batches`` (present only when > 0)
+    counts them. ``skipped``, when given, receives a `SkippedUpdate` for each skipped minibatch and for the dropped
+    groups of each minibatch that trained, so the caller can keep their rows.
 
     ``fresh_logprobs``, when given, receives {row: the learner's log-probs of its completion tokens} for the rows
     this rank forwarded before the first ``optim_step``, i.e. under the weights the batch started from (the
@@ -168,6 +235,9 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
     row_of = {id(d): i for i, d in enumerate(datums)}
     loss_fn, loss_config = resolve_loss(cfg.loss.name, cfg.loss.resolved_options())
     dropped: list[DroppedGroups] = []
+    scaled: list[CappedGroups] = []
+    weights_seen: list[float] = []
+    loss_fn = capped(loss_fn, cfg.rl.max_group_weight, scaled, weights_seen)
     loss_fn = bounded(loss_fn, cfg.rl.max_log_ratio, cfg.rl.max_abs_reward, dropped)
     if world > 1:
         loss_fn = refused_on_any_rank(loss_fn, rank, world)
@@ -182,6 +252,7 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
             continue
         share = [d for g in groups[rank::world] for d in g]
         dropped.clear()
+        scaled.clear()
         refused, out = None, None
         try:
             out = training.forward_backward(share, loss_fn, loss_config,
@@ -195,6 +266,12 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
             metrics["optim/dropped_groups"] = metrics.get("optim/dropped_groups", 0) + count
             log.warning("dropped %d of %d group(s) of a minibatch before its loss: %s", count,
                         len(groups[rank::world]), "; ".join(d.reason for d in dropped))
+        if scaled and out is not None:
+            count = sum(len(c.group_ids) for c in scaled)
+            metrics["optim/capped_groups"] = metrics.get("optim/capped_groups", 0) + count
+            log.warning("scaled down the gradient of %d of %d group(s) of a minibatch: effective importance weight "
+                        "up to %.4g > rl.max_group_weight = %g", count, len(groups[rank::world]),
+                        max(w for c in scaled for w in c.weights), cfg.rl.max_group_weight)
         if out is not None:
             if fresh_logprobs is not None and not metrics["optim/updates"]:
                 fresh_logprobs.update((row_of[id(d)], lp) for d, lp in zip(share, out.logprobs))
@@ -219,6 +296,8 @@ def optimize_batch(training: TrainingClient, datums: list[Datum], cfg: Config, t
         metrics.update(out.metrics)
         metrics.update({"optim/lr": lr, "optim/grad_norm": optim.grad_norm})
         metrics["optim/updates"] += 1
+    if weights_seen and metrics["optim/updates"]:
+        metrics["optim/group_weight_max"] = max(weights_seen)
     if not metrics["optim/updates"]:
         metrics["optim/skip_reason"] = BAD_BATCH if "optim/bad_batches" in metrics else reason
         if fresh_logprobs is not None or shard[1] > 1:  # (every rank forwards: a sharded forward is collective)

@@ -5,6 +5,7 @@ gradient that is not finite anyway skips its step, counted; metrics stay standar
 import copy
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from heterorl.policies import load_policy
 from heterorl.runs import MetricsLogger, json_text, read_metrics
 from heterorl.tasks import make_task_from
 from heterorl.training.session import AdamParams, TrainingClient
-from heterorl.training.step import BAD_BATCH, NO_SIGNAL, bounded, minibatches, optimize_batch
+from heterorl.training.step import BAD_BATCH, NO_SIGNAL, bounded, capped, group_weights, minibatches, optimize_batch
 
 FLOOR = -49.99  # just above the contract's floor (MIN_LOGPROB = -50): every such trajectory is accepted
 
@@ -74,10 +75,11 @@ def test_a_group_at_the_logprob_floor_is_dropped_and_the_honest_groups_train_as_
     assert float((change - honest).norm()) < 1e-4 * float(honest.norm())  # measured 1.7e-6 of it (rounding)
 
 
-def test_without_the_bound_a_gradient_that_is_not_finite_skips_its_step_and_says_so(add3):
-    """The safety net behind the bound: with ``rl.max_log_ratio`` off, the hostile group makes GRPO's gradient norm
-    inf; the step is skipped (no AdamW step, gradients zeroed), counted as a bad batch, never a silent zero update."""
-    metrics, skipped, change = _train(add3, _hostile(add3[4]), max_log_ratio=None)
+def test_without_the_bounds_a_gradient_that_is_not_finite_skips_its_step_and_says_so(add3):
+    """The safety net behind the bounds: with ``rl.max_log_ratio`` and ``rl.max_group_weight`` off, the hostile
+    group makes GRPO's gradient norm inf; the step is skipped (no AdamW step, gradients zeroed), counted as a bad
+    batch, never a silent zero update."""
+    metrics, skipped, change = _train(add3, _hostile(add3[4]), max_log_ratio=None, max_group_weight=None)
     assert metrics == {"optim/updates": 0, "optim/bad_batches": 1, "optim/skip_reason": BAD_BATCH}
     assert [s.rows for s in skipped] == [list(range(24))] and "gradient norm is inf" in skipped[0].reason
     assert float(change.abs().max()) == 0.0
@@ -171,3 +173,141 @@ def test_a_step_without_signal_still_measures_the_learners_logprobs_of_its_rows(
     for row, logprobs in fresh.items():
         assert len(logprobs) == len(uniform[row].behaviour_logprobs)
         assert max(abs(a - b) for a, b in zip(logprobs, uniform[row].behaviour_logprobs)) < 1e-4
+
+
+# -- the cap on one group's effective importance weight (rl.max_group_weight) ------------------------------------
+
+STEERING = -9.5  # a behaviour log-prob on every token that passes rl.max_log_ratio (10) with the base's p near 1
+
+
+def _steering(datums):
+    """The datums with group 0's behaviour log-probs at −9.5 on every token: inside the 10-nat bound, each token's
+    weight e^9.5 ≈ 1.3e4 (the case issue 62 measured: a gradient norm of 6,366 beside an honest group's 1.57)."""
+    datums = copy.deepcopy(datums)
+    for d in datums[:4]:
+        d.behaviour_logprobs = [STEERING] * len(d.behaviour_logprobs)
+    return datums
+
+
+def test_one_group_inside_the_log_ratio_bound_no_longer_steers_the_update(add3):
+    """Without the cap the group passes every other bound and its gradient is a thousand times the five honest
+    groups' together (so after clipping the update is the group's); with it the group weighs what a group of weight
+    rl.max_group_weight (32) weighs, counted and said, and its rows are still trained on."""
+    datums = add3[4]
+    alone, _, honest = _train(add3, datums[4:])
+    off, _, steered = _train(add3, _steering(datums), max_group_weight=None)
+    on, skipped, kept = _train(add3, _steering(datums))
+    assert "optim/capped_groups" not in off and "optim/dropped_groups" not in off  # nothing else catches it
+    assert off["optim/grad_norm"] > 300 * alone["optim/grad_norm"]  # measured 1,040 times (2,878 / 2.77)
+    assert on["optim/capped_groups"] == 1 and on["optim/group_weight_max"] > 1e3  # measured 5,616
+    assert on["optim/grad_norm"] < 12 * alone["optim/grad_norm"]  # measured 5.9 times
+    assert skipped == []  # scaled, not dropped
+    cosine = torch.nn.functional.cosine_similarity  # of the update with the honest groups' own
+    assert float(cosine(steered, honest, dim=0)) < 0.05 < 0.1 < float(cosine(kept, honest, dim=0))  # 0.009, 0.145
+    assert alone["optim/group_weight_max"] == pytest.approx(1.0, abs=1e-6)  # on-policy: every weight is 1
+
+
+def _batch(seed: int = 0, steer: float | None = STEERING, stale: int = 4) -> gepo.LossBatch:
+    """Three groups of 4 rows of 6 tokens (the last row of each 4 long), rewards 1, 0, 1, 0, sampled ``stale``
+    versions ago; the behaviour log-probs a little off the learner's; group 0's at ``steer`` on every token (None:
+    as the others)."""
+    torch.manual_seed(seed)
+    logprobs = (-torch.rand(12, 6) * 2).requires_grad_()
+    mask = torch.ones(12, 6)
+    mask[3::4, 4:] = 0
+    behaviour = logprobs.detach() + 0.1 * torch.randn(12, 6)
+    if steer is not None:
+        behaviour[:4] = steer
+    behaviour[mask == 0] = float("nan")  # padding garbage reaches no value and no gradient
+    return gepo.LossBatch(logprobs=logprobs, mask=mask, behaviour_logprobs=behaviour,
+                          rewards=torch.tensor([1.0, 0.0, 1.0, 0.0] * 3), advantages=torch.tensor([0.5, -0.5] * 6),
+                          group_ids=torch.arange(3).repeat_interleave(4),
+                          policy_versions=torch.zeros(12, 6, dtype=torch.long), current_version=stale)
+
+
+RL_LOSSES = [n for n in gepo.loss_names() if n != "cross_entropy"]
+
+
+@pytest.mark.parametrize("name", RL_LOSSES)
+def test_a_capped_group_keeps_its_direction_and_every_other_group_its_gradient(name):
+    """For every registered loss: the cap scales the over-weight group's coefficients c = ∂L/∂log p by
+    cap / its weight, exactly, leaves the other groups' and the loss's value as they were, and leaves every
+    group at most at the cap. A loss that bounds its own weights (TIS, CISPO, IcePop, M2PO) is not capped."""
+    spec, config = gepo.get_loss(name), gepo.make_loss_config(name)
+    batch = _batch()
+    value, _ = spec.fn(batch, config)
+    (plain,) = torch.autograd.grad(value, batch.logprobs, retain_graph=True)
+    rows, _, weight, _ = group_weights(spec.fn, batch, config, value)
+    groups, seen = [], []
+    capped_value, _ = capped(spec.fn, 8.0, groups, seen)(batch, config)
+    (after,) = torch.autograd.grad(capped_value, batch.logprobs)
+    assert float(capped_value.detach()) == float(value.detach())
+    assert seen == [pytest.approx(float(weight[~weight.isnan()].max()))]
+    scale = torch.where(weight > 8.0, 8.0 / weight, torch.ones_like(weight))[rows].float()
+    torch.testing.assert_close(after, plain * scale[:, None], rtol=1e-5, atol=1e-12)
+    assert [g.group_ids for g in groups] == ([[0]] if bool(weight[0] > 8) else [])
+    assert not bool((weight[1:] > 8).any())  # the honest groups' weights: near 1
+    if name in ("tis", "cispo", "icepop", "m2po"):
+        assert not groups and float(weight[0]) <= 4.0 + 1e-6  # its own truncation, mask or cap bounds the weight
+    else:  # measured 2,344 (GEPO, GSPO) to 6,026 (importance_sampling)
+        assert groups and float(weight[0]) > 1e3, f"{name}: the steering group's weight is {float(weight[0]):.4g}"
+
+
+@pytest.mark.parametrize("name", RL_LOSSES)
+def test_every_group_weighs_1_on_policy_and_is_never_capped(name):
+    spec, config = gepo.get_loss(name), gepo.make_loss_config(name)
+    batch = _batch(steer=None, stale=0)
+    batch = gepo.LossBatch(**{**{k: getattr(batch, k) for k in ("logprobs", "mask", "rewards", "advantages",
+                                                                  "group_ids", "policy_versions")},
+                              "behaviour_logprobs": batch.logprobs.detach().clone(), "current_version": 0})
+    value, _ = spec.fn(batch, config)
+    _, _, weight, _ = group_weights(spec.fn, batch, config, value)
+    finite = weight[~weight.isnan()]
+    assert len(finite) and torch.allclose(finite, torch.ones_like(finite), atol=1e-6)
+
+
+def test_the_cap_is_at_least_1_or_null():
+    with pytest.raises(ConfigError, match="rl.max_group_weight"):
+        load_config(None, ["rl.max_group_weight=0.5"])
+    assert load_config(None, ["rl.max_group_weight=null"]).rl.max_group_weight is None
+    assert load_config(None).rl.max_group_weight == 32.0
+
+
+HONEST = json.loads((Path(__file__).parent / "data" / "honest_lag64_groups.json").read_text())["groups"]
+STALENESS = 64
+
+
+def _honest_batch(groups: list[dict]) -> gepo.LossBatch:
+    """The recorded groups as one batch: the learner's and the behaviour log-probs, rewards, 64 versions stale."""
+    rows = [(lp, lq, r, g) for g, group in enumerate(groups)
+            for lp, lq, r in zip(group["logprobs"], group["behaviour_logprobs"], group["rewards"])]
+    width = max(len(lp) for lp, *_ in rows)
+
+    def padded(values):
+        return torch.tensor([v + [0.0] * (width - len(v)) for v in values])
+
+    version = groups[0]["version"]
+    return gepo.LossBatch(logprobs=padded([lp for lp, *_ in rows]).requires_grad_(),
+                          mask=padded([[1.0] * len(lp) for lp, *_ in rows]),
+                          behaviour_logprobs=padded([lq for _, lq, *_ in rows]),
+                          rewards=torch.tensor([r for *_, r, _ in rows]),
+                          group_ids=torch.tensor([g for *_, g in rows]),
+                          policy_versions=torch.full((len(rows), width), version - STALENESS, dtype=torch.long),
+                          current_version=version)
+
+
+@pytest.mark.parametrize("name", sorted(HONEST))
+def test_no_honest_group_64_versions_stale_is_capped(name):
+    """The heaviest honest groups of each loss of the add3 sweep at lag 64 (seed 0; the 8 heaviest of ~3,800 per
+    run, `scripts/honest_group_weights.py`) weigh what was recorded, and the default cap is above every one of them
+    with a margin (GEPO's heaviest: 7.48; the heaviest at any lag up to 64 on the three sweep tasks: 11.4, GRPO on
+    maze4; docs/RELIABILITY.md)."""
+    spec, config = gepo.get_loss(name), gepo.make_loss_config(name)
+    batch = _honest_batch(HONEST[name])
+    value, _ = spec.fn(batch, config)
+    _, _, weight, _ = group_weights(spec.fn, batch, config, value)
+    recorded = torch.tensor([g["weight"] for g in HONEST[name]], dtype=torch.float64)
+    if name != "m2po":  # (M2PO's token mask is the whole batch's: in another batch a group weighs a little else)
+        torch.testing.assert_close(weight, recorded, rtol=2e-3, atol=1e-4)
+    cap = load_config(None).rl.max_group_weight
+    assert float(weight.max()) * 2 <= cap  # a margin of at least 2 over the heaviest honest group of the sweep
