@@ -382,3 +382,51 @@ def rss_mib() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def test_a_shard_rank_holds_the_replies_of_one_curve_key_to_one_bound_whatever_ids_it_names(tmp_path):
+    """A sharded learner's rank > 0 counts bytes in flight as rank 0 does: under CURVE by key. Eight connections
+    of one key, each naming another worker id, ask 200 chunks each and read none: the rank holds at most one
+    worker's bound for them all (before, each id had a bound of its own: eight times as much)."""
+    from heterorl.transport import CurveConfig, make_keypair
+
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    allowed.mkdir()
+    learner_pub, learner_secret = make_keypair(keys, "learner")
+    peer_pub, peer_secret = make_keypair(keys, "peer")
+    (allowed / peer_pub.name).write_bytes(peer_pub.read_bytes())
+    config = TransportConfig(**QUICK, weights_chunk_bytes=CHUNK, weights_pipeline=2, weights_deltas=False)
+    bound = 2 * CHUNK * 2
+    rank = ShardServer("tcp://127.0.0.1:0", 1, 2, config,
+                       curve=CurveConfig(str(learner_secret), allowed_keys_dir=str(allowed)))
+    ctx = zmq.Context()
+    stuck = []
+    try:
+        state = state_of(4)
+        whole = {name: tuple((0, n) for n in t.shape) for name, t in state.items()}
+        rank.publish(1, state, {name: tuple(t.shape) for name, t in state.items()}, whole)
+        public, secret = zmq.auth.load_certificate(str(peer_secret))
+        server_key, _ = zmq.auth.load_certificate(str(learner_pub))
+        for i in range(8):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVBUF, 4096)
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server_key
+            sock.connect(rank.endpoint)
+            stuck.append(sock)
+            for chunk in range(200):
+                sock.send_multipart(encode(WeightsRequest(f"id{i}", version=1, chunk=chunk % 64)))
+
+        def taken() -> int:  # the requests the rank has answered or held back
+            stats = rank.stats
+            return stats["weights/held_back"] + stats["send_dropped/weights_chunk"] + \
+                stats["weights/bytes_sent"] // CHUNK
+
+        wait_until(lambda: taken() >= 8 * 200, 20, "the rank to take every request")
+        assert rank.stats["weights/held_back"] > 0
+        assert 0 < rank.stats["weights/bytes_in_flight_peak"] <= bound
+    finally:
+        for sock in stuck:
+            sock.close(0)
+        rank.close()
+        ctx.term()

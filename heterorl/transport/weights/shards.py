@@ -16,8 +16,9 @@ rank 0 first.
   worker (`WeightsRelease.in_session`): it hears from rank 0 only at each publish (the versions still needed, the
   layouts), and a worker that joins between two publishes asks it at once. What a peer can make it hold is
   bounded all the same: chunks go as copies, and their bytes not yet sent are held under
-  ``weights_bytes_in_flight_per_worker`` for each worker a request names and ``weights_bytes_in_flight`` in all
-  (`heterorl.transport.weights.inflight`); under CURVE only allowed keys reach it.
+  ``weights_bytes_in_flight_per_worker`` for each CURVE key (whatever worker ids its requests name; without CURVE,
+  for each worker id) and ``weights_bytes_in_flight`` in all (`heterorl.transport.weights.inflight`); under CURVE
+  only allowed keys reach it.
 - **The worker** (`heterorl.transport.client`) fetches the version from every rank and places the slices with
   an all-or-nothing `reshard.Assembler`: it loads version v only when every rank's slices of v arrived and were
   verified, never a mix of two versions; a rank that does not answer leaves it on the version it has.
@@ -247,7 +248,9 @@ class ShardServer(Endpoint):
             released = store.versions.get(request.version) or store.versions.get(store.newest)
             if released is None:
                 return
-            frames, carried = store.reply(request, released, self.in_flight, request.worker_id)
+            # held as rank 0 holds them: a CURVE key's, whatever ids its requests name; else the id's
+            holder = frames[1].get("User-Id") if self._curve is not None else None
+            frames, carried = store.reply(request, released, self.in_flight, holder or request.worker_id)
         if send_frames(sock, [routing_id, *frames], self.stats, "weights_chunk" if carried else "weights_header"):
             self.stats["weights/bytes_sent"] += carried
 
