@@ -9,6 +9,8 @@ import time
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+from pathlib import Path
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -80,9 +82,10 @@ def test_missing_path(tmp_path):
 @pytest.mark.parametrize("name", ["Qwen/Qwen2.5-0.5B-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"])
 def test_a_hub_id_is_told_that_nothing_is_downloaded_and_how_to_get_a_folder(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(PolicyLoadError, match=f"{name}' looks like a model id on a hub.*downloads nothing.*"
-                                              f"huggingface-cli download {name}"):
-        validate_hf_folder(name)
+    for given in (name, Path(name)):  # (the command line's loaders pass a Path: named as typed, not its repr)
+        with pytest.raises(PolicyLoadError, match=f"^policy '{name}' looks like a model id on a hub.*downloads "
+                                                  f"nothing.*huggingface-cli download {name}"):
+            validate_hf_folder(given)
     with pytest.raises(PolicyLoadError, match="does not exist"):  # a path of more parts is a typo'd folder
         validate_hf_folder("runs/sft/base")
 
