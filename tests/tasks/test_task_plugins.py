@@ -154,7 +154,7 @@ SMALL = ["task.options.eval_size=8", "rollout.max_turns=4", "rollout.max_tokens=
 
 
 @pytest.mark.slow
-def test_the_documented_example_runs_under_tasks_sft_rl_and_train_with_two_workers(guess_env, tmp_path):
+def test_the_documented_example_runs_under_tasks_sft_rl_train_with_two_workers_and_sweep(guess_env, tmp_path):
     name = "task.name=guess_env:GuessTask"
     out = _cli("tasks", "--show", "guess_env:GuessTask", folder=guess_env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -181,6 +181,19 @@ def test_the_documented_example_runs_under_tasks_sft_rl_and_train_with_two_worke
     assert set(summary["reward_outcomes"]) <= {"episode:done", "episode:max_turns", "episode:budget"}
     for worker in ("worker-0", "worker-1"):  # each process imported the task by its path
         assert "task guess," in (run / "logs" / f"{worker}.log").read_text()
+    # and a sweep's cells, each a process of its own
+    (tmp_path / "run.yaml").write_text(
+        "task: {name: 'guess_env:GuessTask', options: {eval_size: 8}}\n"
+        "rollout: {max_turns: 4, max_tokens: 2, group_size: 4}\n"
+        "policy: {tiny: {hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 2, intermediate_size: 64}}\n"
+        "rl: {base: base, steps: 2, prompts_per_step: 4, eval_every: 2}\nlogging: {progress: false}\n")
+    (tmp_path / "sweep.yaml").write_text(
+        "name: guess\nconfig: run.yaml\nmode: simulated\nparallel: 1\nthreads_per_cell: 1\n"
+        "losses: {gepo: {loss.name: gepo}, grpo: {loss.name: grpo}}\ndelays: [lag0]\nseeds: [0]\n")
+    out = _cli("sweep", "sweep.yaml", "--out", "sweep", folder=guess_env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    cells = {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "sweep" / "cells").glob("*/summary.json")}
+    assert sorted(cells) == ["gepo__dlag0__s0", "grpo__dlag0__s0"] and all(c["steps"] == 2 for c in cells.values())
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
