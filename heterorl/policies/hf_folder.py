@@ -39,9 +39,9 @@ def validate_hf_folder(path: str | Path) -> Path:
     folder = Path(path).expanduser()
     if not folder.exists() and HUB_ID.fullmatch(str(path)):
         raise PolicyLoadError(
-            f"policy {str(path)!r} looks like a model id on a hub, and there is no such folder here; heterorl downloads "
-            f"nothing: fetch the model once on a machine with access (huggingface-cli download {path} --local-dir "
-            f"DIR, or from_pretrained then save_pretrained), then pass that folder (rl.base=DIR, "
+            f"policy {str(path)!r} looks like a model id on a hub, and there is no such folder here; heterorl "
+            f"downloads nothing: fetch the model once on a machine with access (huggingface-cli download {path} "
+            f"--local-dir DIR, or from_pretrained then save_pretrained), then pass that folder (rl.base=DIR, "
             f"policy.model=DIR); or name a policy that ships with heterorl (smollm2, or an SFT base such as "
             f"add3-sft-base: heterorl/policies/__init__.py lists them)"
         )

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from heterorl.engines.base import GenerationWatch, SamplingParams
+from heterorl.engines.base import GenerationWatch
 from heterorl.errors import HeteroRLError
 from heterorl.service import memory, wire
+from heterorl.service.bounds import MAX_REQUEST_TOKENS, check_sampling_size, check_training_size
 from heterorl.service.calls import BadRequest, CallBook, NotFound
 from heterorl.service.guard import CALLER
 from heterorl.training.session import SamplingClient, TrainingClient
@@ -30,8 +31,6 @@ TRAINING_METHODS = ("forward", "forward_backward", "optim_step", "save_weights_f
 SAMPLER_METHODS = ("sample", "compute_logprobs")
 
 
-MAX_REQUEST_TOKENS = 1 << 18  # prompts x samples x max_tokens of one sampling call: what it may generate
-MAX_PROMPT_TOKENS = 1 << 20  # every prompt token of one sampling or log-prob call, together
 
 
 @dataclass
@@ -260,6 +259,8 @@ class Service:
         session = self.session(session_id)
         if method not in TRAINING_METHODS:
             raise BadRequest(f"unknown training method {method!r}; one of {', '.join(TRAINING_METHODS)}")
+        if method in ("forward", "forward_backward"):
+            check_training_size(method, args or {}, session.training)  # (before any tensor is made)
         return self._submit(session.session_id, method, request_id, lambda: self._start(session, method, args or {}))
 
     def sampler_call(self, model_id: str, method: str, args: dict, request_id: str | None = None) -> str:
@@ -268,7 +269,7 @@ class Service:
         if method not in SAMPLER_METHODS:
             raise BadRequest(f"unknown sampling method {method!r}; one of {', '.join(SAMPLER_METHODS)}")
         args = args or {}
-        _check_sampling_size(method, args, self.max_request_tokens)  # (before anything is started)
+        check_sampling_size(method, args, self.max_request_tokens)  # (before anything is started)
         watch = GenerationWatch() if method == "sample" else None  # (`cancel` stops it between decode steps)
         return self._submit(session_id, f"sampler:{model_id}:{method}", request_id,
                             lambda: _start_sampling(sampler, method, args, model_id, watch),
@@ -490,34 +491,6 @@ def _start_sampling(sampler: SamplingClient, method: str, args: dict, model_id: 
     except RuntimeError:  # its executor is shut down: evicted after the call looked it up
         raise NotFound(f"the sampling client {model_id!r} was evicted as this call arrived: make a new one with "
                        "save_weights_and_get_sampling_client") from None
-
-
-def _check_sampling_size(method: str, args: dict, max_tokens_out: int) -> None:
-    """`BadRequest` for a sampling call bigger than the service takes, from its arguments' sizes alone (before any
-    tokenization, allocation or generation)."""
-    key = "prompt_tokens" if method == "sample" else "tokens"
-    prompts = args.get(key)
-    if not isinstance(prompts, list) or not prompts:
-        raise BadRequest(f"{method}: {key} must be a list of token ids, or a list of such lists")
-    groups = prompts if isinstance(prompts[0], list) else [prompts]
-    given = sum(len(p) if isinstance(p, list) else 1 for p in groups)
-    if given > MAX_PROMPT_TOKENS:
-        raise BadRequest(f"{method}: {given:,} prompt tokens in one call; this service takes at most "
-                         f"{MAX_PROMPT_TOKENS:,}: send fewer or shorter prompts")
-    if method != "sample":
-        return
-    samples, params = args.get("num_samples", 1), args.get("sampling_params") or {}
-    length = params.get("max_tokens", SamplingParams().max_tokens) if isinstance(params, dict) else None
-    if type(samples) is not int or samples < 1 or type(length) is not int or length < 1:
-        raise BadRequest(f"sample: num_samples ({samples!r}) and sampling_params.max_tokens ({length!r}) must be "
-                         "integers >= 1")
-    seed = params.get("seed") if isinstance(params, dict) else None
-    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
-        raise BadRequest(f"sample: sampling_params.seed={seed!r}: give an integer in [0, 2**63)")
-    asked = len(groups) * samples * length
-    if asked > max_tokens_out:
-        raise BadRequest(f"sample: {len(groups)} prompts x {samples} samples x {length} max_tokens = {asked:,} "
-                         f"tokens; one call generates at most {max_tokens_out:,} here: split it into smaller calls")
 
 
 def _then_or_refuse(future: Future, message: str) -> Future:

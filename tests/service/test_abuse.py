@@ -138,6 +138,38 @@ def test_prompts_and_generation_are_bounded_before_any_work(served, sampler_mode
         assert ok.status_code == 200 and encoded == [1]  # and a request in bounds is served
 
 
+def test_training_calls_are_bounded_before_any_work(served, sampler_model, monkeypatch):
+    """issue 63, problem 1: one datum of 20M tokens (the model's context is 256) was accepted and took the server
+    from 388 MB to 6.4 GB. Now a forward or forward_backward call is checked from its arguments before any Datum or
+    tensor is made: the model's context, the tokens of one call, the model's token ids, the fields of a datum."""
+    import heterorl.service.sessions as sessions
+
+    server, _ = served
+    session, _ = sampler_model
+    made = []
+    real = sessions.wire.datum_from_wire
+    monkeypatch.setattr(sessions.wire, "datum_from_wire", lambda raw: made.append(1) or real(raw))
+
+    def refused(method: str, datums: list, named: str) -> None:
+        with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+            answer = http.post(f"/api/v1/sessions/{session}/calls", json={"method": method, "args": {
+                "datums": datums}})
+        assert answer.status_code == 400 and named in answer.json()["detail"], answer.text[:300]
+
+    refused("forward_backward", [{"tokens": [1] * 300_000, "prompt_len": 1}], "this model's context is 256")
+    refused("forward", [{"tokens": [1, 2, 3], "prompt_len": 1}] * 200_000, "split it into smaller calls")
+    refused("forward", [{"tokens": [1] * 200, "prompt_len": 1}] * 1_400, "more than 262,144 tokens")
+    refused("forward_backward", [{"tokens": [1, 2, 10**9], "prompt_len": 1}], "token id 1000000000")
+    refused("forward_backward", [{"tokens": [1, 2, -1], "prompt_len": 1}], "token id -1")
+    refused("forward_backward", [{"tokens": [1, 2, 3], "prompt_len": 1, "extra": 1}], "unknown field(s) extra")
+    refused("forward_backward", [{"tokens": [1, 2, 3], "prompt_len": 1, "weights": [1.0] * 9}], "weights must be")
+    refused("forward", [], "non-empty list of datums")
+    assert made == []  # no datum was made of any of them
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
+        ok = _call(http, session, "forward", args={"datums": [{"tokens": [1, 2, 3], "prompt_len": 1}]})
+    assert ok["status"] == "done" and "error" not in ok and made == [1], ok  # and a call in bounds is served
+
+
 def test_a_request_id_is_the_callers_own_session_and_method(served):
     """problem 8: the same request id in another session or for another method is another request"""
     server, _ = served

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from heterorl.errors import HeteroRLError
+from heterorl.service.bounds import check_training_size
 from heterorl.service.calls import BadRequest, NotFound
 from heterorl.service.sessions import Service, _then
 from heterorl.service.tinker import losses, protobuf
@@ -112,6 +113,10 @@ class TinkerBook:
     # -- training calls -----------------------------------------------------------------------------------
     def forward_backward(self, request: protobuf.ForwardBackwardRequest) -> str:
         session = self.training(request.model_id)
+        # the native routes' bounds (the model's context and ids, the tokens of one call), before any tensor: on
+        # the sequences heterorl will score, model_input + [target_tokens[-1]] (`losses.build`)
+        check_training_size("forward_backward", {"datums": [{"tokens": [*d.tokens, _last_target(d)], "prompt_len": 1}
+                                                           for d in request.data]}, session.training)
         datums, loss_fn, config = losses.build(request.data, request.loss_fn, request.loss_fn_config)
         ours = request.loss_fn not in losses.TINKER_LOSSES
         method = session.training.forward if request.forward_only else session.training.forward_backward
@@ -212,6 +217,14 @@ class TinkerBook:
             return self._load_into(training, path, optimizer, model_id, tinker_path).result()
 
         return self._submit(session_id, "load_weights", model_id, lambda: self._loads.submit(load))
+
+
+def _last_target(datum: protobuf.Datum) -> int:
+    """The token a Tinker datum's last position predicts (0 when it gives none: `losses.build` then says so)."""
+    targets = datum.inputs.get("target_tokens")
+    if targets is None or not len(targets) or np.asarray(targets).dtype.kind not in "iu":
+        return 0
+    return int(targets[-1])
 
 
 __all__ = ["MAX_DATUMS", "Model", "NotFound", "SamplingSession", "SessionFinished", "TinkerBook"]

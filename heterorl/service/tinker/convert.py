@@ -7,9 +7,9 @@ import math
 
 from heterorl.engines.base import STOP_LENGTH, SamplingParams
 from heterorl.errors import HeteroRLError
+from heterorl.service.bounds import MAX_PROMPT_TOKENS
 from heterorl.service.calls import BadRequest
 from heterorl.service.openai_generation import finish
-from heterorl.service.sessions import MAX_PROMPT_TOKENS
 from heterorl.service.tinker import protobuf
 from heterorl.training.session import AdamParams
 

@@ -15,9 +15,10 @@ import weakref
 from concurrent.futures import Future
 from typing import Callable
 
+from heterorl.service.bounds import check_sampling_size
 from heterorl.service.calls import BadRequest, NotFound
 from heterorl.service.openai_generation import Generation, RequestBatcher
-from heterorl.service.sessions import Service, _check_sampling_size
+from heterorl.service.sessions import Service
 from heterorl.service.tinker import protobuf
 from heterorl.service.tinker.checkpoints import CheckpointStore
 from heterorl.service.tinker.convert import cut, prompt_logprobs, prompt_tokens, sampling_params
@@ -100,7 +101,7 @@ class TinkerSampling:
                                  "only")
         if body.get("target_prompt_logprobs") is not None:
             raise BadRequest("target_prompt_logprobs is not supported by heterorl serve")
-        _check_sampling_size("sample", {"prompt_tokens": prompt, "num_samples": n,
+        check_sampling_size("sample", {"prompt_tokens": prompt, "num_samples": n,
                                         "sampling_params": {"max_tokens": params.max_tokens}},
                              self.service.max_request_tokens)
         from heterorl.service.openai_api import _prompts_fit
