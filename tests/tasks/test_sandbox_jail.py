@@ -3,6 +3,7 @@ off from plain Python, as a hostile program can, and then does what the hook wou
 is the kernel (namespaces, the cgroup, the uid); the scorer returns on time, its judge never raises, and
 nothing of the program is left afterwards."""
 
+import dataclasses
 import os
 import time
 
@@ -100,14 +101,20 @@ def f(a, b):
 """
 
 
-def test_a_program_cannot_kill_its_group_mates(sandbox):
+def test_a_program_cannot_kill_its_group_mates():
     """hole 3: one program signalling every pid it can name (kill and pidfd) while its siblings run: every
-    correct sibling still scores 1.0"""
-    slow_right = "import time\ndef f(a, b):\n    time.sleep(0.3)\n    return a + b\n"
-    outcomes = sandbox.run_many([(KILLER, ADD, "f")] + [(slow_right, ADD, "f")] * 7)
-    assert [o.reason for o in outcomes[1:]] == ["ok"] * 7, outcomes
-    assert all(o.fraction == 1.0 for o in outcomes[1:])
-    _no_trace_of(sandbox)
+    correct sibling still scores 1.0. (A sandbox of its own, with 20 s of wall time: under a suite that loads
+    both cores, a sibling that starts beside the killer's busy loop once took 3.06 s, and the 3 s wall limit then
+    scored it a timeout, which is not what this test is about. The killer is still stopped by its 2 s of CPU.)"""
+    box = Sandbox(dataclasses.replace(LIMITS, wall_s=20.0), max_parallel=4)
+    try:
+        slow_right = "import time\ndef f(a, b):\n    time.sleep(0.3)\n    return a + b\n"
+        outcomes = box.run_many([(KILLER, ADD, "f")] + [(slow_right, ADD, "f")] * 7)
+        assert [o.reason for o in outcomes[1:]] == ["ok"] * 7, outcomes
+        assert all(o.fraction == 1.0 for o in outcomes[1:])
+        _no_trace_of(box)
+    finally:
+        box.close()
 
 
 def test_with_the_hook_off_the_host_stays_out_of_reach(sandbox, tmp_path):
