@@ -209,7 +209,10 @@ def test_the_registry_forgets_dead_workers_says_when_it_is_full_and_gives_one_co
             removed = server.stats["workers_removed"]
             clients[0].close()
             wait_until(lambda: "w0" not in {w.worker_id for w in server.workers()}, 10, "w0 expired")
-            assert server.stats["workers_removed"] == removed + 1 and len(server.workers()) == 2
+            # (a hello of `refused` still in flight when it closed can take w0's place for a moment: it then goes
+            # silent and is taken for dead, as flood-49 was; once, under load, it did)
+            assert {w.worker_id for w in server.workers()} - {"refused"} == {"w1", "late"}
+            assert server.stats["workers_removed"] >= removed + 1
             assert server.fleet_totals()["trajectories"] == 3
             newcomer = WorkerClient(server.control_endpoint, "newcomer", config)
             clients.append(newcomer)
