@@ -31,8 +31,6 @@ TRAINING_METHODS = ("forward", "forward_backward", "optim_step", "save_weights_f
 SAMPLER_METHODS = ("sample", "compute_logprobs")
 
 
-
-
 @dataclass
 class Session:
     session_id: str

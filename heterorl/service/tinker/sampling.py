@@ -102,8 +102,8 @@ class TinkerSampling:
         if body.get("target_prompt_logprobs") is not None:
             raise BadRequest("target_prompt_logprobs is not supported by heterorl serve")
         check_sampling_size("sample", {"prompt_tokens": prompt, "num_samples": n,
-                                        "sampling_params": {"max_tokens": params.max_tokens}},
-                             self.service.max_request_tokens)
+                                       "sampling_params": {"max_tokens": params.max_tokens}},
+                            self.service.max_request_tokens)
         from heterorl.service.openai_api import _prompts_fit
 
         try:
