@@ -5,7 +5,7 @@ the learner, the simulated execution)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -127,10 +127,9 @@ def group_weights(loss_fn, batch: LossBatch, config, value: torch.Tensor) -> tup
     group_ids, rows = torch.unique(ids, return_inverse=True)
     if coef is None:  # a loss that does not read the learner's log-probs: nothing it could weigh
         return rows, group_ids, torch.full((len(group_ids),), float("nan"), dtype=torch.float64), None
-    values = {f.name: getattr(batch, f.name) for f in fields(batch) if f.init}
     behaviour = batch.behaviour_logprobs.detach().clone().requires_grad_(True)
     with torch.enable_grad():
-        on_policy, _ = loss_fn(LossBatch(**{**values, "logprobs": behaviour}), config)
+        on_policy, _ = loss_fn(replace(batch, logprobs=behaviour), config)
         (coef0,) = torch.autograd.grad(on_policy, behaviour, allow_unused=True)
     mass = torch.zeros(len(group_ids), dtype=torch.float64, device=coef.device)
     mass.index_add_(0, rows.to(coef.device), coef.detach().abs().sum(-1).double())
@@ -157,8 +156,8 @@ def capped(loss_fn, max_group_weight: float | None, capped_groups: list[CappedGr
         measured = weight[~weight.isnan()]
         if len(measured):
             seen.append(float(measured.max()))
-        over = weight > max_group_weight  # (NaN: not over)
-        if coef is None or not bool(over.any()):
+        over = weight > max_group_weight  # (NaN, as for a loss that does not read the log-probs: not over)
+        if not bool(over.any()):
             return value, metrics
         capped_groups.append(CappedGroups(group_ids[over].tolist(), weight[over].tolist()))
         scale = torch.where(over, max_group_weight / weight, torch.ones_like(weight))[rows.to(weight.device)]
