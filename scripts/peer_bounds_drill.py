@@ -19,8 +19,9 @@ OUT/drill.json; exit status
 
 The attacks run in this process's threads. --attacker-nice 19 runs them at the lowest priority: they stand for
 peers on other hosts, and on a machine of two cores a tight sending loop at the learner's priority takes a core
-the learner and the honest worker need (measured: the repeated hellos left 0.25 of the quiet rate at nice 0,
-0.37 at nice 19; 8 s windows, 2 cores).
+the learner and the honest worker need (measured before the reads of dropped messages were paced: the repeated
+hellos left 0.25 of the quiet rate at nice 0, 0.37 at nice 19; 8 s windows, 2 cores). --set passes learner
+config overrides, to measure a bound at another setting.
 """
 
 from __future__ import annotations
@@ -53,12 +54,12 @@ ATTACKS = ("open_groups", "silent_and_claiming", "flood", "held_members", "extre
 class Learner:
     """The learner process, its steps (from metrics.jsonl) and its resident memory."""
 
-    def __init__(self, out: Path, steps: int) -> None:
+    def __init__(self, out: Path, steps: int, overrides: list[str] = ()) -> None:
         self.run_dir = out / "run"
         config = out / "learner.yaml"
         config.write_text(to_yaml(load_config(packaged("maze_rl.yaml"), [
             *OVERRIDES, "runtime.workers=1", f"rl.steps={steps}", "runtime.checkpoint_every=1000000",
-            f"logging.run_dir={self.run_dir}"])))
+            f"logging.run_dir={self.run_dir}", *overrides])))
         self.process = cli("learner", "--config", str(config), "--bind", "tcp://127.0.0.1:0", log=out / "learner.log")
         self.endpoint = wait(lambda: _endpoint(self.run_dir) or (self.process.poll() is not None and "dead"), 300,
                              "the learner's endpoint")
@@ -287,7 +288,7 @@ def measure(learner: Learner, seconds: float, min_steps: int = 0, give_up_s: flo
 def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    learner = Learner(out, args.steps)
+    learner = Learner(out, args.steps, args.set)
     honest = cli("rollout", "--connect", learner.endpoint, "--worker-id", "honest", log=out / "honest.log")
     # --attacker-nice: on Linux a nice value is per thread and inherited, so the attack threads and ZeroMQ's I/O
     # thread, made below, take this one's (the learner and the honest worker, started above, keep theirs)
@@ -354,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attacker-nice", type=int, default=0, help=(
         "nice value of the attackers' threads (the drill's own process; the learner and the honest worker keep "
         "theirs); 19: they stand for other hosts, whose sending loops do not take the learner's cores"))
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="learner config overrides, after the drill's own (e.g. transport.throttle_s=2)")
     parser.add_argument("--out", default="runs/peer_bounds", help="output folder")
     args = parser.parse_args(argv)
     report = run(args)

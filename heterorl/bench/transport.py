@@ -247,8 +247,8 @@ def _bench_trajectories(ctx, workers: int, n_total: int, repeats: int, prompt_to
     pull.close(0)
     zctx.term()
     server.close()
-    if server.stats.get("rejected", 0):
-        raise RuntimeError(f"the learner rejected trajectories: {dict(server.stats)}")
+    if server.stats.get("rejected", 0) or server.stats.get("inbound/dropped", 0):
+        raise RuntimeError(f"the learner rejected or dropped trajectories: {dict(server.stats)}")
     return best
 
 

@@ -106,8 +106,13 @@ class TransportConfig:
     # I/O thread's CPU seconds a second its messages may take, in a bucket of peer_work_burst_s
     peer_inbound_bytes: int = learner_only(0)
     inbound_bytes: int = learner_only(2**30)
-    peer_work_s_per_s: float = learner_only(0.25)
+    peer_work_s_per_s: float = learner_only(0.1)
     peer_work_burst_s: float = learner_only(1.0)
+    # the I/O thread's CPU seconds a second for reading messages it then discards or drops (those of throttled
+    # connections, those past a peer's budget), all peers together, in a bucket of discard_read_burst_s; when it is
+    # spent the control socket is not read until it refills (docs/RELIABILITY.md, "Budgets per peer")
+    discard_read_s_per_s: float = learner_only(0.05)
+    discard_read_burst_s: float = learner_only(0.001)
     max_trajectories_per_s: float = 0.0  # per worker, enforced through its credit; 0: no limit
     keys_reload_s: float = 2.0  # how often the learner re-reads its allowed-keys folder (revocation)
     linger_ms: int = 1000
@@ -123,7 +128,7 @@ class TransportConfig:
                   "heartbeat_interval_s", "open_groups_per_worker", "open_group_bytes_per_worker", "group_timeout_s",
                   "keys_reload_s", "group_deadline_min_s", "permit_lease_s", "permit_lease_min_s", "probation_permits",
                   "max_refusals_per_s", "throttle_s", "throttles_before_disconnect", "inbound_bytes",
-                  "peer_work_s_per_s", "peer_work_burst_s")
+                  "peer_work_s_per_s", "peer_work_burst_s", "discard_read_s_per_s", "discard_read_burst_s")
         if not 0 <= self.peer_inbound_bytes <= self.inbound_bytes:
             fail(f"{key}.peer_inbound_bytes", self.peer_inbound_bytes,
                   f"must be 0 (what a worker's credit allows) or at most `{key}.inbound_bytes` ({self.inbound_bytes})")

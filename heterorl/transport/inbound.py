@@ -210,3 +210,44 @@ class PeerInbox:
         """Bytes of peer ``name``'s messages queued."""
         peer = self._peers.get(name)
         return peer.queued_bytes if peer is not None else 0
+
+
+class DiscardPace:
+    """The I/O thread's time reading messages that no peer's queue takes — those of a throttled connection,
+    discarded unread, and those dropped as they are read (`PeerInbox.add`) — at most ``s_per_s`` seconds a second,
+    all peers together, in a bucket of ``burst_s`` (docs/RELIABILITY.md, "Budgets per peer").
+
+    A peer's budget bounds what its messages take once read, but reading is work too, done at the sender's
+    pace: a flood of tiny messages, all discarded, kept the thread reading as fast as they came. When the bucket
+    is empty the control socket is not read until it refills: ZeroMQ holds what arrives meanwhile
+    (``control_hwm`` messages a connection, then TCP holds the sender), and when reading resumes ZeroMQ takes
+    one message from each connection in turn, so an honest worker's message waits one pause at most
+    (``burst_s / s_per_s``). An honest worker's messages are never discarded or dropped, so they never spend it.
+    Pure: every time is passed in."""
+
+    def __init__(self, s_per_s: float, burst_s: float) -> None:
+        if s_per_s <= 0 or burst_s <= 0:
+            raise ValueError("s_per_s and burst_s must be > 0")
+        self.s_per_s, self.burst_s = s_per_s, burst_s
+        self._tokens, self._refilled = burst_s, float("-inf")
+
+    def _refill(self, now: float) -> None:
+        if self._refilled == float("-inf"):
+            self._refilled = now
+        self._tokens = min(self.burst_s, self._tokens + self.s_per_s * max(0.0, now - self._refilled))
+        self._refilled = max(self._refilled, now)
+
+    def spend(self, seconds: float, now: float) -> None:
+        """``seconds`` of reading went to messages discarded or dropped."""
+        self._refill(now)
+        self._tokens -= seconds
+
+    def left_s(self, now: float) -> float:
+        """Seconds of reading left in the bucket (0 or less: empty)."""
+        self._refill(now)
+        return self._tokens
+
+    def paused_s(self, now: float) -> float:
+        """Seconds until the control socket may be read again: 0 when it may now."""
+        self._refill(now)
+        return 0.0 if self._tokens > 0 else -self._tokens / self.s_per_s + 1e-6

@@ -24,7 +24,7 @@ import zmq
 from heterorl.config import TransportConfig
 from heterorl.errors import ConfigError, HeteroRLError
 from heterorl.transport.handshakes import HandshakeMonitor, RateLimitedLog, RefusalLoggingAuthenticator
-from heterorl.transport.inbound import PROBATION, PeerInbox, peer_budget_bytes
+from heterorl.transport.inbound import PROBATION, DiscardPace, PeerInbox, peer_budget_bytes
 from heterorl.transport.membership import REVOKED, refusal
 from heterorl.transport.protocol import (
     BYE_LEARNER_STOPPING,
@@ -58,6 +58,7 @@ from heterorl.transport.throttle import Verdict
 log = logging.getLogger("heterorl.transport")
 READ_AT_ONCE = 4096  # control messages moved into the inbox per read (ZeroMQ holds at most control_hwm per peer)
 HANDLE_SLICE_S = 0.05  # the inbox is handled this long at most between two rounds of housekeeping
+PACE_CHECK_EVERY = 32  # reads between two looks at the time reading dropped messages took (`DiscardPace`)
 CUT_AFTER_S = 0.2  # a disconnected peer's TCP connection is cut this long after its bye was sent
 
 
@@ -186,6 +187,7 @@ class LearnerIO:
         self.peer_bytes = peer_budget_bytes(config, rooms.intake.contract, limits)
         self._inbox = PeerInbox(self.peer_bytes, max(self.peer_bytes, config.inbound_bytes), config.peer_work_s_per_s,
                                 config.peer_work_burst_s)
+        self._pace = DiscardPace(config.discard_read_s_per_s, config.discard_read_burst_s)
         self._weights_requests = WeightsRequests(rooms, self._inbox, limits, curve)
         self._thread = threading.Thread(target=self._run, name="heterorl-learner-io", daemon=True)
 
@@ -284,15 +286,17 @@ class LearnerIO:
 
     def _serve(self, control: zmq.Socket, weights: zmq.Socket) -> None:
         """Until closed: take in what arrives (waking at least every 50 ms), then send acks, credit and notices."""
-        poller = zmq.Poller()
+        poller, paused_poller = zmq.Poller(), zmq.Poller()  # (the second while reading is paused: `DiscardPace`)
         poller.register(control, zmq.POLLIN)
-        poller.register(weights, zmq.POLLIN)
-        poller.register(self._wakeup.read_fd, zmq.POLLIN)
-        poller.register(self._handshakes.socket, zmq.POLLIN)
+        for polled in (weights, self._wakeup.read_fd, self._handshakes.socket):
+            poller.register(polled, zmq.POLLIN)
+            paused_poller.register(polled, zmq.POLLIN)
         last_beat = 0.0
         while not self._stop.is_set():
-            wait = self._inbox.wait_s(time.monotonic())
-            events = dict(poller.poll(timeout=50 if wait is None else min(50, math.ceil(wait * 1000))))
+            now = time.monotonic()
+            wait, paused = self._inbox.wait_s(now), self._pace.paused_s(now)
+            wait = min(0.05, 0.05 if wait is None else wait, paused or 0.05)
+            events = dict((paused_poller if paused else poller).poll(timeout=math.ceil(wait * 1000)))
             if self._wakeup.read_fd in events:
                 self._wakeup.drain()
             if self._handshakes.socket in events:
@@ -315,7 +319,10 @@ class LearnerIO:
         What arrives meanwhile is handled as ever (trajectories taken in, refusals counted)."""
         deadline = time.monotonic() + self.config.end_of_run_wait_s
         while not told <= self._answered and time.monotonic() < deadline:
-            if control.poll(timeout=50):
+            paused = self._pace.paused_s(time.monotonic())
+            if paused:  # (reading dropped messages used its time: `DiscardPace`)
+                time.sleep(min(0.05, paused))
+            elif control.poll(timeout=50):
                 self._read_control(control)
             self._handle_inbox(control)
         unanswered = told - self._answered
@@ -347,25 +354,36 @@ class LearnerIO:
         """Move the control messages waiting in ZeroMQ into their peers' queues, without decoding them: those of
         a throttled connection are discarded, and what a peer's budget has no room for is dropped (`_dropped`)."""
         now, start, read = time.monotonic(), time.thread_time(), Counter()
-        for _ in range(READ_AT_ONCE):
+        left, received, wasted = self._pace.left_s(now), 0, 0  # wasted: discarded or dropped as read
+        while received < READ_AT_ONCE and left > 0:
+            if wasted and not received % PACE_CHECK_EVERY and (time.thread_time() - start) * wasted / received >= left:
+                break  # (reading what is dropped used the time it may: the rest waits, `DiscardPace`)
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
+            received += 1
             self.stats["received"] += 1
             routing_id = frames[0].bytes
             if self._rooms.throttle.discards(routing_id, now):
                 self.stats["throttled/discarded"] += 1
+                wasted += 1
                 continue
             size, peer = sum(len(frame) for frame in frames[1:]), self._peer_of(routing_id, frames)
             read[peer] += 1
             for dropped_peer, (dropped_id, dropped_frames, dropped_size), reason in self._inbox.add(
                     peer, (routing_id, frames, size), size, now, routing_id):
+                wasted += dropped_frames is frames
                 self._dropped(sock, dropped_peer, dropped_id, dropped_frames, dropped_size, reason, now)
-        if read:  # the reads' CPU time, shared by the peers read, by count
-            cost = (time.thread_time() - start) / sum(read.values())
+        if received:  # the reads' CPU time, shared by the messages read: each peer's to it, the dropped' to the pace
+            cost = (time.thread_time() - start) / received
             for peer, count in read.items():
                 self._inbox.charge(peer, cost * count, now)
+            if wasted:
+                self._pace.spend(cost * wasted, now)
+                self.stats["inbound/dropped_read_s"] += cost * wasted
+                if self._pace.left_s(now) <= 0:
+                    self.stats["inbound/read_paused"] += 1
 
     def _handle_inbox(self, sock: zmq.Socket) -> None:
         """Handle queued control messages, the next one always the fairest (`PeerInbox.next`), for at most

@@ -18,10 +18,9 @@ import pytest
 
 from tests.conftest import ENV, REPO
 
-# (repeated_hellos, the drill's last attack, is left out: it still takes the learner to about a quarter of its quiet
-# rate on 2 cores, its flood of tiny messages read on the cores the learner trains on; docs/RELIABILITY.md)
 ATTACKS = ("open_groups", "silent_and_claiming", "flood", "held_members", "extreme_logprobs", "invented_names",
-           "weights_readers", "large_messages", "duplicates", "connection_per_message", "short_frames")
+           "weights_readers", "large_messages", "duplicates", "connection_per_message", "short_frames",
+           "repeated_hellos")
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 from heterorl.config import TransportConfig
 from heterorl.rollout.spans import MAX_ENV_SPANS
 from heterorl.transport import inbound
-from heterorl.transport.inbound import PeerInbox, peer_budget_bytes
+from heterorl.transport.inbound import DiscardPace, PeerInbox, peer_budget_bytes
 from heterorl.transport.protocol import DEFAULT_LIMITS, TrajectoryBatch, TrajectoryContract, encode
 from tests.conftest import trajectory
 
@@ -145,3 +145,17 @@ def test_a_connections_messages_are_handled_in_the_order_they_came_across_its_re
     assert drain(inbox, 0.0, {}) == ["probation", "probation"]
     inbox.add("id:w", "batch", 10, 0.0, connection=b"c1")  # nothing of it waits: its own peer from now on
     assert inbox.next(0.0) == ("id:w", "batch")
+
+
+def test_reading_what_is_dropped_is_paced_in_all_and_a_pause_lasts_what_was_overspent():
+    pace = DiscardPace(s_per_s=0.05, burst_s=0.001)
+    assert pace.paused_s(0.0) == 0.0 and pace.left_s(0.0) == pytest.approx(0.001)
+    pace.spend(0.0006, 0.0)
+    assert pace.paused_s(0.0) == 0.0  # some left
+    pace.spend(0.0009, 0.0)  # 0.5 ms overspent: a pause of 10 ms, then reading again
+    assert pace.paused_s(0.0) == pytest.approx(0.01, abs=1e-5) and pace.paused_s(0.011) == 0.0
+    pace.spend(0.002, 0.011)
+    assert pace.paused_s(0.02) > 0
+    assert pace.left_s(100.0) == pytest.approx(0.001)  # an idle while saves up one burst, no more
+    with pytest.raises(ValueError, match="must be > 0"):
+        DiscardPace(0.0, 0.001)

@@ -3,6 +3,8 @@ whose messages are refused at a high rate is throttled — its messages discarde
 disconnected for a back-off, on real loopback sockets; `PeerThrottle`'s rules on their own."""
 
 import contextlib
+import subprocess
+import sys
 import time
 
 import msgpack
@@ -12,7 +14,7 @@ from heterorl.config import TransportConfig
 from heterorl.transport import LearnerServer
 from heterorl.transport.protocol import Ack, Bye, Hello, TrajectoryBatch, decode, encode
 from heterorl.transport.throttle import MAX_BACKOFF_S, PeerThrottle, Verdict
-from tests.conftest import wait_until
+from tests.conftest import ENV, REPO, wait_until
 from tests.transport.test_peer_bounds import ADDRESS, QUICK, hello_socket, member
 from tests.transport.test_permit_leases import HONEST_GROUPS, Honest, Pace, peer
 
@@ -170,3 +172,52 @@ def test_a_message_refused_at_decode_is_told_naming_its_field():
             short.close(0)
             stranger.close(0)
             ctx.term()
+
+
+
+FLOOD = """
+import sys, time, zmq
+from heterorl.transport.protocol import Hello, encode
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 0)
+sock.setsockopt(zmq.SNDHWM, 0)
+sock.connect(sys.argv[1])
+sock.send_multipart(encode(Hello("tiny", "h", 1, -1, time.time())))
+assert sock.poll(10_000)
+sock.recv_multipart()  # ready
+start = time.monotonic()
+while time.monotonic() - start < float(sys.argv[2]):
+    for _ in range(100):
+        sock.send(b"x")  # refused at decode until its connection is throttled, then discarded unread
+print("sent", flush=True)
+"""
+
+
+def test_reading_a_throttled_flood_of_tiny_messages_is_paced_and_the_honest_worker_goes_on():
+    """A registered peer (another process) throttled for its refusals keeps sending one-byte messages as fast as
+    it can for 3 s: each must be read to be discarded, a read no peer's budget pays for. The I/O thread's time
+    reading them stays within `transport.discard_read_s_per_s` (0.05 s a second, and a burst of 1 ms): reading
+    pauses when it is spent, and the honest worker's groups, read between the pauses, are all taken. Without the
+    pace the thread read them as fast as they came."""
+    config = TransportConfig(**{**QUICK, "heartbeat_timeout_s": 30.0}, credits_per_worker=64,
+                             max_refusals_per_s=10, throttle_s=60.0)
+    with LearnerServer(ADDRESS, config) as server:
+        pace = Pace(server)
+        honest = Honest(server.control_endpoint, config).start()
+        start = time.monotonic()
+        flood = subprocess.run([sys.executable, "-c", FLOOD, server.control_endpoint, "3"], env=ENV, cwd=REPO,
+                               capture_output=True, text=True, timeout=60)
+        try:
+            assert flood.returncode == 0 and "sent" in flood.stdout, flood.stderr[-2000:]
+            wait_until(lambda: server.stats["throttled/throttled"] == 1 and server.stats["inbound/read_paused"],
+                       30, lambda: dict(server.stats))
+            wait_until(lambda: pace.taken.get("honest", 0) == HONEST_GROUPS, 60,
+                       lambda: f"the honest worker's groups taken: {pace.taken}")
+            read_s, elapsed = server.stats["inbound/dropped_read_s"], time.monotonic() - start
+        finally:
+            honest.close()
+            pace.close()
+    assert server.stats["throttled/discarded"] > 0
+    default = TransportConfig()  # (the test's config keeps the pace's defaults)
+    assert read_s <= default.discard_read_s_per_s * elapsed + default.discard_read_burst_s + 0.005, (
+        read_s, elapsed, dict(server.stats))
