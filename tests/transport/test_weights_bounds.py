@@ -430,3 +430,65 @@ def test_a_shard_rank_holds_the_replies_of_one_curve_key_to_one_bound_whatever_i
             sock.close(0)
         rank.close()
         ctx.term()
+
+
+def test_one_curve_keys_connections_hold_one_bound_whatever_ids_they_name_and_nothing_once_gone(tmp_path):
+    """Rank 0 under CURVE: one key registers its 8 worker ids (`max_ids_per_key`) and opens 5 weights connections
+    in each id's name (40, as the measured attack did: 1.79 GB in flight from 40 ids before the bounds), each
+    asking 100 chunks and reading none. The learner holds at most one bound of bytes in flight for that key
+    (twice a fetch's pipeline), however many ids and connections; once they all close, nothing stays counted."""
+    from tests.transport.test_peer_bounds import curve_keys
+
+    server_curve, curves, _ = curve_keys(tmp_path, ["peer"])
+    config = TransportConfig(**{**QUICK, "heartbeat_timeout_s": 30.0}, weights_chunk_bytes=CHUNK,
+                             weights_pipeline=2, weights_deltas=False)
+    bound = 2 * CHUNK * 2
+    public, secret = curves["peer"].keypair()
+    server_key = curves["peer"].server_public_key()
+    ctx = zmq.Context()
+
+    def curve_dealer(endpoint: str, receive_buffer: int = -1) -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVBUF, receive_buffer)
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server_key
+        sock.connect(endpoint)
+        return sock
+
+    with LearnerServer("tcp://127.0.0.1:0", config, curve=server_curve) as server:
+        controls, stuck = [], []
+        try:
+            tokens = {}
+            for i in range(8):
+                control = curve_dealer(server.control_endpoint)
+                controls.append(control)
+                control.send_multipart(encode(Hello(f"id{i}", "host", 1, -1, time.time())))
+                ready = answer_to_hello(control)
+                assert isinstance(ready, Ready), ready
+                tokens[f"id{i}"] = ready.settings["weights_session"]
+            server.publish(1, state_of(4))
+            wait_until(lambda: sorted(w.released_version for w in server.workers()) == [1] * 8, 10,
+                       "the version released to the key's 8 ids")
+            for worker_id, token in tokens.items():
+                for _ in range(5):
+                    sock = curve_dealer(server.weights_endpoint, receive_buffer=4096)
+                    stuck.append(sock)
+                    for chunk in range(100):
+                        sock.send_multipart(encode(WeightsRequest(worker_id, version=1, chunk=chunk % 64,
+                                                                  session=token)))
+
+            def taken() -> int:  # the requests the learner has answered or held back
+                stats = server.stats
+                return stats["weights/held_back"] + stats["send_dropped/weights_chunk"] + \
+                    stats["weights/bytes_sent"] // CHUNK
+
+            wait_until(lambda: taken() >= 40 * 100, 30, lambda: dict(server.stats))
+            assert server.stats["weights/held_back"] > 0
+            assert 0 < server.stats["weights/bytes_in_flight_peak"] <= bound, dict(server.stats)
+            for sock in stuck:
+                sock.close(0)
+            wait_until(lambda: server.stats["weights/bytes_in_flight"] == 0, 20, lambda: dict(server.stats))
+        finally:
+            for sock in stuck + controls:
+                sock.close(0)
+    ctx.term()
