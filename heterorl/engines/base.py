@@ -21,9 +21,13 @@ STOP_TOKEN = "stop"  # one of SamplingParams.stop_token_ids was sampled
 STOP_LENGTH = "length"  # max_tokens was reached
 
 
+GREEDY_BELOW = 1e-5  # a sampling temperature below this is greedy decoding
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. ``temperature == 0`` means greedy decoding.
+    """How to sample. ``temperature == 0`` means greedy decoding, and so does any temperature below
+    `GREEDY_BELOW` (as vLLM does: dividing the logits by less makes them infinite).
 
     With ``temperature == 0`` the reported log-probs are those of the unmodified
     model (temperature 1), since the greedy "distribution" is a point mass.
@@ -42,7 +46,7 @@ class SamplingParams:
             raise SamplingError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
             raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")

@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from heterorl.engines.base import (
+    GREEDY_BELOW,
     GenerationWatch,
     SampleOutput,
     SamplingEngine,
@@ -44,6 +45,7 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         # drop a token when the mass *before* it already reaches top_p (the top token always stays)
         drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
+        drop_sorted[..., 0] = False  # (a top_p below float32's resolution, 1e-300 say, compares as 0 and kept none)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -295,7 +297,7 @@ class TorchEngine(SamplingEngine):
     def _sample(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw one token per row; return it with its log-prob under the sampling distribution."""
         logits = logits.float()
-        if params.temperature == 0:
+        if params.temperature < GREEDY_BELOW:  # (logits / 1e-300 are infinite, and their softmax NaN)
             token = logits.argmax(-1)
             return token, selected_logprobs(logits, token)
         logits = _filter_logits(logits / params.temperature, params.top_k, params.top_p)

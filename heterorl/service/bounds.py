@@ -15,6 +15,12 @@ if TYPE_CHECKING:
 MAX_REQUEST_TOKENS = 1 << 18  # prompts x samples x max_tokens of one sampling call: what it may generate
 MAX_PROMPT_TOKENS = 1 << 20  # every prompt token of one sampling or log-prob call, together
 MAX_TRAINING_TOKENS = 1 << 18  # every token of the datums of one forward or forward_backward call, together
+MAX_STOP_STRINGS = 16  # stop strings of one sampling call (the OpenAI routes take 4, as OpenAI's API does)
+MAX_STOP_BYTES = 1024  # UTF-8 bytes of one stop string
+MAX_STOP_TOKEN_IDS = 256  # stop token ids of one sampling call
+MAX_BODY_ELEMENTS = MAX_PROMPT_TOKENS  # entries of one array or map of a msgpack body (its whole size is bounded too)
+ERROR_EXCERPT = 200  # characters of a refused value an error body quotes, at most
+MAX_ERRORS_SHOWN = 10  # fields an error body names, at most
 
 DATUM_FIELDS = ("tokens", "prompt_len", "advantage", "reward", "group_id", "behaviour_logprobs", "policy_versions",
                 "weights")
@@ -87,3 +93,42 @@ def check_sampling_size(method: str, args: dict, max_tokens_out: int) -> None:
     if asked > max_tokens_out:
         raise BadRequest(f"sample: {len(groups)} prompts x {samples} samples x {length} max_tokens = {asked:,} "
                          f"tokens; one call generates at most {max_tokens_out:,} here: split it into smaller calls")
+
+
+def check_stops(where: str, stops: list, stop_ids: list | tuple = (), max_strings: int = MAX_STOP_STRINGS) -> None:
+    """`BadRequest` for stop strings or stop token ids beyond what one call may give (`MAX_STOP_STRINGS` strings
+    of `MAX_STOP_BYTES` bytes, `MAX_STOP_TOKEN_IDS` ids), before any is encoded or searched for."""
+    if len(stops) > max_strings:
+        raise BadRequest(f"{where}: {len(stops):,} stop strings; at most {max_strings} are taken")
+    for i, stop in enumerate(stops):
+        if len(stop) > MAX_STOP_BYTES or len(stop.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES:
+            raise BadRequest(f"{where}: stop string {i} is longer than {MAX_STOP_BYTES:,} bytes; give a shorter "
+                             "one (a stop string is searched for in every sample's text)")
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(f"{where}: {len(stop_ids):,} stop token ids; at most {MAX_STOP_TOKEN_IDS} are taken")
+
+
+def excerpt(value, limit: int = ERROR_EXCERPT) -> str:
+    """A bounded excerpt of ``value`` for an error message: its repr, cut at ``limit`` characters, made without
+    walking more of a large container than it shows."""
+    import reprlib
+
+    shown = reprlib.Repr()
+    shown.maxlevel, shown.maxlist, shown.maxdict, shown.maxtuple = 3, 8, 8, 8
+    shown.maxstring = shown.maxother = limit
+    text = shown.repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def bounded_errors(errors) -> list[dict]:
+    """A validation error's field errors, as an error body may carry them: at most `MAX_ERRORS_SHOWN`, each with
+    its location, message and type, and an excerpt of the value it refused (never the value itself: a refused
+    30 MB array was echoed whole, a 143 MB answer)."""
+    shown = []
+    for error in list(errors)[:MAX_ERRORS_SHOWN]:
+        entry = {"loc": [str(part)[:64] for part in error.get("loc", ())][:8], "msg": str(error.get("msg", ""))[:300],
+                 "type": str(error.get("type", ""))[:64]}
+        if "input" in error:
+            entry["input"] = excerpt(error["input"], 80)
+        shown.append(entry)
+    return shown

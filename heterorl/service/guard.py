@@ -22,6 +22,8 @@ KEY_MISSING = ("missing or wrong API key: send 'Authorization: Bearer KEY' (or '
 OPEN_PATHS = ("/health",)  # the only route answered without the key
 HEADER_TIMEOUT_S = 10.0  # a connection's request headers must be complete this long after it opens or a request
 # begins (a client that sends them slowly, or never, is closed: it would hold a connection, and a descriptor)
+MAX_HEADERS = 100  # header fields of one request (431 beyond, as they arrive)
+MAX_HEADER_BYTES = 64 * 2**10  # bytes of one request's header names and values together (431 beyond)
 BODY_IDLE_TIMEOUT_S = 10.0  # once the headers are in, a body that sends nothing for this long is closed as well
 
 
@@ -74,6 +76,37 @@ async def read_body(request, limit: int) -> bytes:
         if len(body) > limit:
             raise BodyTooLarge(f"the body exceeds this service's limit of {limit:,} bytes (--max-body-mb)")
     return bytes(body)
+
+
+async def parse_body(request, model, limit: int):
+    """A route's body (JSON, or msgpack by its content type) read within ``limit`` bytes (`read_body`) and
+    validated against the pydantic ``model`` off the event loop: a large body is decoded in a thread while other
+    requests (``/health``) are answered. `RequestValidationError` naming the field otherwise: an array or map of
+    more than `bounds.MAX_BODY_ELEMENTS` entries, a nest deeper than the decoder takes, a field's error."""
+    from fastapi.concurrency import run_in_threadpool
+
+    body = await read_body(request, limit)
+    return await run_in_threadpool(_validated, body, request.headers.get("content-type"), model)
+
+
+def _validated(body: bytes, content_type: str | None, model):
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from heterorl.service import wire
+    from heterorl.service.bounds import MAX_BODY_ELEMENTS
+
+    try:
+        data = wire.unpack(body, content_type, MAX_BODY_ELEMENTS)
+    except Exception as exc:  # not JSON / msgpack at all, or an array or map past the bound
+        raise RequestValidationError([{"loc": ("body",), "msg": f"cannot be decoded: {str(exc)[:300]}",
+                                       "type": "decode"}]) from None
+    try:
+        return model.model_validate({} if data is None else data)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    except RecursionError:
+        raise RequestValidationError([{"loc": ("body",), "msg": "nested too deeply", "type": "depth"}]) from None
 
 
 class Guard:
@@ -163,6 +196,8 @@ def header_timeout_protocol(timeout_s: float = HEADER_TIMEOUT_S, body_idle_s: fl
 
     class HeaderTimeoutProtocol(HttpToolsProtocol):
         _timer = None
+        _fields = _field_bytes = 0
+        _too_large = ""  # why the request's headers were refused (`on_header`), for `send_400_response`
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -170,7 +205,28 @@ def header_timeout_protocol(timeout_s: float = HEADER_TIMEOUT_S, body_idle_s: fl
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self._fields = self._field_bytes = 0
             self._arm(timeout_s)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            """A header field, counted: past `MAX_HEADERS` fields or `MAX_HEADER_BYTES` bytes the request is
+            refused (431) as the parser meets it, before the rest is kept (10,000 headers, or one of 1 MB, were
+            taken)."""
+            self._fields, self._field_bytes = self._fields + 1, self._field_bytes + len(name) + len(value)
+            if self._fields > MAX_HEADERS or self._field_bytes > MAX_HEADER_BYTES:
+                self._too_large = (f"the request's headers pass this service's limit of {MAX_HEADERS} fields and "
+                                   f"{MAX_HEADER_BYTES:,} bytes")
+                raise ValueError(self._too_large)  # (the parser stops, and uvicorn answers: `send_400_response`)
+            super().on_header(name, value)
+
+        def send_400_response(self, msg: str) -> None:
+            if not self._too_large:
+                return super().send_400_response(msg)
+            body = self._too_large.encode()
+            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; "
+                                 b"charset=utf-8\r\ncontent-length: " + str(len(body)).encode() +
+                                 b"\r\nconnection: close\r\n\r\n" + body)
+            self.transport.close()
 
         def on_headers_complete(self) -> None:
             super().on_headers_complete()

@@ -36,6 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from heterorl.engines.base import SampleOutput, SamplingParams, validate_request
 from heterorl.errors import SamplingError
 from heterorl.rollout.textcodec import encode_prompt
+from heterorl.service.bounds import check_stops, excerpt
+from heterorl.service.guard import parse_body
 from heterorl.service.openai_generation import Choice, Generation, RequestBatcher, finish_all
 from heterorl.training.session import SamplingClient
 
@@ -49,6 +51,7 @@ MAX_PROMPT_IDS = 1 << 18  # token ids given as prompts in one request
 MAX_MESSAGES = 1024  # chat messages in one request
 MAX_REQUEST_TOKENS = 1 << 18  # prompts x n x max_tokens: what one request may generate
 MAX_BODY_BYTES = 16 * 2**20  # a body the endpoint reads at most (`openai_app`; `heterorl serve` has --max-body-mb)
+MAX_BODY_BYTES_READ = 2**31  # (a route's own read: the app's guard has bounded the body already)
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
 
 Models = Callable[[], dict[str, SamplingClient]]
@@ -88,6 +91,7 @@ class _SamplingBody(_Body):
         stops = [] if value is None else [value] if isinstance(value, str) else value
         if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"give a non-empty string or a list of at most {MAX_STOP} of them")
+        check_stops("stop", stops, max_strings=MAX_STOP)  # (a BadRequest is a ValueError: the field is named)
         return stops
 
 
@@ -181,8 +185,7 @@ def _validation_error(errors: list[dict]) -> JSONResponse:
         elif error["type"] == "json_invalid":
             field, message = "body", f"not valid JSON ({error.get('ctx', {}).get('error', error['msg'])})"
         else:
-            shown = repr(error.get("input"))
-            got = "" if error["type"] == "missing" else f" (got {shown[:80] + '...' if len(shown) > 80 else shown})"
+            got = "" if error["type"] == "missing" else f" (got {excerpt(error.get('input'), 80)})"
             message = error["msg"].removeprefix("Value error, ") + got
         parts.append(f"{field}: {message}")
         fields.append(field)
@@ -497,8 +500,9 @@ def _model_routes(router: APIRouter, models: Models, find: Callable[[str], Sampl
 
 def _completion_routes(router: APIRouter, find: Callable[[str], SamplingClient], batchers: _Batchers) -> None:
     """``/v1/completions``: prompts (text or token ids) completed."""
-    @router.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    @router.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionRequest, MAX_BODY_BYTES_READ)
         client = find(body.model)
         _refuse_unsupported(body)
         count = 1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)
@@ -520,8 +524,9 @@ def _completion_routes(router: APIRouter, find: Callable[[str], SamplingClient],
 
 def _chat_routes(router: APIRouter, find: Callable[[str], SamplingClient], batchers: _Batchers) -> None:
     """``/v1/chat/completions``: messages rendered by the model's chat template, the assistant's turn completed."""
-    @router.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
+    @router.post("/v1/chat/completions", openapi_extra=_body_schema(ChatRequest))
+    async def chat_completions(request: Request):
+        body = await parse_body(request, ChatRequest, MAX_BODY_BYTES_READ)
         client = find(body.model)
         _refuse_unsupported(body)
         _check_size(1, body.n or 1, body.max_completion_tokens or body.max_tokens)  # (before rendering)
@@ -544,6 +549,12 @@ def _chat_routes(router: APIRouter, find: Callable[[str], SamplingClient], batch
                 {"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
                  "finish_reason": c.finish_reason, "logprobs": _chat_logprobs(c, k) if body.logprobs else None}
                 for i, c in enumerate(choices)]}
+
+
+def _body_schema(model: type[BaseModel]) -> dict:
+    """The OpenAPI request body of a route that validates its own (`parse_body`, off the event loop)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema(
+        ref_template="#/components/schemas/{model}")}}}}
 
 
 def _include_usage(body: _SamplingBody) -> bool:

@@ -13,7 +13,7 @@ Routes (all under a bearer token when the service has one; docs/SERVICE.md):
     DELETE /api/v1/futures/{id}                 cancel it: {state: cancelled | stopping | running | done}
     GET    /api/v1/sessions/{id}/weights/{v}    a version's weights (safetensors), after save_weights_for_sampler
     GET    /api/v1/sessions/{id}/tokenizer      its tokenizer's files (zip)
-    GET    /api/v1/memory                       {budget_bytes, used_bytes, sessions, samplers}: bytes held
+    GET    /api/v1/memory                       {budget_bytes, used_bytes, calls_bytes, sessions, samplers}: bytes held
     GET    /health                              no token needed
     /v1/models, /v1/completions, /v1/chat/completions (heterorl.service.openai_api)
     /tinker/api/v1/...                   Tinker's REST API, for its SDK and cookbook (heterorl.service.tinker)
@@ -39,11 +39,12 @@ from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from heterorl.errors import HeteroRLError
 from heterorl.runs import finite_or_null
 from heterorl.service import wire
+from heterorl.service.bounds import bounded_errors
 from heterorl.service.calls import BadRequest, NotFound, TooBusy
 from heterorl.service.guard import (
     BODY_IDLE_TIMEOUT_S,
@@ -53,7 +54,7 @@ from heterorl.service.guard import (
     header_timeout_protocol,
     key_list,
     matching_key,
-    read_body,
+    parse_body,
 )
 from heterorl.service.memory import OverMemoryBudget
 from heterorl.service.sessions import Service, tokenizer_zip
@@ -153,19 +154,15 @@ def _error_handlers(app: FastAPI) -> None:
     async def refused(request: Request, exc: HeteroRLError):  # BadRequest and what a primitive refuses at once
         return JSONResponse({"detail": str(exc), "error": wire.error_to_wire(exc)}, status_code=400)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):  # (never the refused value itself)
+        return JSONResponse({"detail": bounded_errors(exc.errors())}, status_code=422)
+
 
 async def _body(request: Request, model: type[BaseModel], limit: int):
-    """The request's body (JSON or msgpack) validated against ``model``: 422 naming the field otherwise."""
-    body = await read_body(request, limit)
-    try:
-        data = wire.unpack(body, request.headers.get("content-type"))
-    except Exception as exc:  # not JSON / msgpack at all
-        raise RequestValidationError([{"loc": ("body",), "msg": f"cannot be decoded: {exc}", "type": "decode"}]
-                                     ) from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
+    """The request's body (JSON or msgpack) validated against ``model``, off the event loop (`parse_body`): 422
+    naming the field otherwise."""
+    return await parse_body(request, model, limit)
 
 
 def _answer(request: Request, value: Any) -> Response:

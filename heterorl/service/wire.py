@@ -117,10 +117,16 @@ def pack(value: Any, content_type: str) -> bytes:
     return json_text(value).encode()
 
 
-def unpack(body: bytes, content_type: str | None) -> Any:
-    if content_type and content_type.split(";")[0].strip() == MSGPACK:
-        return msgpack.unpackb(body, raw=False, strict_map_key=False)
-    return json.loads(body) if body else None
+def unpack(body: bytes, content_type: str | None, max_elements: int = 1 << 20) -> Any:
+    """A body as plain values: msgpack (no array or map of more than ``max_elements`` entries, checked as each is
+    met, before its entries are made) or JSON. A nest too deep for the decoder is a ValueError."""
+    try:
+        if content_type and content_type.split(";")[0].strip() == MSGPACK:
+            return msgpack.unpackb(body, raw=False, strict_map_key=False, max_array_len=max_elements,
+                                   max_map_len=max_elements)
+        return json.loads(body) if body else None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 # -- state dicts ------------------------------------------------------------------------------------------------

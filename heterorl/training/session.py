@@ -27,9 +27,11 @@ from heterorl.config import LoraConfig
 from heterorl.engines.base import GenerationWatch, SampleOutput, SamplingEngine, SamplingParams, WeightUpdates
 from heterorl.engines.logprobs import packed_completion_logprobs, pad_right, prompt_groups, should_pack, token_logprobs
 from heterorl.engines.torch_engine import TorchEngine
-from heterorl.errors import HeteroRLError, SamplingError
+from heterorl.errors import ConfigError, HeteroRLError, SamplingError
 from heterorl.policies.storage import storage_key
 from heterorl.training.states import TrainingStates, read_training_state
+
+MAX_LEARNING_RATE = 10.0  # AdamW moves each weight by about the learning rate a step: far past any sane run
 
 
 @dataclass
@@ -79,6 +81,25 @@ class AdamParams:
     eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip_norm: float | None = 1.0  # None disables clipping
+
+    def __post_init__(self) -> None:
+        """A `ConfigError` naming the field for a value AdamW cannot take or that would ruin the model for good:
+        a learning rate of 1e30 was taken, and every weight was NaN after one step."""
+        bounds = {"learning_rate": (0.0, MAX_LEARNING_RATE, "[0, 10]"), "beta1": (0.0, 1.0, "[0, 1)"),
+                  "beta2": (0.0, 1.0, "[0, 1)"), "eps": (0.0, 1.0, "(0, 1]"), "weight_decay": (0.0, 1.0, "[0, 1]")}
+        for name, (low, high, shown) in bounds.items():
+            value = getattr(self, name)
+            ok = type(value) in (int, float) and math.isfinite(value) and low <= value <= high
+            if ok and name in ("beta1", "beta2"):
+                ok = value < 1.0
+            if ok and name == "eps":
+                ok = value > 0.0
+            if not ok:
+                raise ConfigError(f"AdamParams.{name}={str(value)[:40]}: must be a finite number in {shown}")
+        clip = self.grad_clip_norm
+        if clip is not None and not (type(clip) in (int, float) and math.isfinite(clip) and clip > 0):
+            raise ConfigError(f"AdamParams.grad_clip_norm={str(clip)[:40]}: must be a finite number > 0, or None "
+                              "for no clipping")
 
 
 @dataclass

@@ -126,8 +126,11 @@ class TinkerBook:
             return protobuf.forward_backward_output([np.asarray(lp, dtype=np.float32) for lp in out.logprobs],
                                                     metrics)
 
+        lengths = [len(d.tokens) + 1 for d in request.data]  # (what check_training_size counted above)
+        call = "forward" if request.forward_only else "forward_backward"
         return self._submit(session.session_id, "forward_backward", f"{request.model_id}/{request.seq_id}",
-                            lambda: _then(method(datums, loss_fn, config), answer))
+                            lambda: self.service.start_counted(session, call, lengths,
+                                                               lambda: _then(method(datums, loss_fn, config), answer)))
 
     def optim_step(self, model_id: str, seq: int, adam: dict) -> str:
         session = self.training(model_id)

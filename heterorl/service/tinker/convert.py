@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 
 from heterorl.engines.base import STOP_LENGTH, SamplingParams
-from heterorl.errors import HeteroRLError
-from heterorl.service.bounds import MAX_PROMPT_TOKENS
+from heterorl.errors import ConfigError, HeteroRLError
+from heterorl.service.bounds import MAX_PROMPT_TOKENS, check_stops, excerpt
 from heterorl.service.calls import BadRequest
 from heterorl.service.openai_generation import finish
 from heterorl.service.tinker import protobuf
@@ -45,11 +45,10 @@ def adam_params(adam: dict) -> AdamParams:
                             beta2=float(adam.get("beta2", 0.95)), eps=float(adam.get("eps", 1e-12)),
                             weight_decay=float(adam.get("weight_decay", 0.0)),
                             grad_clip_norm=float(clip) if clip else None)
+    except ConfigError as exc:  # (a value AdamW cannot take, named)
+        raise BadRequest(f"adam_params: {exc}") from None
     except (TypeError, ValueError):
-        raise BadRequest(f"adam_params must hold numbers, got {adam!r}") from None
-    if not all(math.isfinite(v) for v in (params.learning_rate, params.beta1, params.beta2, params.eps,
-                                           params.weight_decay)) or params.learning_rate < 0:
-        raise BadRequest(f"adam_params must hold finite numbers and a learning rate >= 0, got {adam!r}")
+        raise BadRequest(f"adam_params must hold numbers, got {excerpt(adam)}") from None
     return params
 
 
@@ -93,6 +92,7 @@ def sampling_params(params: dict) -> tuple[SamplingParams, list[str]]:
     elif stop is not None:
         raise BadRequest(f"sampling_params.stop must be a string, a list of strings or of token ids, got "
                          f"{stop!r}")
+    check_stops("sampling_params.stop", stops, stop_ids)
     top_k = params.get("top_k", -1)
     max_tokens = params.get("max_tokens")
     try:

@@ -15,12 +15,12 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from heterorl.errors import HeteroRLError
 from heterorl.runs import finite_or_null
 from heterorl.service.calls import BadRequest, NotFound, TooBusy
-from heterorl.service.guard import read_body
+from heterorl.service.guard import parse_body, read_body
 from heterorl.service.memory import OverMemoryBudget
 from heterorl.service.sessions import Service
 from heterorl.service.tinker import book as tinker_book
@@ -135,17 +135,8 @@ class WeightsInfo(_Body):
 
 
 async def _json(request: Request, model: type[BaseModel], limit: int):
-    import json
-
-    raw = await read_body(request, limit)
-    try:
-        data = json.loads(raw) if raw else {}
-    except ValueError as exc:
-        raise RequestValidationError([{"loc": ("body",), "msg": f"not JSON: {exc}", "type": "decode"}]) from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
+    """The body validated against ``model`` off the event loop (`parse_body`)."""
+    return await parse_body(request, model, limit)
 
 
 def _refused(call: str, exc: Exception) -> JSONResponse:
