@@ -217,6 +217,7 @@ def test_a_training_calls_memory_is_counted_before_it_runs_and_one_past_the_budg
     small, big = memory.training_call_bytes(model, [60] * 64, True), memory.training_call_bytes(model, [256] * 1024,
                                                                                               True)
     assert 60 * 64 * 30_000 < small < 60 * 64 * 60_000  # (35 KB a token measured; the estimate 44 KB)
+    assert big > 10 * 2**30 > session_bytes + 4 * small
     assert memory.training_call_bytes(model, [60] * 64, False) < small / 3  # a forward holds one layer at a time
     service = _service(tmp_path, session_bytes + 4 * small)
     session = service.create_session(BASE)["session_id"]
