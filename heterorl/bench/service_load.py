@@ -8,8 +8,11 @@
    ``--requests`` requests each, once alone and once while one abusive client (`Abuser`) floods the same
    service: sampling calls of the largest size allowed on its own session until refused (429), huge OpenAI
    requests it abandons mid-generation, bodies past the size limit, malformed JSON, requests without the key,
-   and connections that never finish their headers. Reported: the honest requests' p50 / p99 / max latency in
-   both rounds, how many failed (goal: none), and what the abuser's requests got.
+   connections that never finish their headers, and what cost the service before its round-3 bounds
+   (`Abuser._round_3`: a 30 MB msgpack array of nils, four 8 MB stop strings, JSON nested 100,000 deep, the
+   largest forward_backward, top_p 1e-300, a learning rate of 1e30, 10,000 headers). Reported: the honest
+   requests' p50 / p99 / max latency in both rounds, how many failed (goal: none), and what the abuser's
+   requests got.
 
 Every honest request must succeed; the service answers /health throughout.
 """
@@ -27,6 +30,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import httpx
 
@@ -138,6 +142,8 @@ class Abuser:
         self._held: list[socket.socket] = []
         self._first_cycle = threading.Event()
         self.error: BaseException | None = None
+        self._nils = self._stops = None  # (round 3's large bodies, made at their first use)
+        self._trainer: tuple[str, str] | None = None  # (its second session, and that session's model)
 
     def __enter__(self) -> Abuser:
         self._thread.start()
@@ -196,6 +202,7 @@ class Abuser:
                 self._note("requests without the key", r.status_code)
                 r = http.post("/v1/completions", headers=auth, json={"model": self.model, "prompt": "1" * 300_000})
                 self._note("300,000-character prompts", r.status_code)
+                self._round_3(http, auth, host, port)
                 while len(self._held) < self.slow_connections and not self._stop.is_set():
                     sock = socket.create_connection((host, port))
                     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # (the headers never end)
@@ -203,6 +210,44 @@ class Abuser:
                     self._note("half-sent headers", "held")
                 self._first_cycle.set()
                 self._stop.wait(0.2)
+
+
+    def _round_3(self, http: httpx.Client, auth: dict, host: str, port: int) -> None:
+        """What issue 63 found cost the service before its bounds: a 30 MB msgpack array of nils, four 8 MB stop
+        strings, nesting 100,000 deep, the largest forward_backward one call may hold, numbers that made NaN or a
+        500, and 10,000 headers."""
+        if self._trainer is None:  # a second session of its own: the first one's queue is kept full (429)
+            session = http.post("/api/v1/sessions", headers=auth, json={"base_model": BASE}).json()["session_id"]
+            call = http.post(f"/api/v1/sessions/{session}/calls", headers=auth,
+                             json={"method": "save_weights_and_get_sampling_client"}).json()["future_id"]
+            model = http.get(f"/api/v1/futures/{call}", headers=auth, params={"wait_s": 60}).json()
+            self._trainer = session, model["result"]["value"]["model"]
+        session, model = self._trainer
+        calls = f"/api/v1/sessions/{session}/calls"
+        if self._nils is None:  # (made once)
+            self._nils = b"\xdd" + (30_000_000).to_bytes(4, "big") + b"\xc0" * 30_000_000
+            self._stops = json.dumps({"model": self.model, "prompt": "1+1=", "max_tokens": 2,
+                                      "stop": ["x" * 8_000_000] * 4}).encode()
+        r = http.post(calls, headers=auth | {"Content-Type": "application/msgpack"}, content=self._nils)
+        self._note("30 MB msgpack arrays of nils", r.status_code)
+        r = http.post("/v1/completions", headers=auth | {"Content-Type": "application/json"}, content=self._stops)
+        self._note("four 8 MB stop strings", r.status_code)
+        r = http.post("/tinker/api/v1/create_model", headers=auth | {"Content-Type": "application/json"},
+                      content=b"[" * 100_000 + b"]" * 100_000)
+        self._note("JSON nested 100,000 deep", r.status_code)
+        datums = [{"tokens": self.prompt * (256 // len(self.prompt)), "prompt_len": 1}] * 1024
+        r = http.post(calls, headers=auth, json={"method": "forward_backward", "args": {"datums": datums}})
+        self._note("forward_backward of 1,024 x 256 tokens", r.status_code)
+        r = http.post("/api/v1/samplers/calls", headers=auth, json={"model": model, "method": "sample", "args": {
+            "prompt_tokens": self.prompt, "sampling_params": {"top_p": 1e-300, "max_tokens": 4}}})
+        if r.status_code == 200:  # (its result says whether it sampled)
+            done = http.get(f"/api/v1/futures/{r.json()['future_id']}", headers=auth, params={"wait_s": 30}).json()
+            r = SimpleNamespace(status_code="sampled" if "result" in done else done.get("error", {}).get("type"))
+        self._note("top_p 1e-300", r.status_code)
+        r = http.post(calls, headers=auth, json={"method": "optim_step", "args": {"params": {"learning_rate": 1e30}}})
+        self._note("learning rate 1e30", r.status_code)
+        self._note("10,000 headers", _raw_status(host, port, b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(
+            b"x-h%d: 1\r\n" % i for i in range(10_000)) + b"\r\n"))
 
 
 def _raw_status(host: str, port: int, request: bytes) -> int | str:
@@ -257,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     key_file = os.path.join(key_dir, "key")
     with open(os.open(key_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
         f.write(KEY)
-    common = ("--threads", str(args.threads), "--api-key-file", key_file, "--max-sessions", "8")
+    # a budget of 2 GB: the abuser's largest forward_backward (about 20 GB counted) is refused on any machine
+    common = ("--threads", str(args.threads), "--api-key-file", key_file, "--max-sessions", "8",
+              "--memory-budget-mb", "2048")
     processes = {"batched": start_service(*common), "unbatched": start_service(*common, "--no-openai-batching")}
     try:
         print(f"{BASE}: heterorl serve, {args.threads} torch thread(s), this machine's {os.cpu_count()} CPUs")
