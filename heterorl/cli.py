@@ -17,6 +17,7 @@
     heterorl bench sandbox              the code task's sandbox: start-up, tests/s (jail vs weak), a worker's samples/s
     heterorl bench serve-load           heterorl serve: OpenAI req/s batched vs not; honest p99 with an abuser
     heterorl bench wan                  one run over the network lab's links vs loopback with delay.* set alike
+    heterorl bench learner              the learner's log-probs: full logits vs completion positions in chunks
     heterorl keys [make] --name NAME [--out D]   a CurveZMQ key pair for a learner or a remote worker
     heterorl keys revoke --name NAME --allow-keys D   refuse a worker's key (no restart)
     heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async;
@@ -371,7 +372,7 @@ def cmd_demo(args) -> int:
 BENCHMARKS = {"engine": "engine", "losses": "losses", "transport": "transport", "weights": "weights",
               "deltas": "deltas", "async": "async_modes", "simulate": "simulation", "service": "service",
               "reshard": "reshard", "lora": "lora", "sandbox": "sandbox",
-              "serve-load": "service_load", "wan": "wan"}
+              "serve-load": "service_load", "wan": "wan", "learner": "learner"}
 
 
 def cmd_bench(args) -> int:

