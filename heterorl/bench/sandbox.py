@@ -1,7 +1,9 @@
 """``heterorl bench sandbox``: how fast the code task's sandbox scores programs, and what scoring costs a worker.
 
 0. **Start-up cost** of each isolation (``--isolation``, default both: the jail, nsjail, and the weak sandbox):
-   the median time to run a program that returns at once, ``--startup-runs`` times each, alternating.
+   the median time to run a program that returns at once, ``--startup-runs`` times each, alternating. With
+   ``--seccomp both`` the jail is measured with its seccomp filter and without it (``nsjail-noseccomp``), side by
+   side; ``--seccomp off`` measures it without only.
 1. **Tests per second** (``--programs`` programs of the `code` task, ``--tests`` hidden tests each, up to
    ``--parallel`` at once, wall-clock limit ``--wall-s``), per isolation, with 0 %, 50 % and 100 % of the
    programs hanging (they close their output and sleep: each runs until the wall clock and scores 0). The rest
@@ -37,22 +39,43 @@ def _programs(task, n: int, share: float, seed: int = 0) -> tuple[list, list[str
     return problems, programs
 
 
-def _code_task(args, isolation: str):
+NO_SECCOMP = "-noseccomp"  # a variant's name: the jail without its seccomp filter
+
+
+def _variants(isolations: list[str], seccomp: str) -> list[str]:
+    """The sandboxes measured: each isolation, and the jail with (``nsjail``) and/or without its seccomp filter
+    (``nsjail-noseccomp``) as ``seccomp`` says (on, off, both)."""
+    variants = []
+    for kind in isolations:
+        if kind == "nsjail" and seccomp != "on":
+            variants += [kind, kind + NO_SECCOMP] if seccomp == "both" else [kind + NO_SECCOMP]
+        else:
+            variants.append(kind)
+    return variants
+
+
+def _sandbox(variant: str, limits, parallel: int):
+    from heterorl.tasks.sandbox import Sandbox
+
+    return Sandbox(limits, parallel, isolation=variant.removesuffix(NO_SECCOMP),
+                   seccomp=not variant.endswith(NO_SECCOMP))
+
+
+def _code_task(args, variant: str):
     from heterorl.tasks import make_task
-    from heterorl.tasks.sandbox import Sandbox, SandboxLimits
+    from heterorl.tasks.sandbox import SandboxLimits
 
     task = make_task("code", {"tests": args.tests, "max_parallel": args.parallel, "wall_s": args.wall_s,
-                              "cpu_s": args.wall_s, "allow_weak_sandbox": isolation == "weak"})
-    task.use_sandbox(Sandbox(SandboxLimits(wall_s=args.wall_s, cpu_s=args.wall_s), args.parallel,
-                             isolation=isolation))
+                              "cpu_s": args.wall_s, "allow_weak_sandbox": variant == "weak"})
+    task.use_sandbox(_sandbox(variant, SandboxLimits(wall_s=args.wall_s, cpu_s=args.wall_s), args.parallel))
     return task
 
 
 def startup_seconds(args) -> dict[str, float]:
-    """The median seconds to run a program that returns at once, per isolation, measured alternately."""
-    from heterorl.tasks.sandbox import Sandbox, SandboxLimits, TestCase
+    """The median seconds to run a program that returns at once, per sandbox, measured alternately."""
+    from heterorl.tasks.sandbox import SandboxLimits, TestCase
 
-    boxes = {kind: Sandbox(SandboxLimits(wall_s=10.0), 1, isolation=kind) for kind in args.isolation}
+    boxes = {kind: _sandbox(kind, SandboxLimits(wall_s=10.0), 1) for kind in args.variants}
     times: dict[str, list[float]] = {kind: [] for kind in boxes}
     for _ in range(args.startup_runs):
         for kind, box in boxes.items():
@@ -68,16 +91,16 @@ def startup_seconds(args) -> dict[str, float]:
 def tests_per_second(args) -> list[dict]:
     rows = []
     for share in SHARES:
-        for isolation in args.isolation:
-            task = _code_task(args, isolation)
+        for variant in args.variants:
+            task = _code_task(args, variant)
             problems, programs = _programs(task, args.programs, share)
             start = time.perf_counter()
             rewards = task.reward_batch(problems, programs)
             seconds = time.perf_counter() - start
             expected = [0.0 if "time.sleep(3600)" in p else 1.0 for p in programs]
             if rewards != expected:
-                raise HeteroRLError(f"the {isolation} sandbox scored {rewards} where {expected} was due")
-            rows.append({"share": share, "isolation": isolation, "seconds": seconds,
+                raise HeteroRLError(f"the {variant} sandbox scored {rewards} where {expected} was due")
+            rows.append({"share": share, "isolation": variant, "seconds": seconds,
                          "programs_per_s": len(programs) / seconds, "tests_per_s": len(programs) * args.tests / seconds,
                          "bound_s": args.wall_s * math.ceil(round(share * args.programs) / args.parallel),
                          "stats": dict(task.stats)})
@@ -96,7 +119,7 @@ def worker_samples_per_second(args) -> dict:
     from heterorl.tasks.rewards import score_all
     from heterorl.training.session import SamplingClient
 
-    task = _code_task(args, args.isolation[0])
+    task = _code_task(args, args.variants[0])
     model, tokenizer = load_policy("tiny", alphabet=task.alphabet(), tiny=TinyModelConfig(max_positions=512))
     sampler = SamplingClient.for_model(model, tokenizer)
     params = SamplingParams(max_tokens=64, ignore_eos=True, seed=0)
@@ -141,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--isolation", default="nsjail,weak",
                         help="the sandboxes to measure, comma-separated (default nsjail,weak; the worker figures "
                              "use the first)")
+    parser.add_argument("--seccomp", choices=("on", "off", "both"), default="on",
+                        help="the jail with its seccomp filter (on, the default), without it (off: nsjail-noseccomp), "
+                             "or both side by side")
     parser.add_argument("--startup-runs", type=int, default=20, help="runs per start-up figure (default 20)")
     parser.add_argument("--skip-worker", action="store_true", help="leave out part 2")
     args = parser.parse_args(argv)
@@ -149,22 +175,28 @@ def main(argv: list[str] | None = None) -> int:
     args.isolation = [kind.strip() for kind in args.isolation.split(",") if kind.strip()]
     if not args.isolation or set(args.isolation) - set(ISOLATIONS):
         parser.error(f"--isolation: give some of {', '.join(ISOLATIONS)}, comma-separated")
+    args.variants = _variants(args.isolation, args.seccomp)
     if min(args.programs, args.tests, args.parallel, args.rounds) < 1 or args.wall_s <= 0:
         parser.error("--programs, --tests, --parallel and --rounds must be >= 1, --wall-s > 0")
     startup = startup_seconds(args)
     print(f"0. start-up: the median of {args.startup_runs} runs of a program that returns at once")
+    bare = "nsjail" + NO_SECCOMP
     for kind, seconds in startup.items():
-        print(f"  {kind:>6} | {seconds * 1000:6.1f} ms per program"
+        print(f"  {kind:>16} | {seconds * 1000:6.1f} ms per program"
               + (f" ({seconds / startup['weak']:4.2f}x the weak sandbox's)" if "weak" in startup and kind != "weak"
-                 else ""))
+                 else "")
+              + (f" ({seconds / startup[bare]:4.2f}x without seccomp)" if kind == "nsjail" and bare in startup else ""))
     print(f"\n1. the sandbox: {args.programs} programs x {args.tests} hidden tests, {args.parallel} at once, "
           f"{args.wall_s:g} s limit each")
     rows = tests_per_second(args)
     weak = {row["share"]: row for row in rows if row["isolation"] == "weak"}
+    unfiltered = {row["share"]: row for row in rows if row["isolation"] == bare}
     for row in rows:
         ratio = (f" ({row['tests_per_s'] / weak[row['share']]['tests_per_s']:4.2f}x weak)"
                  if row["isolation"] != "weak" and row["share"] in weak else "")
-        print(f"  {row['isolation']:>6} | {row['share']:4.0%} hanging | {row['seconds']:6.2f} s (bound "
+        if row["isolation"] == "nsjail" and row["share"] in unfiltered:
+            ratio += f" ({row['tests_per_s'] / unfiltered[row['share']]['tests_per_s']:4.2f}x without seccomp)"
+        print(f"  {row['isolation']:>16} | {row['share']:4.0%} hanging | {row['seconds']:6.2f} s (bound "
               f"{row['bound_s']:g} s + scoring) | {row['programs_per_s']:6.1f} programs/s | "
               f"{row['tests_per_s']:7.1f} tests/s{ratio} | {row['stats']}")
     if not args.skip_worker:

@@ -34,10 +34,11 @@ _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.S)
 @dataclass(frozen=True)
 class CodeConfig:
     """Problem and sandbox settings: ``tests`` hidden tests per problem; ``reward`` ``fraction`` or ``all``;
-    ``families`` the families to draw from (empty: all of `FAMILIES`); ``max_parallel`` programs run at once;
-    the limits of each program (`SandboxLimits`); ``allow_weak_sandbox``: where the jail cannot run (not root,
-    no nsjail, no cgroups), run programs in the weak sandbox instead of refusing to start (unsafe: only Python's
-    audit hook stands between a program and much of the machine)."""
+    ``families`` the families to draw from (empty: all of `FAMILIES`); ``max_parallel`` programs run at once (at
+    most the cores: `Sandbox` cuts it down, with a warning); the limits of each program (`SandboxLimits`);
+    ``allow_weak_sandbox``: where the jail cannot run (not root, no nsjail, no cgroups), run programs in the weak
+    sandbox instead of refusing to start (unsafe: only Python's audit hook stands between a program and much of
+    the machine)."""
 
     tests: int = 8
     reward: str = "fraction"

@@ -12,7 +12,12 @@ One program's jail (`Jail.command`):
 - **a cgroup per program** (memory, pids, cpu), so the limits hold for the whole program, every process it
   starts included: ``memory_mb`` (+ the supervisor's ``SUPERVISOR_MB``), ``processes`` (threads count), one core
   of CPU time per second;
-- **rlimits** per process behind them (CPU seconds, file size, open files, processes of its uid).
+- **rlimits** per process behind them (CPU seconds, file size, open files, processes of its uid);
+- **a seccomp filter** (`SECCOMP_POLICY`, loaded by nsjail before the interpreter starts): the syscalls of
+  `DENIED_SYSCALLS` fail with EPERM (the interpreter raises ``PermissionError`` and goes on), as do ``clone``
+  with a namespace flag and ``socket`` of a family but Unix and IP; ``clone3`` fails with ENOSYS, so that glibc
+  makes threads and processes with ``clone``. No namespace, mount, keyring, io_uring, BPF, ptrace, module or
+  perf event is reachable; threads, ``fork`` and ``exec`` (a program's own ``python`` subprocess) are.
 
 The parent kills a program whole by killing the processes of its cgroup (`Jail.kill`): the jail's init is one
 of them, and with it the kernel ends every process of the PID namespace; nsjail reaps it, removes the cgroups
@@ -21,6 +26,10 @@ and exits. (nsjail's own death also kills the jail's init; `Jail.clean` removes 
 This needs root (to create cgroups and to switch to the program's uid) and cgroup v1 controllers ``memory``,
 ``pids`` and ``cpu`` writable under ``/sys/fs/cgroup`` (v2 with the same controllers is passed to nsjail as
 ``--use_cgroupv2``; this machine has v1). `jail_support` says what is missing.
+
+The keyring: a uid's user keyring outlives its processes, so a key one program stored would be read by the next
+program of its slot; nsjail has no option for a keyring of the program's own, and the seccomp filter is the fix:
+``keyctl``, ``add_key`` and ``request_key`` are refused, so no program stores or reads a key.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,17 +50,63 @@ from heterorl.errors import TaskError
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("memory", "pids", "cpu")
 SUPERVISOR_MB = 48  # the harness's supervisor process, counted in the program's cgroup with it
-UID_BASE = 1_000_000  # a jail's slot uids: UID_BASE + (pid << 8) + a number of this process's (`_slot_uids`)
+UID_BASE = 1_000_000  # a jail's slot uids: UID_BASE + (pid << 8) + one of this process's UIDS_PER_PROCESS numbers
+UIDS_PER_PROCESS = 256  # slot uids of one process's live jails together (each held by one slot: `_slot_uids`)
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
+# refused with EPERM in the jail: nothing a test program needs, each a door to kernel code or state it need not reach
+DENIED_SYSCALLS = (
+    # namespaces and mounts (a user namespace of its own would let it mount filesystems and make namespaces);
+    # `umount` is Kafel's name for umount2
+    "unshare", "setns", "mount", "umount", "pivot_root", "chroot", "open_tree", "move_mount", "fsopen", "fsconfig",
+    "fsmount", "fspick", "mount_setattr",
+    # the kernel keyrings (a uid's user keyring outlives the program: the next program of its slot would read it)
+    "keyctl", "add_key", "request_key",
+    # other processes' memory
+    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd",
+    # kernel interfaces with a record of privilege escalations
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "bpf", "perf_event_open", "userfaultfd",
+    # the machine's own: kernel, modules, swap, clocks, names, accounting, the kernel log, file handles
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon", "swapoff",
+    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "sethostname", "setdomainname", "acct",
+    "quotactl", "syslog", "name_to_handle_at", "open_by_handle_at", "fanotify_init", "lookup_dcookie", "vhangup")
+NAMESPACE_FLAGS = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6 (the tripwire refuses these by name): netlink etc. fail
+ENOSYS = 38
+SECCOMP_POLICY = (
+    "POLICY heterorl { ERRNO(1) { " + ", ".join(DENIED_SYSCALLS)
+    + f", clone {{ (clone_flags & {NAMESPACE_FLAGS:#x}) != 0 }}"
+    + ", socket { " + " && ".join(f"family != {family}" for family in SOCKET_FAMILIES) + " } }"
+    + f", ERRNO({ENOSYS}) {{ clone3 }} }} USE heterorl DEFAULT ALLOW")  # (Kafel: nsjail's --seccomp_string)
 _instances = itertools.count()
 _uid_numbers = itertools.count()
+_uids_lock = threading.Lock()
+_uids_in_use: set[int] = set()
 
 
 def _slot_uids(slots: int) -> list[int]:
-    """Uids no other process's jail uses (they start from this process's pid), one per slot."""
-    if slots > 256:
-        raise TaskError(f"sandbox max_parallel={slots}: at most 256 programs at once")
-    return [UID_BASE + (os.getpid() << 8) + (next(_uid_numbers) & 255) for _ in range(slots)]
+    """``slots`` uids that no live jail uses: this process's range (from its pid, so no other process's jail
+    uses it) holds `UIDS_PER_PROCESS`, each held by one slot of a live jail at a time (`_release_uids`) and
+    taken in turn, so that a uid is given again only after the others were."""
+    base = UID_BASE + (os.getpid() << 8)
+    with _uids_lock:
+        chosen = []
+        for _ in range(UIDS_PER_PROCESS):
+            if len(chosen) == slots:
+                break
+            uid = base + next(_uid_numbers) % UIDS_PER_PROCESS
+            if uid not in _uids_in_use:
+                chosen.append(uid)
+        if len(chosen) < slots:
+            raise TaskError(f"sandbox max_parallel={slots}: this process's live sandboxes already run "
+                            f"{len(_uids_in_use)} of its {UIDS_PER_PROCESS} programs at once; close one "
+                            "(Sandbox.close) or ask for fewer")
+        _uids_in_use.update(chosen)
+        return chosen
+
+
+def _release_uids(uids: list[int]) -> None:
+    with _uids_lock:
+        _uids_in_use.difference_update(uids)
 
 
 class SandboxUnavailable(TaskError):
@@ -131,7 +187,7 @@ class Jail:
     and the cleaning after each program."""
 
     def __init__(self, support: JailSupport, python: str, slots: int, *, memory_mb: int, processes: int,
-                 cpu_s: float, file_bytes: int, tmp_mb: int, wall_s: float) -> None:
+                 cpu_s: float, file_bytes: int, tmp_mb: int, wall_s: float, seccomp: bool = True) -> None:
         if not support.available:
             raise SandboxUnavailable(support.explain())
         self.nsjail, self.cgroups = support.nsjail, support.cgroups
@@ -139,11 +195,13 @@ class Jail:
         self.prefix = python_prefix(python)
         self.limits = {"memory_mb": memory_mb, "processes": processes, "cpu_s": cpu_s, "file_bytes": file_bytes,
                        "tmp_mb": tmp_mb, "wall_s": wall_s}
-        self.uids = _slot_uids(slots)
+        self.seccomp = seccomp  # (off only to measure what the filter costs: heterorl bench sandbox --seccomp both)
         self.name = f"heterorl/{os.getpid()}-{next(_instances)}"
         self._memsw = (CGROUP_ROOT / "memory" / "memory.memsw.limit_in_bytes").exists()  # (v1 with swap accounting)
-        self._remove_stale()
+        self._closed = False
+        self.uids = _slot_uids(slots)
         atexit.register(self.close)  # (a process that never closes its sandbox leaves no cgroup behind)
+        self._remove_stale()
         for slot in range(slots):
             for directory in self._slot_dirs(slot):
                 directory.mkdir(parents=True, exist_ok=True)
@@ -168,13 +226,15 @@ class Jail:
             if os.path.exists(path) and not self.prefix.startswith(path + os.sep):
                 command += ["--bindmount_ro", path]
         command += self._cgroup_options(slot, memory, limits["processes"])
+        if self.seccomp:
+            command += ["--seccomp_string", SECCOMP_POLICY]
         return command + ["--", self.python, "-I", "-S", "-c", source]
 
-    def kill(self, slot: int) -> None:
+    def kill(self, slot: int) -> int:
         """SIGKILL every process of the program running in slot ``slot`` (its jail's init among them, whose
-        death ends its PID namespace); its nsjail then reaps it, removes its cgroups and exits."""
-        for group in self._groups(slot, self._slot_dirs(slot)[:1]):
-            _kill_members(group)
+        death ends its PID namespace); its nsjail then reaps it, removes its cgroups and exits. The number of
+        processes signalled (0: nsjail has not put the program in its cgroup yet)."""
+        return sum(_kill_members(group) for group in self._groups(slot, self._slot_dirs(slot)[:1]))
 
     def cgroups_of(self, slot: int) -> list[str]:
         """The cgroups in slot ``slot`` (a running program's; none once it ended)."""
@@ -198,7 +258,10 @@ class Jail:
                 pass
 
     def close(self) -> None:
-        """Remove this jail's cgroup folders (after every program ended)."""
+        """Remove this jail's cgroup folders (after every program ended), and give its uids back (once)."""
+        if self._closed:
+            return
+        self._closed = True
         for slot in range(len(self.uids)):
             self.clean(slot)
         for controller_root in self._roots():
@@ -207,6 +270,7 @@ class Jail:
                 (controller_root / self.name).parent.rmdir()  # (heterorl/, when no other jail uses it)
             except OSError:
                 pass
+        _release_uids(self.uids)
 
     # -- cgroups ---------------------------------------------------------------------------------------
     def _remove_stale(self) -> None:
@@ -266,17 +330,18 @@ def _enable_controllers(directory: Path) -> None:
             pass
 
 
-def _kill_members(group: Path) -> None:
-    """SIGKILL every process in cgroup ``group``."""
+def _kill_members(group: Path) -> int:
+    """SIGKILL every process in cgroup ``group``; how many it held."""
     try:
         members = (group / "cgroup.procs").read_text().split()
     except OSError:
-        return
+        return 0
     for pid in members:
         try:
             os.kill(int(pid), signal.SIGKILL)
         except ProcessLookupError:
             pass
+    return len(members)
 
 
 def _remove_tree(top: Path) -> None:
@@ -301,5 +366,5 @@ def _remove_cgroup(group: Path, timeout_s: float = 2.0) -> bool:
             time.sleep(0.01)
 
 
-__all__ = ["Jail", "JailSupport", "SandboxUnavailable", "cgroup_version", "find_nsjail", "jail_support",
-           "python_prefix"]
+__all__ = ["DENIED_SYSCALLS", "Jail", "JailSupport", "SECCOMP_POLICY", "SandboxUnavailable", "UIDS_PER_PROCESS",
+           "UID_BASE", "cgroup_version", "find_nsjail", "jail_support", "python_prefix"]

@@ -3,8 +3,11 @@
 Each candidate program runs in a fresh Python process (``python -I -S``), one process for all its tests, in a
 jail the kernel makes (`heterorl.tasks.jail`, through nsjail): its own PID, mount, network, IPC and UTS
 namespaces, a uid of its own, a read-only view of the interpreter and its libraries, a private size-capped
-tmpfs, and a cgroup bounding the whole program's memory, processes and CPU. The parent kills the jail whole at
-the wall-clock limit, whatever happened to any pipe.
+tmpfs, a cgroup bounding the whole program's memory, processes and CPU, and a seccomp filter refusing the
+syscalls no test program needs (namespaces, mounts, keyrings, io_uring, BPF, ptrace ...). The parent kills the jail
+whole at the wall-clock limit, whatever happened to any pipe; the wall clock starts once the harness runs, and a
+program whose process did not start within its own start-up deadline is `not_started`, not `timeout`. At most as
+many programs run at once as this process has cores: more would only make correct programs time out.
 
 Inside, the harness (`sandbox_harness`) is a supervisor and the program its forked child: the program's
 answers reach the parent only through the supervisor, which checks each one, over a pipe the program does not
@@ -22,6 +25,7 @@ The code task refuses it unless ``allow_weak_sandbox`` is set. docs/TASKS.md say
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -45,6 +49,7 @@ from heterorl.tasks.sandbox_judge import (
     CRASHED,
     FORBIDDEN,
     MEMORY,
+    NOT_STARTED,
     OK,
     OUTPUT,
     SYNTAX,
@@ -70,7 +75,10 @@ class SandboxLimits:
     """What one candidate program may use, all its processes and tests together: ``wall_s`` wall-clock and
     ``cpu_s`` CPU seconds (per process, on one core's worth of CPU per second for the whole program),
     ``memory_mb`` (the whole program's; also each process's address space), ``output_bytes`` of stdout+stderr
-    (and of answers), ``file_bytes`` per file, ``tmp_mb`` for all its files, ``processes`` (threads count)."""
+    (and of answers), ``file_bytes`` per file, ``tmp_mb`` for all its files, ``processes`` (threads count).
+    ``start_s`` is the sandbox's, not the program's: how long its process may take to start (the jail and the
+    interpreter, until the harness's first line), apart from ``wall_s``, which runs from then; a program whose
+    process did not start in time scores 0 as `NOT_STARTED` (a machine too busy), never as `TIMEOUT`."""
 
     wall_s: float = 5.0
     cpu_s: float = 4.0
@@ -79,9 +87,10 @@ class SandboxLimits:
     file_bytes: int = 1 << 20
     tmp_mb: int = 16
     processes: int = 16
+    start_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("wall_s", "cpu_s", "memory_mb", "output_bytes", "file_bytes", "tmp_mb", "processes"):
+        for name in ("wall_s", "cpu_s", "memory_mb", "output_bytes", "file_bytes", "tmp_mb", "processes", "start_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise TaskError(f"sandbox limit {name}={value!r}: give a number > 0")
@@ -98,22 +107,45 @@ class Collected:
     returncode: int | None = None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; a container's CPU quota is not read)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity on this platform)
+        return os.cpu_count() or 1
+
+
+@functools.cache
+def _warn_capped(requested: int, cores: int) -> None:
+    """Said once per process for each value asked for."""
+    log.warning("sandbox max_parallel=%d is more than the %d cores this process may use: %d programs run at once "
+                "(more would share the cores, and correct programs would run out of their wall clock and score "
+                "`timeout`, as if they hung); set max_parallel (the code task's option) to at most %d", requested,
+                cores, cores, cores)
+
+
 def _harness() -> str:
     """The trusted code that runs first in the sandbox process (its source is passed with ``-c``)."""
     return (Path(__file__).parent / "sandbox_harness.py").read_text(encoding="utf-8")
 
 
 class Sandbox:
-    """Runs candidate programs against hidden tests under `SandboxLimits`, up to ``max_parallel`` at once, each
-    in a jail (``isolation="nsjail"``, the default; `SandboxUnavailable` names what this machine lacks) or the
-    weak sandbox (``"weak"``); counts each outcome's reason in ``stats``. Thread-safe."""
+    """Runs candidate programs against hidden tests under `SandboxLimits`, up to ``max_parallel`` at once (at
+    most `usable_cores`: more is cut down to that, with a warning), each in a jail (``isolation="nsjail"``, the
+    default; `SandboxUnavailable` names what this machine lacks) or the weak sandbox (``"weak"``); counts each
+    outcome's reason in ``stats``. ``seccomp=False`` leaves the jail's seccomp filter out (only to measure what
+    it costs: ``heterorl bench sandbox --seccomp both``). Thread-safe."""
 
     def __init__(self, limits: SandboxLimits | None = None, max_parallel: int = 2,
-                 python: str = sys.executable, isolation: str = "nsjail") -> None:
+                 python: str = sys.executable, isolation: str = "nsjail", *, seccomp: bool = True) -> None:
         if not isinstance(max_parallel, int) or max_parallel < 1:
             raise TaskError(f"sandbox max_parallel={max_parallel!r}: give an integer >= 1")
         if isolation not in ISOLATIONS:
             raise TaskError(f"sandbox isolation={isolation!r}: give one of {', '.join(ISOLATIONS)}")
+        cores = usable_cores()
+        if max_parallel > cores:
+            _warn_capped(max_parallel, cores)
+            max_parallel = cores
         self.limits = limits or SandboxLimits()
         self.max_parallel = max_parallel
         self.python = python
@@ -122,7 +154,8 @@ class Sandbox:
         if isolation == "nsjail":
             lim = self.limits
             self.jail = Jail(jail_support(), python, max_parallel, memory_mb=lim.memory_mb, processes=lim.processes,
-                             cpu_s=lim.cpu_s, file_bytes=lim.file_bytes, tmp_mb=lim.tmp_mb, wall_s=lim.wall_s)
+                             cpu_s=lim.cpu_s, file_bytes=lim.file_bytes, tmp_mb=lim.tmp_mb,
+                             wall_s=lim.start_s + lim.wall_s, seccomp=seccomp)  # (its backstop: both)
         self.stats: Counter = Counter()  # programs run, by outcome reason (`counts` copies it)
         self.running = self.peak_running = 0  # programs running now, and the most at once
         self._lock = threading.Lock()
@@ -262,11 +295,12 @@ class Sandbox:
 
     def _collect(self, slot: int, proc: subprocess.Popen, job: bytes, results_read: int) -> Collected:
         """Feed the job; read the results pipe and the program's output (each bounded) until the process ends
-        or the wall clock runs out, whichever is first (a pipe held open by a descendant never makes this wait
-        longer); kill the whole program then."""
+        or its time runs out, whichever is first (a pipe held open by a descendant never makes this wait
+        longer); kill the whole program then. Its time: ``start_s`` until the harness's first line on the
+        results pipe (else `NOT_STARTED`), then ``wall_s`` (else `TIMEOUT`)."""
         limits, got = self.limits, Collected()
         caps = {"results": limits.output_bytes + REPORT_ROOM, "output": limits.output_bytes}
-        deadline = time.monotonic() + limits.wall_s
+        deadline, started = time.monotonic() + limits.start_s, False
         threading.Thread(target=_feed, args=(proc, job), daemon=True).start()
         chunks = {"results": [], "output": []}
         sizes = {"results": 0, "output": 0}
@@ -280,7 +314,7 @@ class Sandbox:
             while open_streams and not got.killed:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    got.killed = TIMEOUT
+                    got.killed = TIMEOUT if started else NOT_STARTED
                     break
                 if proc.poll() is not None and not selector.select(0):
                     break  # (it ended, and nothing more is waiting: a descendant may hold a pipe, unread)
@@ -293,6 +327,8 @@ class Sandbox:
                         selector.unregister(key.fd)
                         open_streams -= 1
                         continue
+                    if key.data == "results" and not started:  # (the harness's "started": the program's
+                        started, deadline = True, time.monotonic() + limits.wall_s  # code cannot write here)
                     sizes[key.data] += len(chunk)
                     if sizes[key.data] > caps[key.data]:
                         got.killed = OUTPUT if key.data == "output" else CRASHED
@@ -300,18 +336,18 @@ class Sandbox:
                     chunks[key.data].append(chunk)
         finally:
             selector.close()
-            self._kill(slot, proc)
+            self._kill(slot, proc, started)
             proc.stdout.close()
         got.returncode = proc.returncode
         got.results, got.output = b"".join(chunks["results"]), b"".join(chunks["output"])
         return got
 
-    def _kill(self, slot: int, proc: subprocess.Popen) -> None:
+    def _kill(self, slot: int, proc: subprocess.Popen, started: bool) -> None:
         """The whole program: in a jail, every process of its cgroup (`Jail.kill`), after which its nsjail exits
-        by itself (or, past ``KILL_GRACE_S``, is killed); the weak sandbox's session. Then the process the parent
-        started is reaped."""
-        if self.jail is not None and proc.poll() is None:
-            self.jail.kill(slot)
+        by itself (or, past ``KILL_GRACE_S``, is killed; at once when the harness never ``started`` and the
+        cgroup held nothing: nsjail is still making the jail, and its death kills what it made); the weak
+        sandbox's session. Then the process the parent started is reaped."""
+        if self.jail is not None and proc.poll() is None and (self.jail.kill(slot) or started):
             try:
                 proc.wait(timeout=KILL_GRACE_S)
             except subprocess.TimeoutExpired:
@@ -348,6 +384,6 @@ def describe_unavailable(allow_weak: bool) -> str | None:
     return f"{support.explain()}. To run the code task without it, set code.allow_weak_sandbox=true (unsafe)"
 
 
-__all__ = ["CRASHED", "FORBIDDEN", "ISOLATIONS", "MEMORY", "OK", "OUTPUT", "SYNTAX", "Collected", "Outcome",
-           "Sandbox", "SandboxError", "SandboxLimits", "SandboxUnavailable", "TIMEOUT", "TestCase", "WRONG",
-           "describe_unavailable"]
+__all__ = ["CRASHED", "FORBIDDEN", "ISOLATIONS", "MEMORY", "NOT_STARTED", "OK", "OUTPUT", "SYNTAX", "Collected",
+           "Outcome", "Sandbox", "SandboxError", "SandboxLimits", "SandboxUnavailable", "TIMEOUT", "TestCase", "WRONG",
+           "describe_unavailable", "usable_cores"]

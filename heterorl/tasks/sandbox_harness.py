@@ -2,7 +2,8 @@
 processes:
 
 - **the supervisor** (trusted): reads the job from stdin, says it started on the results pipe (the fd number
-  ``results_fd`` the parent passed), forks the program, reads the program's reports from a pipe of their own,
+  ``results_fd`` the parent passed; the parent's wall clock for the program runs from this line, its start-up
+  deadline until it), forks the program, reads the program's reports from a pipe of their own,
   checks each one and forwards it, and says last how the program ended. It makes itself undumpable, so a
   program of the same user can neither trace it nor reach its fds through /proc. In a jail it is the PID
   namespace's init, which no process inside may signal.

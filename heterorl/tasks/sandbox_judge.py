@@ -12,6 +12,7 @@ from typing import Any
 # why a program scored what it did (counted per reason by `Sandbox.stats`)
 OK, WRONG, TIMEOUT, MEMORY, OUTPUT, CRASHED, SYNTAX = "ok", "wrong_answer", "timeout", "memory", "output_limit", \
     "crashed", "syntax_error"
+NOT_STARTED = "not_started"  # its process did not start within the start-up deadline (a busy machine, not the program)
 FORBIDDEN = "forbidden"  # + ":" what it tried: socket, open, process, ctypes
 FORBIDDEN_KINDS = ("socket", "open", "process", "ctypes")
 OUTPUT_KEPT = 2000  # characters of a program's own output kept in its Outcome (for reading, never scored)
@@ -117,8 +118,9 @@ def judge(results: bytes, output: bytes, killed: str, returncode: int | None, te
         what = status[len(FORBIDDEN) + 1:]
         return outcome(f"{FORBIDDEN}:{what if what in FORBIDDEN_KINDS else 'other'}", got.detail)
     if killed:
-        return outcome(killed, "killed by the parent" + (": its results passed their limit" if killed == CRASHED
-                                                         else ""))
+        why = {CRASHED: ": its results passed their limit",
+               NOT_STARTED: ": its process did not start within the start-up deadline (SandboxLimits.start_s)"}
+        return outcome(killed, "killed by the parent" + why.get(killed, ""))
     if got.end is not None and got.end.startswith("signal:"):
         number = got.end[len("signal:"):]
         if number == str(int(signal.SIGXCPU)):
@@ -139,5 +141,5 @@ def judge(results: bytes, output: bytes, killed: str, returncode: int | None, te
     return outcome(OK if passed == total else WRONG, got.detail, passed)
 
 
-__all__ = ["CRASHED", "FORBIDDEN", "FORBIDDEN_KINDS", "MEMORY", "OK", "OUTPUT", "Outcome", "Results", "SYNTAX",
-           "TIMEOUT", "TestCase", "WRONG", "canonical", "judge", "read_results", "same"]
+__all__ = ["CRASHED", "FORBIDDEN", "FORBIDDEN_KINDS", "MEMORY", "NOT_STARTED", "OK", "OUTPUT", "Outcome", "Results",
+           "SYNTAX", "TIMEOUT", "TestCase", "WRONG", "canonical", "judge", "read_results", "same"]

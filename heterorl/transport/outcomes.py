@@ -18,7 +18,7 @@ from collections import Counter
 # own fold, `forbidden:other`; heterorl.tasks.sandbox: `leftover`). tests/transport/test_peer_maps.py checks that
 # the sandbox reports nothing outside them.
 KNOWN_OUTCOMES = frozenset({
-    "ok", "wrong_answer", "timeout", "memory", "output_limit", "crashed", "syntax_error", "leftover",
+    "ok", "wrong_answer", "timeout", "not_started", "memory", "output_limit", "crashed", "syntax_error", "leftover",
     "forbidden:socket", "forbidden:open", "forbidden:process", "forbidden:ctypes", "forbidden:other", "other"})
 OTHER, FORBIDDEN_OTHER = "other", "forbidden:other"  # where the names not kept are counted
 MAX_NEW_OUTCOMES = 16  # names outside KNOWN_OUTCOMES kept, over every worker (a custom task's own reasons)

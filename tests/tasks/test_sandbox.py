@@ -132,3 +132,39 @@ def test_limits_that_make_no_sense_are_refused():
         Sandbox(max_parallel=0)
     with pytest.raises(TaskError, match="isolation='docker'"):
         Sandbox(isolation="docker")
+
+
+def test_max_parallel_past_the_cores_is_cut_to_them_with_one_warning(caplog):
+    """64 programs at once on 2 cores made every correct program a `timeout`: max_parallel is cut to the cores
+    this process may use, said once (naming the setting), and never more programs run at once"""
+    cores = len(os.sched_getaffinity(0))
+    asked = cores + 61  # (a value no other test asks for: the warning is said once per value)
+    limits = SandboxLimits(wall_s=3.0, cpu_s=2.0, memory_mb=256)
+    with caplog.at_level("WARNING", logger="heterorl.tasks.sandbox"):
+        boxes = [Sandbox(limits, max_parallel=asked, isolation=ISOLATION) for _ in range(2)]
+    try:
+        warned = [r.getMessage() for r in caplog.records if f"max_parallel={asked} " in r.getMessage()]
+        assert len(warned) == 1 and f"at most {cores}" in warned[0], caplog.text
+        assert [box.max_parallel for box in boxes] == [cores, cores]
+        slow = ("import time\ndef f(a, b):\n    time.sleep(0.2)\n    return a + b\n", ADD, "f")
+        assert [o.reason for o in boxes[0].run_many([slow] * (2 * cores + 2))] == ["ok"] * (2 * cores + 2)
+        assert boxes[0].peak_running == cores
+    finally:
+        for box in boxes:
+            box.close()
+
+
+def test_a_program_whose_process_did_not_start_in_time_is_not_started_not_a_timeout():
+    """the start-up deadline (`start_s`) is apart from the wall clock, which runs once the harness does: a
+    program whose process did not start within it scores 0 as `not_started` as soon as it passes, not after
+    the wall clock as a `timeout`; the sandbox then goes on, and nothing of it is left"""
+    box = Sandbox(SandboxLimits(wall_s=30.0, cpu_s=2.0, memory_mb=256, start_s=0.001), max_parallel=1,
+                  isolation=ISOLATION)
+    try:
+        start = time.monotonic()
+        outcome = box.run("def f(a, b):\n    return a + b\n", ADD, entry="f")
+        assert (outcome.passed, outcome.reason) == (0, "not_started"), outcome
+        assert "start-up deadline" in outcome.detail and time.monotonic() - start < 5.0
+        assert box.counts() == {"not_started": 1} and box.leftovers() == []
+    finally:
+        box.close()

@@ -5,6 +5,7 @@ nothing of the program is left afterwards."""
 
 import dataclasses
 import os
+import sys
 import time
 
 import pytest
@@ -266,3 +267,156 @@ def test_what_a_program_left_is_found_after_a_batch_killed_and_counted(sandbox):
     finally:
         stray.kill()
         stray.wait()
+
+
+# x86_64 syscall numbers (io_uring_setup and clone3 are the same everywhere): what a hostile program calls through
+# ctypes, the libc wrappers it may not have
+NR = {"ptrace": 101, "mount": 165, "add_key": 248, "request_key": 249, "keyctl": 250, "perf_event_open": 298,
+      "setns": 308, "bpf": 321, "userfaultfd": 323, "io_uring_setup": 425, "clone": 56, "clone3": 435}
+needs_x86_64 = pytest.mark.skipif(os.uname().machine != "x86_64", reason="the syscall numbers are x86_64's")
+SYSCALLS = UNHOOK + f"""
+import ctypes, errno, os, subprocess, sys, threading, time
+NR = {NR!r}
+libc = ctypes.CDLL(None, use_errno=True)
+def said(result):
+    return "ok" if result >= 0 else errno.errorcode[ctypes.get_errno()]
+def call(name, *args):
+    return said(libc.syscall(ctypes.c_long(NR[name]), *[ctypes.c_long(a) if isinstance(a, int) else a for a in args]))
+def f():
+    seen = {{}}
+    child = libc.syscall(ctypes.c_long(NR["clone"]), ctypes.c_long(0x10000000 | 17), *[ctypes.c_long(0)] * 4)
+    if child == 0:  # (CLONE_NEWUSER | SIGCHLD, as fork: the child leaves at once)
+        os._exit(0)
+    seen["clone(CLONE_NEWUSER)"] = said(child)
+    if child > 0:
+        os.waitpid(child, 0)
+    seen["clone3"] = call("clone3", None, 0)
+    seen["unshare(CLONE_NEWUSER)"] = said(libc.unshare(0x10000000))
+    seen["unshare(CLONE_NEWUSER|NEWNS|NEWNET)"] = said(libc.unshare(0x50020000))
+    seen["setns"] = call("setns", os.open("/proc/self/ns/uts", os.O_RDONLY), 0)
+    seen["mount tmpfs"] = said(libc.mount(b"none", b"/tmp", b"tmpfs", 0, None))
+    seen["add_key"] = call("add_key", b"user", b"heterorl-probe", b"x", 1, -2)
+    seen["keyctl"] = call("keyctl", 0, -4, 1)  # KEYCTL_GET_KEYRING_ID of the user keyring, made if missing
+    seen["request_key"] = call("request_key", b"user", b"heterorl-probe", None, 0)
+    seen["io_uring_setup"] = call("io_uring_setup", 8, ctypes.create_string_buffer(120))
+    seen["userfaultfd"] = call("userfaultfd", 1)  # UFFD_USER_MODE_ONLY: what an unprivileged user may have
+    seen["bpf"] = call("bpf", 0, ctypes.create_string_buffer(128), 128)
+    seen["perf_event_open"] = call("perf_event_open", ctypes.create_string_buffer(128), 0, -1, -1, 0)
+    seen["socket(AF_NETLINK)"] = said(libc.socket(16, 3, 0))
+    target = os.fork()
+    if target == 0:
+        time.sleep(30)
+        os._exit(0)
+    seen["ptrace(ATTACH) of its own child"] = call("ptrace", 16, target, None, None)
+    os.kill(target, 9)
+    os.waitpid(target, 0)
+    # what stays: threads (clone without namespace flags, once clone3 said ENOSYS), fork, its own python
+    thread = threading.Thread(target=time.sleep, args=(0.01,))
+    thread.start()
+    thread.join()
+    seen["python subprocess"] = subprocess.run([sys.executable, "-I", "-S", "-c", "print(6 * 7)"],
+                                               capture_output=True, text=True).stdout.strip()
+    return seen
+"""
+# an honest program that uses the standard library, threads and its directory, with the tripwire on
+STANDARD_LIBRARY = """
+import concurrent.futures, decimal, fractions, hashlib, heapq, json, re, threading, time
+def f(a, b):
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        parts = list(pool.map(lambda x: x * 2, [a, b]))
+    thread = threading.Thread(target=time.sleep, args=(0.01,))
+    thread.start()
+    thread.join()
+    with open("scratch.json", "w") as out:
+        json.dump(parts, out)
+    with open("scratch.json") as src:
+        parts = json.load(src)
+    assert decimal.Decimal(a) + decimal.Decimal(b) == a + b and fractions.Fraction(a, 1) == a
+    assert hashlib.sha256(b"x").hexdigest() and re.fullmatch(r"-?[0-9]+", str(a)) and heapq.nsmallest(1, parts)
+    return sum(parts) // 2
+"""
+
+
+@needs_x86_64
+def test_the_seccomp_filter_refuses_namespaces_mounts_keys_io_uring_and_ptrace_and_honest_programs_still_pass(
+        sandbox):
+    """hole 8: with the tripwire off, a program reaches kernel code through ctypes: a user namespace of its own
+    (then tmpfs mounts and thousands of network namespaces in it), the keyrings, io_uring, netlink, ptrace.
+    Each is refused with EPERM (clone3 with ENOSYS, so that glibc falls back to clone), and the program goes on:
+    its threads, fork and a python subprocess of its own still work; honest programs in the same batch pass"""
+    outcomes = sandbox.run_many([(SYSCALLS, [TestCase()], "f"), (STANDARD_LIBRARY, ADD, "f"), (RIGHT, ADD, "f")])
+    seen = outcomes[0].answers.get(0)
+    assert seen is not None, outcomes[0]
+    refused = {name: said for name, said in seen.items() if name != "python subprocess"}
+    assert refused == {name: "ENOSYS" if name == "clone3" else "EPERM" for name in refused}, refused
+    assert len(refused) == 15 and seen["python subprocess"] == "42"
+    assert [(o.reason, o.fraction) for o in outcomes[1:]] == [("ok", 1.0), ("ok", 1.0)], outcomes[1:]
+    _no_trace_of(sandbox)
+
+
+@needs_x86_64
+def test_a_key_one_program_stores_is_not_there_for_the_next_program_of_its_slot():
+    """hole 9: a uid's user keyring outlives its processes, and the next program of a slot runs as the same
+    uid: the first program's add_key is refused, and the second finds nothing (before the filter, it read the
+    first one's secret)"""
+    payload = b"left by the previous program"
+    store = UNHOOK + f"""
+import ctypes, errno
+def f():
+    libc = ctypes.CDLL(None, use_errno=True)
+    serial = libc.syscall(ctypes.c_long({NR['add_key']}), b"user", b"heterorl-left-behind", {payload!r},
+                          ctypes.c_long({len(payload)}), ctypes.c_long(-4))
+    return serial if serial > 0 else errno.errorcode[ctypes.get_errno()]
+"""
+    read = UNHOOK + f"""
+import ctypes, errno
+def f():
+    libc = ctypes.CDLL(None, use_errno=True)
+    serial = libc.syscall(ctypes.c_long({NR['keyctl']}), ctypes.c_long(10), ctypes.c_long(-4), b"user",
+                          b"heterorl-left-behind", ctypes.c_long(0))  # KEYCTL_SEARCH in the user keyring
+    if serial < 0:
+        return errno.errorcode[ctypes.get_errno()]
+    buffer = ctypes.create_string_buffer(256)
+    size = libc.syscall(ctypes.c_long({NR['keyctl']}), ctypes.c_long(11), ctypes.c_long(serial), buffer,
+                        ctypes.c_long(256))  # KEYCTL_READ
+    return buffer.raw[:size].decode()
+"""
+    box = Sandbox(LIMITS, max_parallel=1)  # (one slot: both programs run as its uid)
+    try:
+        stored, found = box.run_many([(store, [TestCase()], "f"), (read, [TestCase()], "f")])
+        assert found.answers.get(0) != payload.decode(), found
+        assert (stored.answers.get(0), found.answers.get(0)) == ("EPERM", "EPERM"), (stored, found)
+    finally:
+        box.close()
+
+
+def test_slot_uids_are_never_shared_by_two_live_sandboxes_of_this_process(sandbox):
+    """hole 10: uids came from a counter wrapped at 256, so the 257th slot of a process's jails had the first
+    one's uid while both lived. Now a uid is held by one live slot: jails asking for more than the process's
+    256 are refused, and a closed jail's uids are free again; all stay in this process's range above UID_BASE"""
+    from heterorl.errors import TaskError
+    from heterorl.tasks import jail as jail_module
+
+    def jail(slots):
+        return jail_module.Jail(jail_support(), sys.executable, slots, memory_mb=64, processes=4, cpu_s=1,
+                                file_bytes=1024, tmp_mb=1, wall_s=1)
+
+    opened = [jail(100), jail(100)]
+    try:
+        try:
+            opened.append(jail(100))  # (with the fixture's slots, past this process's 256)
+            refused = None
+        except TaskError as exc:
+            refused = exc
+        live = sandbox.jail.uids + [uid for held in opened for uid in held.uids]
+        assert len(set(live)) == len(live), f"{len(live) - len(set(live))} uids held twice"
+        assert refused is not None and "max_parallel=100" in str(refused)
+        opened.pop(0).close()
+        opened.append(jail(100))  # (the closed jail's uids are free again)
+        live = sandbox.jail.uids + [uid for held in opened for uid in held.uids]
+        assert len(set(live)) == len(live) == len(sandbox.jail.uids) + 200
+        base = jail_module.UID_BASE + (os.getpid() << 8)
+        assert all(base <= uid < base + jail_module.UIDS_PER_PROCESS for uid in live)
+    finally:
+        for held in opened:
+            held.close()

@@ -67,8 +67,9 @@ def test_a_peer_inventing_outcome_names_holds_a_bounded_map_and_every_count_is_k
 
 def test_the_known_outcomes_are_every_reason_the_code_tasks_sandbox_reports():
     judge = sandbox_judge
-    reasons = {judge.OK, judge.WRONG, judge.TIMEOUT, judge.MEMORY, judge.OUTPUT, judge.CRASHED, judge.SYNTAX,
-               "leftover", f"{judge.FORBIDDEN}:other", *(f"{judge.FORBIDDEN}:{k}" for k in judge.FORBIDDEN_KINDS)}
+    reasons = {judge.OK, judge.WRONG, judge.TIMEOUT, judge.NOT_STARTED, judge.MEMORY, judge.OUTPUT, judge.CRASHED,
+               judge.SYNTAX, "leftover", f"{judge.FORBIDDEN}:other",
+               *(f"{judge.FORBIDDEN}:{k}" for k in judge.FORBIDDEN_KINDS)}
     assert reasons <= KNOWN_OUTCOMES
 
 
