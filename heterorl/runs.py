@@ -207,7 +207,8 @@ def setup_run(cfg: Config, name: str, policy: str, append: bool = False, data_pa
     logger = MetricsLogger(run_dir, config=to_dict(cfg), name=name, wandb_project=cfg.logging.wandb_project,
                            wandb_mode=cfg.logging.wandb_mode, append=append, wandb_group=cfg.logging.wandb_group)
     training = TrainingClient(model, tokenizer, device=cfg.policy.device, seed=cfg.seed, data_parallel=data_parallel,
-                              shard=data_parallel and cfg.runtime.learner_sharding == "fsdp", lora=cfg.lora)
+                              shard=data_parallel and cfg.runtime.learner_sharding == "fsdp", lora=cfg.lora,
+                              tokens_per_microbatch=cfg.optim.tokens_per_microbatch)
     return task, training, logger, run_dir
 
 

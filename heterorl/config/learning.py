@@ -167,10 +167,16 @@ class OptimConfig:
     warmup_steps: int = 0
     schedule: str = "constant"  # constant | cosine | linear (both decay to lr * min_lr_ratio at the last step)
     min_lr_ratio: float = 0.1  # cosine and linear decay to lr * min_lr_ratio (TRL's linear: 0)
+    # the learner runs the model on micro-batches of at most this many tokens, the same gradient (one more forward
+    # without gradients: heterorl/training/microbatches.py); its memory is then set by this number. 0: all at once
+    tokens_per_microbatch: int = 0
 
     def validate(self, key: str = "optim") -> None:
         one_of(f"{key}.schedule", self.schedule, ("constant", "cosine", "linear"))
         positive(self, key, "lr")
+        if self.tokens_per_microbatch < 0:
+            fail(f"{key}.tokens_per_microbatch", self.tokens_per_microbatch,
+                 "must be 0 (the whole minibatch at once) or a number of tokens > 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             fail(f"{key}.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1] (the fraction of lr the decay ends at)")
 

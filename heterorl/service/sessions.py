@@ -325,23 +325,7 @@ class Service:
             return _then(training.save_weights_for_sampler(**args), lambda got: self._keep_weights(session, *got))
         if method == "save_weights_and_get_sampling_client":
             return _then(training.snapshot(), lambda sampler: self._keep_sampler(session, sampler))
-        name = args.get("name", "")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise BadRequest(f"{method} takes a file name (letters, digits, '.', '_', '-'; no folders), got {name!r}: "
-                             "states live in the service's state folder, one per session")
-        owner = session.session_id if method == "save_state" else args.get("session") or session.session_id
-        if not isinstance(owner, str) or not _SESSION_ID.fullmatch(owner):  # (a session id, never a path)
-            raise BadRequest(f"load_state: session={owner!r} is not a session id (s- and 12 hex digits)")
-        path = self.state_dir / owner / name
-        if path.is_symlink() or path.parent.is_symlink():  # (planted: a state is a file this service wrote)
-            raise BadRequest(f"the state {name!r} of session {owner} is a link, which the service does not follow")
-        if method == "save_state":
-            path.parent.mkdir(parents=True, exist_ok=True)
-            return _then(training.save_state(path), lambda _: name)
-        if not path.is_file():
-            raise NotFound(f"session {owner} saved no state named {name!r} (states outlive a restart; sessions do "
-                           "not)")
-        return _then_or_refuse(training.load_state(path), f"the state {name!r} of session {owner} cannot be loaded")
+        return _state_call(self.state_dir, session, method, args)
 
     def _keep_weights(self, session: Session, version: int, state: dict) -> int:  # (whole or adapter)
         with self._lock:
@@ -413,27 +397,9 @@ class Service:
         """The session whose newest sampler "latest" names for the caller (`guard.CALLER`): the one its
         ``X-Heterorl-Session`` header names (an id or a name), else the one session its key made that serves
         samplers. `BadRequest` when its key's sessions serve several (naming them), `NotFound` when none."""
-        caller = CALLER.get()
         with self._lock:
-            if caller.session:
-                named = [s for s in self._sessions.values()
-                         if caller.session in (s.session_id, s.name) and s.owner == caller.key]
-                if not named:
-                    raise NotFound(f"X-Heterorl-Session names {caller.session!r}: no session of this key has that "
-                                   "id or name")
-                if not named[0].samplers:
-                    raise NotFound(f"session {named[0].label} serves no sampling client yet "
-                                   "(save_weights_and_get_sampling_client makes one)")
-                return named[0]
-            serving = [s for s in self._sessions.values() if s.owner == caller.key and s.samplers]
-        if len(serving) > 1:
-            raise BadRequest(f"model 'latest' is ambiguous: {len(serving)} sessions of this key serve sampling "
-                             f"clients ({', '.join(s.label for s in serving[:10])}); name one, e.g. "
-                             f"heterorl:{serving[0].label}/latest, or send the header 'X-Heterorl-Session: NAME'")
-        if not serving:
-            raise NotFound("model 'latest': no session of this key serves a sampling client yet "
-                           "(save_weights_and_get_sampling_client makes one)")
-        return serving[0]
+            sessions = list(self._sessions.values())
+        return _latest_of(sessions, CALLER.get())
 
     def touch_sampler(self, model_id: str) -> None:
         """Record a use of the sampler ``model_id`` names, as `sampler` does (the OpenAI endpoint calls it for each
@@ -494,6 +460,49 @@ class Service:
         """Take a sampler out of service, for ``why`` (`memory.Budget.forget`; called holding the lock)."""
         self.budget.forget((session.session_id, version), why)
         return session.samplers.pop(version)
+
+
+def _state_call(state_dir: Path, session: Session, method: str, args: dict) -> Future:
+    """``save_state`` or ``load_state`` of ``session``: a file name in the state folder of a session (its own, or
+    for a load the one ``args`` names), never a path or a link."""
+    name = args.get("name", "")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise BadRequest(f"{method} takes a file name (letters, digits, '.', '_', '-'; no folders), got {name!r}: "
+                         "states live in the service's state folder, one per session")
+    owner = session.session_id if method == "save_state" else args.get("session") or session.session_id
+    if not isinstance(owner, str) or not _SESSION_ID.fullmatch(owner):  # (a session id, never a path)
+        raise BadRequest(f"load_state: session={owner!r} is not a session id (s- and 12 hex digits)")
+    path = state_dir / owner / name
+    if path.is_symlink() or path.parent.is_symlink():  # (planted: a state is a file this service wrote)
+        raise BadRequest(f"the state {name!r} of session {owner} is a link, which the service does not follow")
+    if method == "save_state":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return _then(session.training.save_state(path), lambda _: name)
+    if not path.is_file():
+        raise NotFound(f"session {owner} saved no state named {name!r} (states outlive a restart; sessions do not)")
+    return _then_or_refuse(session.training.load_state(path),
+                           f"the state {name!r} of session {owner} cannot be loaded")
+
+
+def _latest_of(sessions: list[Session], caller) -> Session:
+    """`Service.latest_session` over ``sessions`` (a copy taken under the service's lock) for ``caller``."""
+    if caller.session:
+        named = [s for s in sessions if caller.session in (s.session_id, s.name) and s.owner == caller.key]
+        if not named:
+            raise NotFound(f"X-Heterorl-Session names {caller.session!r}: no session of this key has that id or name")
+        if not named[0].samplers:
+            raise NotFound(f"session {named[0].label} serves no sampling client yet "
+                           "(save_weights_and_get_sampling_client makes one)")
+        return named[0]
+    serving = [s for s in sessions if s.owner == caller.key and s.samplers]
+    if len(serving) > 1:
+        raise BadRequest(f"model 'latest' is ambiguous: {len(serving)} sessions of this key serve sampling "
+                         f"clients ({', '.join(s.label for s in serving[:10])}); name one, e.g. "
+                         f"heterorl:{serving[0].label}/latest, or send the header 'X-Heterorl-Session: NAME'")
+    if not serving:
+        raise NotFound("model 'latest': no session of this key serves a sampling client yet "
+                       "(save_weights_and_get_sampling_client makes one)")
+    return serving[0]
 
 
 def tokenizer_zip(tokenizer) -> bytes:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,94 +26,18 @@ from heterorl.config import LoraConfig
 from heterorl.engines.base import GenerationWatch, SampleOutput, SamplingEngine, SamplingParams, WeightUpdates
 from heterorl.engines.logprobs import completion_logprobs, packed_completion_logprobs, prompt_groups, should_pack
 from heterorl.engines.torch_engine import TorchEngine
-from heterorl.errors import ConfigError, HeteroRLError, SamplingError
+from heterorl.errors import HeteroRLError, SamplingError
 from heterorl.policies.storage import storage_key
+from heterorl.training import microbatches
+from heterorl.training.primitives import (  # noqa: F401 (the primitives' values, imported from here as well)
+    MAX_LEARNING_RATE,
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    OptimStepOutput,
+    check_datums,
+)
 from heterorl.training.states import TrainingStates, read_training_state
-
-MAX_LEARNING_RATE = 10.0  # AdamW moves each weight by about the learning rate a step: far past any sane run
-
-
-@dataclass
-class Datum:
-    """One training sequence: ``tokens`` = prompt + completion; the loss covers ``tokens[prompt_len:]``.
-
-    Per-completion-token lists (``behaviour_logprobs``, ``policy_versions``,
-    ``weights``) have ``len(tokens) - prompt_len`` entries; ``weights`` scales
-    each token's mask (default 1). RL losses estimate advantages from ``reward``
-    by ``group_id`` (their config's ``advantage``), or take ``advantage`` as it
-    is with ``loss_config={"advantage": "given"}``; give either to all datums of a call or to none.
-    """
-
-    tokens: list[int]
-    prompt_len: int
-    advantage: float | None = None
-    reward: float | None = None
-    group_id: int = 0
-    behaviour_logprobs: list[float] | None = None
-    policy_versions: list[int] | None = None
-    weights: list[float] | None = None
-
-    @property
-    def completion_len(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-    def validate(self, index: int) -> None:
-        if not 1 <= self.prompt_len < len(self.tokens):
-            raise HeteroRLError(
-                f"datum {index}: prompt_len={self.prompt_len} must be in [1, len(tokens)={len(self.tokens)}) "
-                "so that at least one completion token is trained on"
-            )
-        for name in ("behaviour_logprobs", "policy_versions", "weights"):
-            values = getattr(self, name)
-            if values is not None and len(values) != self.completion_len:
-                raise HeteroRLError(
-                    f"datum {index}: {name} has {len(values)} entries but the completion has "
-                    f"{self.completion_len} tokens"
-                )
-
-
-@dataclass
-class AdamParams:
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip_norm: float | None = 1.0  # None disables clipping
-
-    def __post_init__(self) -> None:
-        """A `ConfigError` naming the field for a value AdamW cannot take or that would ruin the model for good:
-        a learning rate of 1e30 was taken, and every weight was NaN after one step."""
-        bounds = {"learning_rate": (0.0, MAX_LEARNING_RATE, "[0, 10]"), "beta1": (0.0, 1.0, "[0, 1)"),
-                  "beta2": (0.0, 1.0, "[0, 1)"), "eps": (0.0, 1.0, "(0, 1]"), "weight_decay": (0.0, 1.0, "[0, 1]")}
-        for name, (low, high, shown) in bounds.items():
-            value = getattr(self, name)
-            ok = type(value) in (int, float) and math.isfinite(value) and low <= value <= high
-            if ok and name in ("beta1", "beta2"):
-                ok = value < 1.0
-            if ok and name == "eps":
-                ok = value > 0.0
-            if not ok:
-                raise ConfigError(f"AdamParams.{name}={str(value)[:40]}: must be a finite number in {shown}")
-        clip = self.grad_clip_norm
-        if clip is not None and not (type(clip) in (int, float) and math.isfinite(clip) and clip > 0):
-            raise ConfigError(f"AdamParams.grad_clip_norm={str(clip)[:40]}: must be a finite number > 0, or None "
-                              "for no clipping")
-
-
-@dataclass
-class ForwardBackwardOutput:
-    loss: float
-    metrics: dict[str, float]
-    logprobs: list[list[float]] = field(repr=False)  # learner log-probs of each datum's completion tokens
-
-
-@dataclass
-class OptimStepOutput:
-    grad_norm: float  # before clipping
-    step: int
-    skipped: bool = False  # the gradient norm was not finite: no step was taken and the gradients were zeroed
-
 
 LossFnArg = str | Callable[[gepo.LossBatch, Any], "tuple[torch.Tensor, dict[str, float]]"]
 
@@ -255,7 +178,7 @@ class TrainingClient:
 
     def __init__(self, model, tokenizer, *, device: str = "cpu", seed: int | None = None,
                  data_parallel: bool = False, shard: bool = False, share_prompts: bool = True,
-                 lora: LoraConfig | None = None):
+                 lora: LoraConfig | None = None, tokens_per_microbatch: int = 0):
         """``data_parallel``: when torch.distributed is initialised with several ranks, wrap the model in
         DistributedDataParallel (gloo on CPU, NCCL on GPU) so ``forward_backward`` averages gradients over the
         ranks; every rank must then call the same primitives in the same order.
@@ -272,7 +195,11 @@ class TrainingClient:
 
         ``lora`` (``rank`` > 0): train a low-rank adapter on the frozen model (heterorl.training.lora): only the
         adapter has gradients and optimizer state, `save_state` writes only it (with its config and the base's
-        digest, checked on load), and `save_weights_for_sampler` exports the merged weights or the adapter."""
+        digest, checked on load), and `save_weights_for_sampler` exports the merged weights or the adapter.
+
+        ``tokens_per_microbatch`` (> 0): a ``forward_backward`` runs the model on micro-batches of at most that many
+        tokens (`heterorl.training.microbatches`): the same loss and gradients, memory set by that number, one
+        more forward without gradients. 0: the whole call at once."""
         if seed is not None:  # (first: a LoRA adapter's initial A is drawn from it)
             torch.manual_seed(seed)
         self.lora = lora if lora is not None and lora.enabled else None
@@ -290,6 +217,7 @@ class TrainingClient:
         self.device = torch.device(device)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.share_prompts = share_prompts
+        self.tokens_per_microbatch = tokens_per_microbatch
         self.version = 0
         self.step = 0
         self.optimizer: torch.optim.AdamW | None = None
@@ -323,15 +251,12 @@ class TrainingClient:
         return self._mirror if self.sharded else self.model
 
     # -- loss computation -------------------------------------------------
-    def _loss_batch(self, datums: Sequence[Datum], with_grad: bool, temperature: float = 1.0) -> gepo.LossBatch:
-        if not datums:
-            raise HeteroRLError("forward/forward_backward got no datums")
-        if not (isinstance(temperature, (int, float)) and temperature > 0):
-            raise HeteroRLError(f"temperature={temperature!r}: give the sampling temperature (> 0) the "
-                                "completions were drawn at")
-        for i, datum in enumerate(datums):
-            datum.validate(i)
-        completion_logprobs = self._completion_logprobs(datums, with_grad, temperature)
+    def _loss_batch(self, datums: Sequence[Datum], with_grad: bool, temperature: float = 1.0,
+                    completion_logprobs: torch.Tensor | None = None) -> gepo.LossBatch:
+        """The loss's batch of ``datums``, their log-probs taken here (``with_grad`` or not) unless given."""
+        check_datums(datums, temperature)
+        if completion_logprobs is None:
+            completion_logprobs = self._completion_logprobs(datums, with_grad, temperature)
         width = completion_logprobs.shape[1]
         mask = torch.zeros((len(datums), width), device=self.device)
         behaviour = torch.zeros_like(mask) if datums[0].behaviour_logprobs is not None else None
@@ -386,6 +311,11 @@ class TrainingClient:
     def _run_loss(self, datums, loss_fn, loss_config, backward: bool, temperature: float) -> ForwardBackwardOutput:
         fn, config = resolve_loss(loss_fn, loss_config)
         self.model.train(backward)
+        check_datums(datums, temperature)
+        batches = microbatches.split([d.tokens for d in datums], [d.prompt_len for d in datums],
+                                     self.tokens_per_microbatch if backward else 0)
+        if len(batches) > 1:
+            return self._run_loss_in_microbatches(datums, fn, config, batches, temperature)
         batch = self._loss_batch(datums, with_grad=backward, temperature=temperature)
         loss, metrics = fn(batch, config)
         if not torch.isfinite(loss):
@@ -394,6 +324,23 @@ class TrainingClient:
             loss.backward()
         logprobs = [batch.logprobs[i, : d.completion_len].detach().cpu().tolist() for i, d in enumerate(datums)]
         return ForwardBackwardOutput(loss=float(loss.detach()), metrics=metrics, logprobs=logprobs)
+
+    def _run_loss_in_microbatches(self, datums, fn, config, batches: list[list[int]],
+                                  temperature: float) -> ForwardBackwardOutput:
+        """`_run_loss` with gradients, in micro-batches of at most ``tokens_per_microbatch`` tokens
+        (`heterorl.training.microbatches`): the same loss and gradients, one more forward without gradients."""
+        def loss_of(logprobs: torch.Tensor):
+            loss, metrics = fn(self._loss_batch(datums, False, temperature, logprobs), config)
+            if not torch.isfinite(loss):
+                raise HeteroRLError(f"loss is {float(loss.detach())} (not finite); metrics: {metrics}")
+            return loss, metrics
+
+        loss, metrics, logprobs = microbatches.backward(
+            batches, [d.completion_len for d in datums],
+            lambda indices, grad: self._completion_logprobs([datums[i] for i in indices], grad, temperature),
+            loss_of, getattr(self._forward_model, "no_sync", None))
+        return ForwardBackwardOutput(loss=float(loss), metrics=metrics, logprobs=[
+            logprobs[i, :d.completion_len].cpu().tolist() for i, d in enumerate(datums)])
 
     # -- primitives ---------------------------------------------------------
     def forward(self, datums: Sequence[Datum], loss_fn: LossFnArg = "cross_entropy", loss_config=None, *,
