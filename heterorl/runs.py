@@ -208,7 +208,9 @@ def setup_run(cfg: Config, name: str, policy: str, append: bool = False, data_pa
                            wandb_mode=cfg.logging.wandb_mode, append=append, wandb_group=cfg.logging.wandb_group)
     training = TrainingClient(model, tokenizer, device=cfg.policy.device, seed=cfg.seed, data_parallel=data_parallel,
                               shard=data_parallel and cfg.runtime.learner_sharding == "fsdp", lora=cfg.lora,
-                              tokens_per_microbatch=cfg.optim.tokens_per_microbatch)
+                              tokens_per_microbatch=cfg.optim.tokens_per_microbatch,
+                              activation_checkpointing=cfg.policy.activation_checkpointing,
+                              train_dtype=cfg.policy.train_dtype)
     return task, training, logger, run_dir
 
 

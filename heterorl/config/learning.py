@@ -60,6 +60,13 @@ class PolicyConfig:
     model: str = "tiny"  # tiny | smollm2 | path to a local Hugging Face folder
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     device: str = "cpu"
+    # the learner's memory (heterorl/training/precision.py): recompute each layer's activations in the backward,
+    # and run its forward and backward in bfloat16 under autocast (weights and Adam's state stay float32)
+    activation_checkpointing: bool = False
+    train_dtype: str = "float32"  # float32 | bfloat16
+
+    def validate(self, key: str = "policy") -> None:
+        one_of(f"{key}.train_dtype", self.train_dtype, ("float32", "bfloat16"))
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # a Llama's linears

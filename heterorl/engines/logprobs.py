@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -83,6 +84,8 @@ class _TargetLogprobs(torch.autograd.Function):
             out[start:start + rows] = picked - lse[start:start + rows]
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse)
         ctx.has_bias, ctx.temperature, ctx.rows = bias is not None, temperature, rows
+        device = hidden.device.type  # (under autocast the backward recomputes the logits in the forward's dtype)
+        ctx.autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         return out
 
     @staticmethod
@@ -94,16 +97,19 @@ class _TargetLogprobs(torch.autograd.Function):
             if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
             if ctx.has_bias and ctx.needs_input_grad[2] else None
+        cast = (torch.autocast(hidden.device.type, dtype=ctx.autocast) if ctx.autocast is not None
+                else contextlib.nullcontext())
         for start in range(0, hidden.shape[0], ctx.rows):
             h = hidden[start:start + ctx.rows]
-            logits = _chunk_logits(h, weight, bias, ctx.temperature)
+            with cast:
+                logits = _chunk_logits(h, weight, bias, ctx.temperature)
             g = grad_out[start:start + ctx.rows].float().unsqueeze(1)
             # d(logit[target] - lse) / d logits = onehot(target) - softmax, then / temperature for h W^T
             dlogits = torch.exp(logits - lse[start:start + ctx.rows, None]).mul_(-g)
             dlogits.scatter_add_(1, targets[start:start + ctx.rows, None], g)
             dlogits.div_(ctx.temperature)
             if grad_hidden is not None:
-                grad_hidden[start:start + ctx.rows] = (dlogits.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_hidden[start:start + ctx.rows] = (dlogits @ weight.float()).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight.addmm_(dlogits.t(), h.float())
             if grad_bias is not None:

@@ -101,7 +101,9 @@ def _follow_rank(cfg: Config, resume: bool, shard_server=None) -> None:
                                    device=cfg.policy.device)
     training = TrainingClient(model, tokenizer, device=cfg.policy.device, seed=cfg.seed, data_parallel=True,
                               shard=cfg.runtime.learner_sharding == "fsdp", lora=cfg.lora,
-                              tokens_per_microbatch=cfg.optim.tokens_per_microbatch)
+                              tokens_per_microbatch=cfg.optim.tokens_per_microbatch,
+                              activation_checkpointing=cfg.policy.activation_checkpointing,
+                              train_dtype=cfg.policy.train_dtype)
     if resume:
         training.load_state(read_checkpoint(cfg.logging.run_dir, cfg.policy.device).training_state).result()
     Learner(cfg, training, task, None, cfg.logging.run_dir).follow(shard_server)

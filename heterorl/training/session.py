@@ -28,7 +28,7 @@ from heterorl.engines.logprobs import completion_logprobs, packed_completion_log
 from heterorl.engines.torch_engine import TorchEngine
 from heterorl.errors import HeteroRLError, SamplingError
 from heterorl.policies.storage import storage_key
-from heterorl.training import microbatches
+from heterorl.training import microbatches, precision
 from heterorl.training.primitives import (  # noqa: F401 (the primitives' values, imported from here as well)
     MAX_LEARNING_RATE,
     AdamParams,
@@ -178,7 +178,8 @@ class TrainingClient:
 
     def __init__(self, model, tokenizer, *, device: str = "cpu", seed: int | None = None,
                  data_parallel: bool = False, shard: bool = False, share_prompts: bool = True,
-                 lora: LoraConfig | None = None, tokens_per_microbatch: int = 0):
+                 lora: LoraConfig | None = None, tokens_per_microbatch: int = 0,
+                 activation_checkpointing: bool = False, train_dtype: str = "float32"):
         """``data_parallel``: when torch.distributed is initialised with several ranks, wrap the model in
         DistributedDataParallel (gloo on CPU, NCCL on GPU) so ``forward_backward`` averages gradients over the
         ranks; every rank must then call the same primitives in the same order.
@@ -199,7 +200,8 @@ class TrainingClient:
 
         ``tokens_per_microbatch`` (> 0): a ``forward_backward`` runs the model on micro-batches of at most that many
         tokens (`heterorl.training.microbatches`): the same loss and gradients, memory set by that number, one
-        more forward without gradients. 0: the whole call at once."""
+        more forward without gradients. 0: the whole call at once. ``activation_checkpointing`` and
+        ``train_dtype`` ("bfloat16": autocast): `heterorl.training.precision`."""
         if seed is not None:  # (first: a LoRA adapter's initial A is drawn from it)
             torch.manual_seed(seed)
         self.lora = lora if lora is not None and lora.enabled else None
@@ -218,6 +220,10 @@ class TrainingClient:
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.share_prompts = share_prompts
         self.tokens_per_microbatch = tokens_per_microbatch
+        self.train_dtype = train_dtype
+        precision.autocast(device, train_dtype)  # (an unknown dtype is refused here, not at the first call)
+        if activation_checkpointing:
+            precision.checkpoint_activations(self.model)
         self.version = 0
         self.step = 0
         self.optimizer: torch.optim.AdamW | None = None
@@ -299,7 +305,7 @@ class TrainingClient:
         allows it and it pays (``heterorl.engines.logprobs.should_pack``); ``share_prompts=False`` turns that off."""
         forward_model = self._forward_model if with_grad else self.model
         tokens, prompt_lens = [d.tokens for d in datums], [d.prompt_len for d in datums]
-        with torch.set_grad_enabled(with_grad):
+        with torch.set_grad_enabled(with_grad), precision.autocast(self.device, self.train_dtype):
             if self.share_prompts:
                 groups = prompt_groups(tokens, prompt_lens)
                 if should_pack(self.model, tokens, prompt_lens, groups):
