@@ -2,7 +2,8 @@
 the binary), and what a machine lacks for it.
 
 One program's jail (`Jail.command`):
-- **namespaces:** PID (the program's supervisor is its init; nothing outside is visible), mount, network (no
+- **namespaces:** PID (the program's supervisor is its init, with no signal handler, so that the kernel
+  delivers it no signal from inside; nothing outside is visible), mount, network (no
   interface but a loopback), IPC, UTS and cgroup; no user namespace: nsjail, as root, runs the program as a
   uid of its own (one per program running at once, and none another process's jails use: `Jail.uids`), which
   owns no file on the host;
@@ -10,8 +11,9 @@ One program's jail (`Jail.command`):
   ``/lib64``) and ``/dev/null``, ``/dev/zero``, ``/dev/urandom``; ``/proc`` of its own PID namespace; a private
   tmpfs of ``tmp_mb`` at ``/tmp``, its working directory and only writable place, gone with the jail;
 - **a cgroup per program** (memory, pids, cpu), so the limits hold for the whole program, every process it
-  starts included: ``memory_mb`` (+ the supervisor's ``SUPERVISOR_MB``), ``processes`` (threads count), one core
-  of CPU time per second;
+  starts included: ``memory_mb`` (+ the supervisor's ``SUPERVISOR_MB``; the program's only memory limit, with no
+  ``RLIMIT_AS``, so that the kernel's own counters say when it was hit: `Jail.memory_limit_hit`), ``processes``
+  (threads count), one core of CPU time per second;
 - **rlimits** per process behind them (CPU seconds, file size, open files, processes of its uid);
 - **a seccomp filter** (`SECCOMP_POLICY`, loaded by nsjail before the interpreter starts): the syscalls of
   `DENIED_SYSCALLS` fail with EPERM (the interpreter raises ``PermissionError`` and goes on), as do ``clone``
@@ -235,6 +237,24 @@ class Jail:
         death ends its PID namespace); its nsjail then reaps it, removes its cgroups and exits. The number of
         processes signalled (0: nsjail has not put the program in its cgroup yet)."""
         return sum(_kill_members(group) for group in self._groups(slot, self._slot_dirs(slot)[:1]))
+
+    def memory_limit_hit(self, slot: int) -> bool:
+        """Whether the kernel counted the program running in slot ``slot`` at its memory limit: its memory
+        cgroup's ``memory.failcnt`` or ``memory.memsw.failcnt`` (charges refused at the limit), or
+        ``memory.oom_control``'s ``oom_kill``/``under_oom`` (v1); ``memory.events``' ``max``, ``oom`` or
+        ``oom_kill`` (v2). Read while the program's cgroup is there (nsjail removes it when the jail ends)."""
+        counters = {"memory.failcnt": None, "memory.memsw.failcnt": None,  # (None: the file is one number)
+                    "memory.oom_control": ("oom_kill", "under_oom"), "memory.events": ("max", "oom", "oom_kill")}
+        for group in self._groups(slot, self._slot_dirs(slot)[:1]):
+            for name, keys in counters.items():
+                try:
+                    lines = [line.split() for line in (group / name).read_text().splitlines()]
+                except OSError:  # (not this cgroup version's, or no swap accounting)
+                    continue
+                counts = [fields[-1] for fields in lines if fields and (keys is None or fields[0] in keys)]
+                if any(count.isdigit() and int(count) > 0 for count in counts):
+                    return True
+        return False
 
     def cgroups_of(self, slot: int) -> list[str]:
         """The cgroups in slot ``slot`` (a running program's; none once it ended)."""

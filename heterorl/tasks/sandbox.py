@@ -14,7 +14,9 @@ answers reach the parent only through the supervisor, which checks each one, ove
 hold; what the program prints is captured apart, bounded, and never parsed. The parent compares the answers
 with the expected ones, which never reach the program, by value and type. An audit hook in the program is a
 tripwire that names what it tried (sockets, processes, ctypes, files outside), so that the reward can count
-it; the boundary is the jail.
+it; the boundary is the jail. Every other reason comes from the parent's or the supervisor's measurements
+(`sandbox_judge.judge`): the clocks, the bytes counted, the program's wait status and CPU time, and its
+cgroup's memory counters, which the parent reads when the supervisor has said how the program ended.
 
 Where the jail cannot be had (`jail.jail_support` says what is missing), the weak sandbox
 (``isolation="weak"``) runs the same harness with rlimits, its own session, a network namespace and the
@@ -74,8 +76,9 @@ class SandboxError(TaskError):
 class SandboxLimits:
     """What one candidate program may use, all its processes and tests together: ``wall_s`` wall-clock and
     ``cpu_s`` CPU seconds (per process, on one core's worth of CPU per second for the whole program),
-    ``memory_mb`` (the whole program's; also each process's address space), ``output_bytes`` of stdout+stderr
-    (and of answers), ``file_bytes`` per file, ``tmp_mb`` for all its files, ``processes`` (threads count).
+    ``memory_mb`` (the whole program's, its cgroup's; in the weak sandbox, each process's address space),
+    ``output_bytes`` of stdout+stderr (and of answers), ``file_bytes`` per file, ``tmp_mb`` for all its files,
+    ``processes`` (threads count).
     ``start_s`` is the sandbox's, not the program's: how long its process may take to start (the jail and the
     interpreter, until the harness's first line), apart from ``wall_s``, which runs from then; a program whose
     process did not start in time scores 0 as `NOT_STARTED` (a machine too busy), never as `TIMEOUT`."""
@@ -99,12 +102,15 @@ class SandboxLimits:
 @dataclass
 class Collected:
     """What came back from one program's process: the results pipe, its own output (bounded), why the parent
-    killed it ("" when it ended by itself), and the exit code of what the parent started."""
+    killed it ("" when it ended by itself), the exit code of what the parent started, and whether the
+    program's cgroup counted its memory limit hit (read once the supervisor said how the program ended; never,
+    in the weak sandbox)."""
 
     results: bytes = b""
     output: bytes = b""
     killed: str = ""
     returncode: int | None = None
+    memory_limit_hit: bool = False
 
 
 def usable_cores() -> int:
@@ -261,7 +267,8 @@ class Sandbox:
         if self.jail is not None and not collected.killed and b'"started"' not in collected.results:
             raise SandboxError(f"the jail did not start (nsjail exit code {collected.returncode}): "
                                f"{collected.output[-600:].decode('utf-8', 'replace')}")
-        return judge(collected.results, collected.output, collected.killed, collected.returncode, tests, seconds)
+        return judge(collected.results, collected.output, collected.killed, collected.returncode, tests, seconds,
+                     memory_limit_hit=collected.memory_limit_hit)
 
     def _start_and_collect(self, slot: int, home: str, program: str, tests: list[TestCase],
                            entry: str | None) -> Collected:
@@ -294,13 +301,15 @@ class Sandbox:
                 self.jail.clean(slot)
 
     def _collect(self, slot: int, proc: subprocess.Popen, job: bytes, results_read: int) -> Collected:
-        """Feed the job; read the results pipe and the program's output (each bounded) until the process ends
-        or its time runs out, whichever is first (a pipe held open by a descendant never makes this wait
-        longer); kill the whole program then. Its time: ``start_s`` until the harness's first line on the
-        results pipe (else `NOT_STARTED`), then ``wall_s`` (else `TIMEOUT`)."""
+        """Feed the job; read the results pipe and the program's output (each bounded) until the supervisor's
+        last line (how the program ended), the process's end or its time running out, whichever is first (a
+        pipe held open by a descendant never makes this wait longer); kill the whole program then. After the
+        last line, in a jail, the program's cgroup's memory counters are read (its supervisor waits, so that
+        the cgroup is still there) and what output is waiting is read. Its time: ``start_s`` until the
+        harness's first line on the results pipe (else `NOT_STARTED`), then ``wall_s`` (else `TIMEOUT`)."""
         limits, got = self.limits, Collected()
         caps = {"results": limits.output_bytes + REPORT_ROOM, "output": limits.output_bytes}
-        deadline, started = time.monotonic() + limits.start_s, False
+        deadline, started, last_line = time.monotonic() + limits.start_s, False, _LastLine()
         threading.Thread(target=_feed, args=(proc, job), daemon=True).start()
         chunks = {"results": [], "output": []}
         sizes = {"results": 0, "output": 0}
@@ -310,8 +319,16 @@ class Sandbox:
         selector.register(proc.stdout.fileno(), selectors.EVENT_READ, "output")
         selector.register(results_read, selectors.EVENT_READ, "results")
         open_streams = 2
+
+        def take(stream: str, chunk: bytes) -> None:
+            sizes[stream] += len(chunk)
+            if sizes[stream] > caps[stream]:
+                got.killed = OUTPUT if stream == "output" else CRASHED
+            else:
+                chunks[stream].append(chunk)
+
         try:
-            while open_streams and not got.killed:
+            while open_streams and not got.killed and not last_line.seen:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     got.killed = TIMEOUT if started else NOT_STARTED
@@ -319,9 +336,8 @@ class Sandbox:
                 if proc.poll() is not None and not selector.select(0):
                     break  # (it ended, and nothing more is waiting: a descendant may hold a pipe, unread)
                 for key, _ in selector.select(min(remaining, 0.1)):
-                    try:
-                        chunk = os.read(key.fd, 65536)
-                    except BlockingIOError:
+                    chunk = _read_now(key.fd)
+                    if chunk is None:
                         continue
                     if not chunk:
                         selector.unregister(key.fd)
@@ -329,11 +345,16 @@ class Sandbox:
                         continue
                     if key.data == "results" and not started:  # (the harness's "started": the program's
                         started, deadline = True, time.monotonic() + limits.wall_s  # code cannot write here)
-                    sizes[key.data] += len(chunk)
-                    if sizes[key.data] > caps[key.data]:
-                        got.killed = OUTPUT if key.data == "output" else CRASHED
+                    take(key.data, chunk)
+                    if got.killed:
                         break
-                    chunks[key.data].append(chunk)
+                    if key.data == "results":
+                        last_line.feed(chunk)
+            if last_line.seen and not got.killed:
+                if self.jail is not None:
+                    got.memory_limit_hit = self.jail.memory_limit_hit(slot)
+                while not got.killed and (chunk := _read_now(proc.stdout.fileno())):
+                    take("output", chunk)
         finally:
             selector.close()
             self._kill(slot, proc, started)
@@ -362,6 +383,31 @@ class Sandbox:
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
+
+
+class _LastLine:
+    """Watches the results pipe for the supervisor's last line, ``{"end": ...}``, whole. Results are JSON lines
+    (a newline is only ever a line break), so only the first bytes of each line are kept."""
+
+    START = b'{"end": '
+
+    def __init__(self) -> None:
+        self.head, self.seen = b"", False
+
+    def feed(self, chunk: bytes) -> None:
+        *ended, rest = chunk.split(b"\n")
+        for piece in ended:
+            self.seen = self.seen or (self.head + piece[:len(self.START)]).startswith(self.START)
+            self.head = b""
+        self.head = (self.head + rest[:len(self.START)])[:len(self.START)]
+
+
+def _read_now(fd: int) -> bytes | None:
+    """What a non-blocking pipe holds now (b"": closed; None: nothing yet)."""
+    try:
+        return os.read(fd, 65536)
+    except BlockingIOError:
+        return None
 
 
 def _feed(proc: subprocess.Popen, job: bytes) -> None:

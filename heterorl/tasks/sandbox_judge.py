@@ -1,6 +1,12 @@
 """What a sandboxed program scored: its answers (from the harness's results pipe) compared with the hidden tests'
 expected ones, by value and by type, and the reason it scored what it did. Any bytes at all give an `Outcome`:
-nothing a program sends can raise here."""
+nothing a program sends can raise here.
+
+A reason comes from a measurement of the parent's or the supervisor's, never from what the program says: the
+results pipe holds only the supervisor's lines (its statuses, how the program ended) and, forwarded by it, the
+program's answers and its tripwire's first refusal. The refusal is the one reason that comes from inside the
+program's process (the audit hook lives there): a program can forge it only to name itself ``forbidden``, and it
+ranks below every measured reason."""
 
 from __future__ import annotations
 
@@ -50,13 +56,18 @@ class Outcome:
 
 @dataclass
 class Results:
-    """The results pipe, read: the answers by test index (the first for each), the first status line and its
-    detail, how the program ended (``exit:N``/``signal:N``), and lines that were not results."""
+    """The results pipe, read: the answers by test index (the first for each), the supervisor's first status
+    and its detail, the tripwire's first refusal and its detail, how the program ended (``exit:N``/``signal:N``,
+    the CPU seconds the kernel accounted to it and its limit), and lines that were not results."""
 
     answers: dict = field(default_factory=dict)
     status: str | None = None
     detail: str = ""
+    forbidden: str | None = None
+    forbidden_detail: str = ""
     end: str | None = None
+    cpu_s: float = 0.0
+    cpu_limit_s: float = float("inf")
     garbled: int = 0
 
 
@@ -74,15 +85,25 @@ def read_results(data: bytes, total: int) -> Results:
         if not isinstance(record, dict):
             got.garbled += 1
         elif isinstance(record.get("status"), str):
-            if got.status is None or (record["status"].startswith(FORBIDDEN) and not got.status.startswith(FORBIDDEN)):
+            if got.status is None:
                 got.status, got.detail = record["status"], str(record.get("detail", ""))[:500]
+        elif isinstance(record.get("forbidden"), str):
+            if got.forbidden is None:
+                got.forbidden, got.forbidden_detail = record["forbidden"], str(record.get("detail", ""))[:500]
         elif type(record.get("i")) is int and 0 <= record["i"] < total and "out" in record:
             got.answers.setdefault(record["i"], record["out"])
         elif isinstance(record.get("end"), str):
             got.end = record["end"]
+            cpu_s, cpu_limit_s = record.get("cpu_s"), record.get("cpu_limit_s")
+            if _number(cpu_s) and _number(cpu_limit_s):
+                got.cpu_s, got.cpu_limit_s = float(cpu_s), float(cpu_limit_s)
         elif "started" not in record:
             got.garbled += 1
     return got
+
+
+def _number(value: Any) -> bool:
+    return type(value) in (int, float)
 
 
 def same(answer: Any, expected: Any) -> bool:
@@ -101,10 +122,22 @@ def canonical(value: Any) -> Any:
     return json.loads(json.dumps(value, default=repr))
 
 
+# RLIMIT_CPU is checked against tick-sampled CPU time, wait4 reports the scheduler's exact time: a few ticks apart
+# (a program killed at its 1 s limit was accounted 0.997 s)
+CPU_SLACK_S = 0.05
+
+
 def judge(results: bytes, output: bytes, killed: str, returncode: int | None, tests: list[TestCase],
-          seconds: float) -> Outcome:
-    """The outcome of one program from what came back: a refusal names it first, then a kill by the parent, then
-    a signal that ended the program, then the harness's status; else each answer is compared here."""
+          seconds: float, *, memory_limit_hit: bool = False) -> Outcome:
+    """The outcome of one program from what came back, each reason from a measurement, first found first:
+    the parent's kill (`TIMEOUT` at the wall clock, `NOT_STARTED`, `OUTPUT` past ``output_bytes`` of its own
+    output, `CRASHED` past the results' limit); the supervisor's own status (`OUTPUT` when the program's reports
+    passed their limit and it killed it, `SYNTAX` when the program's first report, written before any of its
+    code ran, said it did not compile); how the program ended, as the supervisor saw it: a SIGKILL is `MEMORY`
+    only when its cgroup's counters say it hit its memory limit (``memory_limit_hit``, read by the parent), a
+    SIGXCPU or SIGKILL is `TIMEOUT` only when the kernel accounted at least its CPU limit to it; then the
+    tripwire's refusal (``forbidden:WHAT``); then any other signal, an exit code other than 0, or no end at all
+    (`CRASHED`); else its answers, compared here (`OK`, `WRONG`)."""
     total = len(tests)
     got = read_results(results, total)
     printed = output[:OUTPUT_KEPT].decode("utf-8", "replace")
@@ -112,33 +145,33 @@ def judge(results: bytes, output: bytes, killed: str, returncode: int | None, te
     def outcome(reason: str, detail: str = "", passed: int = 0) -> Outcome:
         return Outcome(passed, total, reason, seconds, detail, got.answers, printed)
 
-    status = got.status
-    if status is not None and status.startswith(FORBIDDEN):
-        # (only the known kinds are counted: the reasons stay a short, known list whatever a program reports)
-        what = status[len(FORBIDDEN) + 1:]
-        return outcome(f"{FORBIDDEN}:{what if what in FORBIDDEN_KINDS else 'other'}", got.detail)
     if killed:
         why = {CRASHED: ": its results passed their limit",
                NOT_STARTED: ": its process did not start within the start-up deadline (SandboxLimits.start_s)"}
         return outcome(killed, "killed by the parent" + why.get(killed, ""))
-    if got.end is not None and got.end.startswith("signal:"):
-        number = got.end[len("signal:"):]
-        if number == str(int(signal.SIGXCPU)):
-            return outcome(TIMEOUT, "its CPU time ran out")
-        if number == str(int(signal.SIGKILL)):
-            return outcome(MEMORY, "killed: the program's memory limit (its cgroup's), most likely")
-        return outcome(CRASHED, f"ended by signal {number}")
-    if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
-        return outcome(TIMEOUT)
-    if status is None:
-        return outcome(CRASHED, f"no status (exit code {returncode}, {got.garbled} lines that are not results)")
-    if status in (MEMORY, SYNTAX, OUTPUT, CRASHED):
-        return outcome(status, got.detail)
-    if status not in (OK, WRONG):  # what the harness says once the tests ran; anything else the program forged
-        return outcome(CRASHED, f"unknown status {status[:60]!r}")
+    if got.status in (OUTPUT, SYNTAX):
+        return outcome(got.status, got.detail)
+    signalled = got.end[len("signal:"):] if got.end is not None and got.end.startswith("signal:") else None
+    if signalled == str(int(signal.SIGKILL)) and memory_limit_hit:
+        return outcome(MEMORY, "killed, and its cgroup's counters say it hit its memory limit")
+    out_of_cpu = got.cpu_s >= got.cpu_limit_s - CPU_SLACK_S
+    if signalled in (str(int(signal.SIGXCPU)), str(int(signal.SIGKILL))) and out_of_cpu:
+        return outcome(TIMEOUT, f"its CPU time ran out ({got.cpu_s:.2f} s of {got.cpu_limit_s:g})")
+    if got.forbidden is not None:
+        # (only the known kinds are counted: the reasons stay a short, known list whatever a program reports)
+        what = got.forbidden if got.forbidden in FORBIDDEN_KINDS else "other"
+        return outcome(f"{FORBIDDEN}:{what}", got.forbidden_detail)
+    if got.status is not None:  # (none the supervisor sends: bytes that are not its results)
+        return outcome(CRASHED, f"unknown status {got.status[:60]!r}")
+    if got.end is None:
+        return outcome(CRASHED, f"no end (exit code {returncode}, {got.garbled} lines that are not results)")
+    if signalled is not None:
+        return outcome(CRASHED, f"ended by signal {signalled} after {got.cpu_s:.2f} s of CPU")
+    if got.end != "exit:0":
+        return outcome(CRASHED, f"ended with {got.end}")
     passed = sum(1 for i, test in enumerate(tests)
                  if i in got.answers and same(got.answers[i], canonical(test.expected)))
-    return outcome(OK if passed == total else WRONG, got.detail, passed)
+    return outcome(OK if passed == total else WRONG, "", passed)
 
 
 __all__ = ["CRASHED", "FORBIDDEN", "FORBIDDEN_KINDS", "MEMORY", "NOT_STARTED", "OK", "OUTPUT", "Outcome", "Results",

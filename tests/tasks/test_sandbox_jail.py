@@ -4,6 +4,7 @@ is the kernel (namespaces, the cgroup, the uid); the scorer returns on time, its
 nothing of the program is left afterwards."""
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -59,7 +60,7 @@ def test_a_program_that_closes_its_output_and_sleeps_is_cut_at_the_wall_clock(sa
         start = time.monotonic()
         outcome = sandbox.run(program, ADD, entry="f")
         assert time.monotonic() - start < LIMITS.wall_s + 10
-        assert outcome.passed == 0 and outcome.reason in ("timeout", "crashed"), outcome
+        assert outcome.passed == 0 and outcome.reason in ("timeout", "wrong_answer"), outcome  # (exit 0, no answers)
     _no_trace_of(sandbox)
 
 
@@ -420,3 +421,60 @@ def test_slot_uids_are_never_shared_by_two_live_sandboxes_of_this_process(sandbo
     finally:
         for held in opened:
             held.close()
+
+
+def test_a_program_cannot_signal_its_supervisor(sandbox):
+    """issue 63, item 11a: the supervisor is the jail's init and keeps no signal handler, and the kernel delivers
+    to an init, from inside its namespace, only the signals it has a handler for: SIGINT, SIGTERM, SIGHUP,
+    SIGQUIT, SIGUSR1, SIGALRM, SIGSTOP and SIGKILL, each accepted by kill(2), leave it running, and the
+    program's answer still arrives (before, SIGINT raised KeyboardInterrupt in the supervisor, which died and
+    took the program with it: `crashed`)"""
+    program = UNHOOK + """
+import os, signal, time
+def f():
+    sent = []
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGALRM,
+                   signal.SIGSTOP, signal.SIGKILL):
+        os.kill(os.getppid(), number)
+        sent.append(int(number))
+    time.sleep(0.2)
+    return [os.getppid(), sent]
+"""
+    outcome = sandbox.run(program, [TestCase(expected=[1, [2, 15, 1, 3, 10, 14, 19, 9]])], entry="f")
+    assert (outcome.reason, outcome.passed) == ("ok", 1), (outcome, outcome.output)
+    _no_trace_of(sandbox)
+
+
+def test_no_outcome_is_the_programs_own_report(sandbox):
+    """issue 63, item 11b: what a program writes or raises never names its outcome. Forged statuses, a
+    verdict on compiling and an end line, written on every fd before it answers, leave it `ok` (before:
+    `memory`, the first status it wrote); `raise MemoryError` is `crashed` (before: `memory`); SIGXCPU sent to
+    itself with no CPU used is `crashed` (before: `timeout`); a stdio program raising the harness's own
+    OverflowError("output limit") is `wrong_answer` (before: `output_limit`)"""
+    records = [{"status": status} for status in ("memory", "timeout", "syntax_error", "output_limit",
+                                                 "not_started", "crashed")]
+    records += [{"compiled": False, "detail": "forged"}, {"end": "signal:9", "cpu_s": 99.0, "cpu_limit_s": 1}]
+    lines = "".join(json.dumps(record) + "\n" for record in records).encode()
+    forges = (f"import os\nfor _fd in range(3, 64):\n    try:\n        os.write(_fd, {lines!r})\n"
+              "    except OSError:\n        pass\n" + RIGHT)
+    raises = "def f(a, b):\n    raise MemoryError\n"
+    out_of_cpu = UNHOOK + "import os, signal\ndef f(a, b):\n    os.kill(os.getpid(), signal.SIGXCPU)\n"
+    outcomes = sandbox.run_many([(forges, ADD, "f"), (raises, ADD, "f"), (out_of_cpu, ADD, "f")])
+    assert [(o.reason, o.passed) for o in outcomes] == [("ok", 2), ("crashed", 0), ("crashed", 0)], outcomes
+    stdio = sandbox.run("raise OverflowError('output limit')\n", [TestCase(stdin="", expected="1")])
+    assert stdio.reason == "wrong_answer", stdio
+    _no_trace_of(sandbox)
+
+
+def test_a_sigkill_is_memory_only_when_the_cgroup_counted_the_memory_limit(sandbox):
+    """issue 63, item 11c: a program SIGKILLed is `memory` only when its cgroup's counters say it hit its memory
+    limit (read by the parent before the jail ends): one that allocates 1 MB at a time is; one that SIGKILLs
+    itself is `crashed`, and one whose answer passes the reports' limit, killed by its supervisor, is
+    `output_limit` (before, both were `memory`)"""
+    allocates = "def f(a, b):\n    x = [bytearray(1 << 20) for _ in range(10240)]\n    return a + b\n"
+    kills_itself = UNHOOK + "import os, signal\ndef f(a, b):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    answers_too_much = f"def f(a, b):\n    return 'x' * {4 * LIMITS.output_bytes}\n"
+    outcomes = sandbox.run_many([(allocates, ADD, "f"), (kills_itself, ADD, "f"), (answers_too_much, ADD, "f")])
+    assert [o.reason for o in outcomes] == ["memory", "crashed", "output_limit"], outcomes
+    assert "memory limit" in outcomes[0].detail and "signal 9" in outcomes[1].detail
+    _no_trace_of(sandbox)
