@@ -198,7 +198,9 @@ def test_reading_a_throttled_flood_of_tiny_messages_is_paced_and_the_honest_work
     it can for 3 s: each must be read to be discarded, a read no peer's budget pays for. The I/O thread's time
     reading them stays within `transport.discard_read_s_per_s` (0.05 s a second, and a burst of 1 ms): reading
     pauses when it is spent, and the honest worker's groups, read between the pauses, are all taken. Without the
-    pace the thread read them as fast as they came."""
+    pace the thread read them as fast as they came (0.69 s of reading against a bound of 0.17). Whether reading
+    paused at all depends on how fast the flood came (a loaded suite once sent 11,000 messages in the 3 s, 35 ms
+    of reading): only the bound is asserted."""
     config = TransportConfig(**{**QUICK, "heartbeat_timeout_s": 30.0}, credits_per_worker=64,
                              max_refusals_per_s=10, throttle_s=60.0)
     with LearnerServer(ADDRESS, config) as server:
@@ -209,8 +211,7 @@ def test_reading_a_throttled_flood_of_tiny_messages_is_paced_and_the_honest_work
                                capture_output=True, text=True, timeout=60)
         try:
             assert flood.returncode == 0 and "sent" in flood.stdout, flood.stderr[-2000:]
-            wait_until(lambda: server.stats["throttled/throttled"] == 1 and server.stats["inbound/read_paused"],
-                       30, lambda: dict(server.stats))
+            wait_until(lambda: server.stats["throttled/throttled"] == 1, 30, lambda: dict(server.stats))
             wait_until(lambda: pace.taken.get("honest", 0) == HONEST_GROUPS, 60,
                        lambda: f"the honest worker's groups taken: {pace.taken}")
             read_s, elapsed = server.stats["inbound/dropped_read_s"], time.monotonic() - start
