@@ -1,7 +1,7 @@
 """The losses' config dataclasses, the built-in losses' names and the advantage estimators' names, without torch:
 a run's config is checked against them (`heterorl.config`) by processes that never compute a loss (``heterorl
 train``'s launcher, ``heterorl tasks``, a refused command line), so importing them costs no torch. The losses
-themselves are in gepo.losses; the estimators in gepo.advantages.
+themselves are in gepo.losses and gepo.trust_region_losses; the estimators in gepo.advantages.
 """
 
 from __future__ import annotations
@@ -170,10 +170,89 @@ class GEPODefensiveConfig(GEPOConfig):
     kl_threshold: float = 0.002
 
 
-# the built-in losses (registered by gepo.losses) and their configs: their names are known before torch is imported
+# ---------------------------------------------------------------------------- trust-region losses of 2026
+# (gepo.trust_region_losses; the defaults are those of each loss's authors, with where they were read)
+
+
+@dataclass
+class DPPOTVConfig(RLLossConfig):
+    """DPPO-Binary-TV (Qi et al. 2026, arXiv 2602.04879): the authors' verl script (verl
+    examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh) runs δ_low = δ_high = 0.15, a ratio cap of 1e4 and
+    group-centred advantages (``norm_adv_by_std_in_grpo=False``). prime-rl's default loss is this mask at 0.2/0.2,
+    uncapped, plus a squared-log-ratio KL term (weight 1e-3) that gepo does not include."""
+
+    delta_low: float = 0.15  # mask a token with A < 0 once p − q < −δ_low
+    delta_high: float = 0.15  # mask a token with A > 0 once p − q > δ_high
+    ratio_cap: float = 1e4  # C of sg(min(r, C)); the authors' code defaults to 10, their published run to 1e4
+    advantage: str = "group_centered"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.ratio_cap <= 0:
+            raise ValueError(f"ratio_cap={self.ratio_cap}: must be > 0 (the largest importance weight kept)")
+
+
+@dataclass
+class DPPOKLConfig(DPPOTVConfig):
+    """DPPO-Binary-KL: as DPPO-Binary-TV, with the binary KL's threshold δ = 0.05 of the authors' verl script."""
+
+    delta_low: float = 0.05  # mask a token with A < 0 once p < q and KL_bin(q‖p) > δ_low
+    delta_high: float = 0.05  # mask a token with A > 0 once p > q and KL_bin(q‖p) > δ_high
+
+
+@dataclass
+class VESPOConfig(RLLossConfig):
+    """VESPO (Shen et al. 2026, arXiv 2602.10693): the gamma kernel's (k, λ) = (2, 3) for A ≥ 0 and (3, 2) for
+    A < 0, as in the authors' run scripts (FloyedShen/VESPO recipe/vespo/run/, every staleness N) and TRL's
+    GRPOConfig (``vespo_k_pos`` ...); GRPO's group-normalised advantages (their scripts: ``adv_estimator=grpo``)."""
+
+    k_pos: float = 2.0  # the power k of φ(w) = w^k·e^{λ(1−w)} for A ≥ 0: how fast φ falls as w → 0
+    lambda_pos: float = 3.0  # its decay λ for A ≥ 0: how fast φ falls as w grows past k/λ
+    k_neg: float = 3.0  # k for A < 0
+    lambda_neg: float = 2.0  # λ for A < 0
+    advantage: str = "group_normalized"
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("lambda_pos", "lambda_neg"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 (with λ = 0, φ(w) = w^k is unbounded)")
+
+
+@dataclass
+class SAPOConfig(RLLossConfig):
+    """SAPO (Qwen team 2025, arXiv 2511.20347): temperatures τ_pos = 1.0, τ_neg = 1.05, the paper's
+    recommendation as verl, TRL, AReaL, ms-swift and Trinity-RFT all default to; GRPO's advantages."""
+
+    tau_pos: float = 1.0  # gate temperature for A > 0
+    tau_neg: float = 1.05  # gate temperature for A ≤ 0 (larger: off-policy negative updates fade faster)
+    advantage: str = "group_normalized"
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("tau_pos", "tau_neg"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 (the gate is (4/τ)·σ(τ·(r − 1)))")
+
+
+@dataclass
+class TRMConfig(GRPOConfig):
+    """Trust Region Masking (Li et al. 2025, arXiv 2512.23075) over GRPO's clipped surrogate (clip ε = 0.2, token
+    mean). The paper's criterion is the largest token KL of a sequence; from sampled tokens alone its authors
+    detect it with a symmetric per-token statistic (verl PR #4544, by the first author), here ½(log r)², verl's
+    ``seq_max_k2`` at its documented threshold 2.5. Their average criterion, mean k3 (verl's TRM presets: 0.01), is
+    off unless set. The paper's own thresholds could not be read here (no arXiv access)."""
+
+    max_divergence: float | None = 2.5  # mask a sequence whose max_t ½(log r_t)² exceeds this; None: no max test
+    mean_divergence: float | None = None  # mask one whose mean_t (r_t − 1 − log r_t) exceeds this; None: no test
+
+
+# the built-in losses (registered by gepo.losses and gepo.trust_region_losses) and their configs: their names are
+# known before torch is imported
 BUILTIN_LOSS_CONFIGS: dict[str, type] = {
     "cross_entropy": CrossEntropyConfig, "importance_sampling": ImportanceSamplingConfig, "grpo": GRPOConfig,
     "opsm": OPSMConfig, "dapo": DAPOConfig, "dr_grpo": DrGRPOConfig, "bnpo": BNPOConfig,
     "decoupled_ppo": DecoupledPPOConfig, "tis": TISConfig, "icepop": IcePopConfig, "m2po": M2POConfig,
     "cispo": CISPOConfig, "gspo": GSPOConfig, "gepo": GEPOConfig, "gepo_defensive": GEPODefensiveConfig,
+    "dppo_tv": DPPOTVConfig, "dppo_kl": DPPOKLConfig, "vespo": VESPOConfig, "sapo": SAPOConfig, "trm": TRMConfig,
 }

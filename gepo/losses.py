@@ -51,7 +51,8 @@ def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low
     return -torch.minimum(unclipped, clipped), clipped < unclipped
 
 
-def _frac(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def token_fraction(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The (mask-weighted) fraction of completion tokens where ``flags`` holds: a clip or mask fraction."""
     return masked_mean(flags.to(mask.dtype), mask)
 
 
@@ -60,15 +61,19 @@ def _frac(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @register_loss("cross_entropy", CrossEntropyConfig)
 def cross_entropy(batch: LossBatch, config: CrossEntropyConfig):
-    """L = − Σ_{i,t} m_it · log p_it / Σ m   (token mean over the batch)."""
+    """Supervised next-token cross-entropy (SFT), the session primitive.
+
+    L = − Σ_{i,t} m_it · log p_it / Σ m   (token mean over the batch)
+    """
     loss = -masked_mean(batch.token("logprobs"), batch.mask)
     return loss, {"loss/nll": float(loss.detach()), "tokens": float(batch.mask.sum())}
 
 
 @register_loss("importance_sampling", ImportanceSamplingConfig)
 def importance_sampling(batch: LossBatch, config: ImportanceSamplingConfig):
-    """L = − Σ m_it · r_it · A_i / Σ m.
+    """The plain importance-sampling policy gradient, unclipped, the session primitive.
 
+    L = − Σ m_it · r_it · A_i / Σ m
     Its gradient is the on-policy policy gradient re-weighted to the sampler's
     distribution; with p = q it is the REINFORCE gradient with baseline.
     """
@@ -92,7 +97,7 @@ def grpo(batch: LossBatch, config: GRPOConfig):
     eps_high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
     per_token, clipped = clipped_surrogate(log_ratio, advantages[:, None], config.clip_eps, eps_high)
     loss = masked_mean(per_token, batch.mask, dim=-1).mean()
-    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": _frac(clipped, batch.mask)})
+    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": token_fraction(clipped, batch.mask)})
 
 
 @register_loss("opsm", OPSMConfig)
@@ -111,7 +116,7 @@ def opsm(batch: LossBatch, config: OPSMConfig):
     masked = (advantages < 0) & (sequence_kl > config.delta)
     loss = torch.where(masked, torch.zeros_like(sequence_kl), masked_mean(per_token, batch.mask, dim=-1)).mean()
     rows = batch.mask.sum(dim=-1) > 0
-    fractions = {"is/clip_frac": _frac(clipped, batch.mask),
+    fractions = {"is/clip_frac": token_fraction(clipped, batch.mask),
                  "is/mask_frac": masked[rows].to(batch.mask.dtype).mean()}  # of sequences
     return loss, rl_metrics(batch, loss, log_ratio, batch.keep, fractions)
 
@@ -130,7 +135,7 @@ def dapo(batch: LossBatch, config: DAPOConfig):
     eps_high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
     per_token, clipped = clipped_surrogate(log_ratio, advantages[:, None], config.clip_eps, eps_high)
     loss = masked_mean(per_token, batch.mask)
-    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": _frac(clipped, batch.mask)})
+    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": token_fraction(clipped, batch.mask)})
 
 
 @register_loss("dr_grpo", DrGRPOConfig)
@@ -145,7 +150,7 @@ def dr_grpo(batch: LossBatch, config: DrGRPOConfig):
     per_token, clipped = clipped_surrogate(log_ratio, advantages[:, None], config.clip_eps, config.clip_eps)
     length = config.max_completion_len or batch.logprobs.shape[1]
     loss = masked_sum(per_token, batch.mask) / (batch.logprobs.shape[0] * length)
-    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": _frac(clipped, batch.mask)})
+    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": token_fraction(clipped, batch.mask)})
 
 
 @register_loss("bnpo", BNPOConfig)
@@ -159,7 +164,7 @@ def bnpo(batch: LossBatch, config: BNPOConfig):
     advantages = advantages_for(batch, config.advantage)
     per_token, clipped = clipped_surrogate(log_ratio, advantages[:, None], config.clip_eps, config.clip_eps)
     loss = masked_mean(per_token, batch.mask)
-    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": _frac(clipped, batch.mask)})
+    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": token_fraction(clipped, batch.mask)})
 
 
 def proximal_logprobs(batch: LossBatch, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
@@ -202,9 +207,9 @@ def decoupled_ppo(batch: LossBatch, config: DecoupledPPOConfig):
     per_token = torch.where(capped, torch.zeros_like(per_token), behaviour_weight * per_token)
     loss = masked_mean(per_token, batch.mask)
     return loss, rl_metrics(batch, loss, logp - logq, batch.keep, {
-        "is/clip_frac": _frac(clipped, batch.mask),
+        "is/clip_frac": token_fraction(clipped, batch.mask),
         "is/behaviour_weight_mean": masked_mean(behaviour_weight, batch.mask),
-        "is/mask_frac": _frac(capped, batch.mask),
+        "is/mask_frac": token_fraction(capped, batch.mask),
     })
 
 
@@ -227,7 +232,7 @@ def tis(batch: LossBatch, config: TISConfig):
     if config.level == "token":
         weight = torch.exp(log_ratio.clamp(max=cap))
         loss = masked_mean(-weight * advantages[:, None] * logp, batch.mask, dim=-1).mean()
-        clipped = {"is/clip_frac": _frac(log_ratio > cap, batch.mask)}
+        clipped = {"is/clip_frac": token_fraction(log_ratio > cap, batch.mask)}
         return loss, rl_metrics(batch, loss, log_ratio, batch.keep, clipped)
     log_rho = masked_sum(log_ratio, batch.mask, dim=-1)
     weight = torch.exp(log_rho.clamp(max=cap))
@@ -250,7 +255,7 @@ def icepop(batch: LossBatch, config: IcePopConfig):
     kept = (ratio.detach() >= config.ratio_low) & (ratio.detach() <= config.ratio_high)
     per_token = torch.where(kept, -ratio * advantages[:, None], torch.zeros_like(ratio))
     loss = masked_mean(per_token, batch.mask, dim=-1).mean()
-    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/mask_frac": _frac(~kept, batch.mask)})
+    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/mask_frac": token_fraction(~kept, batch.mask)})
 
 
 def second_moment_mask(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -281,7 +286,7 @@ def m2po(batch: LossBatch, config: M2POConfig):
     kept = second_moment_mask(log_ratio, batch.mask, config.m2_threshold)
     per_token = torch.where(kept, -torch.exp(log_ratio) * advantages[:, None], torch.zeros_like(log_ratio))
     loss = masked_mean(per_token, batch.mask)
-    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/mask_frac": _frac(~kept, batch.mask)})
+    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/mask_frac": token_fraction(~kept, batch.mask)})
 
 
 @register_loss("cispo", CISPOConfig)
@@ -298,7 +303,7 @@ def cispo(batch: LossBatch, config: CISPOConfig):
     low, high = 1 - config.clip_eps_low, 1 + config.clip_eps_high
     loss = masked_mean(-ratio.clamp(low, high) * advantages[:, None] * logp, batch.mask)
     clipped = (ratio < low) | (ratio > high)
-    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": _frac(clipped, batch.mask)})
+    return loss, rl_metrics(batch, loss, log_ratio, batch.keep, {"is/clip_frac": token_fraction(clipped, batch.mask)})
 
 
 # ---------------------------------------------------------------------------- sequence-level weights

@@ -1,7 +1,8 @@
 """Name → loss registry, so configs and ``forward_backward(loss_fn="...")`` select losses by name.
 
-Without torch: a loss's name and config are known (``loss_names``, ``make_loss_config``) before gepo.losses, which
-registers the built-in losses' functions, is imported; ``get_loss`` imports it.
+Without torch: a loss's name and config are known (``loss_names``, ``make_loss_config``) before the modules that
+register the built-in losses' functions (gepo.losses, gepo.trust_region_losses) are imported; ``get_loss`` imports
+them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from gepo.batch import LossBatch
 
 LossFn = Callable[["LossBatch", Any], "tuple[torch.Tensor, dict[str, float]]"]
-_BUILTIN_MODULE = "gepo.losses"  # registers every loss of BUILTIN_LOSS_CONFIGS when imported
+_BUILTIN_MODULES = ("gepo.losses", "gepo.trust_region_losses")  # together, every loss of BUILTIN_LOSS_CONFIGS
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class LossSpec:
     name: str
     fn: LossFn
     config_cls: type
+
+    @property
+    def description(self) -> str:
+        """The first paragraph of the loss function's docstring on one line: what it is and where it comes from."""
+        summary = (self.fn.__doc__ or "").strip().split("\n\n", 1)[0]
+        return " ".join(line.strip() for line in summary.splitlines())
 
 
 _LOSSES: dict[str, LossSpec] = {}
@@ -41,7 +48,7 @@ def register_loss(name: str, config_cls: type):
     """
 
     def decorate(fn: LossFn) -> LossFn:
-        builtin = name in BUILTIN_LOSS_CONFIGS and fn.__module__ != _BUILTIN_MODULE
+        builtin = name in BUILTIN_LOSS_CONFIGS and fn.__module__ not in _BUILTIN_MODULES
         if name in _LOSSES or builtin:
             raise ValueError(f"a loss named {name!r} is already registered")
         if not dataclasses.is_dataclass(config_cls):
@@ -75,7 +82,8 @@ def _unknown(name: str) -> KeyError:
 
 def get_loss(name: str) -> LossSpec:
     if name in BUILTIN_LOSS_CONFIGS and name not in _LOSSES:
-        importlib.import_module(_BUILTIN_MODULE)
+        for module in _BUILTIN_MODULES:
+            importlib.import_module(module)
     try:
         return _LOSSES[name]
     except KeyError:

@@ -546,7 +546,8 @@ def test_every_rl_loss_reports_the_stable_diagnostics():
             continue
         _, m = run(name, gepo.LossBatch(**fields))
         assert common <= set(m), (name, common - set(m))
-        assert "is/clip_frac" in m or "is/mask_frac" in m or name == "importance_sampling", name
+        soft = {"sapo": "is/gate_mean", "vespo": "is/phi_mean"}.get(name)  # reshape every weight: no clip, no mask
+        assert "is/clip_frac" in m or "is/mask_frac" in m or soft in m or name == "importance_sampling", name
         assert 0 <= m["is/ess"] <= 1
     _, m = run("gepo", gepo.LossBatch(**fields))
     assert {"is/weight_mean_qweighted", "is/weight_var_qweighted"} <= set(m)

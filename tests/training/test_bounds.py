@@ -232,7 +232,8 @@ RL_LOSSES = [n for n in gepo.loss_names() if n != "cross_entropy"]
 def test_a_capped_group_keeps_its_direction_and_every_other_group_its_gradient(name):
     """For every registered loss: the cap scales the over-weight group's coefficients c = ∂L/∂log p by
     cap / its weight, exactly, leaves the other groups' and the loss's value as they were, and leaves every
-    group at most at the cap. A loss that bounds its own weights (TIS, CISPO, IcePop, M2PO) is not capped."""
+    group at most at the cap. A loss that bounds its own weights (TIS, CISPO, IcePop, M2PO; SAPO's gate, VESPO's
+    kernel and TRM's sequence mask take the steering group's to 0) is not capped."""
     spec, config = gepo.get_loss(name), gepo.make_loss_config(name)
     batch = _batch()
     value, _ = spec.fn(batch, config)
@@ -247,7 +248,7 @@ def test_a_capped_group_keeps_its_direction_and_every_other_group_its_gradient(n
     torch.testing.assert_close(after, plain * scale[:, None], rtol=1e-5, atol=1e-12)
     assert [g.group_ids for g in groups] == ([[0]] if bool(weight[0] > 8) else [])
     assert not bool((weight[1:] > 8).any())  # the honest groups' weights: near 1
-    if name in ("tis", "cispo", "icepop", "m2po"):
+    if name in ("tis", "cispo", "icepop", "m2po", "sapo", "vespo", "trm"):
         assert not groups and float(weight[0]) <= 4.0 + 1e-6  # its own truncation, mask or cap bounds the weight
     else:  # measured 2,344 (GEPO, GSPO) to 6,026 (importance_sampling)
         assert groups and float(weight[0]) > 1e3, f"{name}: the steering group's weight is {float(weight[0]):.4g}"
