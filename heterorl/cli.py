@@ -18,6 +18,7 @@
     heterorl bench serve-load           heterorl serve: OpenAI req/s batched vs not; honest p99 with an abuser
     heterorl bench wan                  one run over the network lab's links vs loopback with delay.* set alike
     heterorl bench learner              the learner's log-probs: full logits vs completion positions in chunks
+    heterorl bench peers                heterorl (sync, async 1 and 2 workers) beside TRL's GRPOTrainer, matched
     heterorl keys [make] --name NAME [--out D]   a CurveZMQ key pair for a learner or a remote worker
     heterorl keys revoke --name NAME --allow-keys D   refuse a worker's key (no restart)
     heterorl train [--config F] [k=v..] learner + N rollout workers on this machine (--mode sync|async;
@@ -27,6 +28,7 @@
     heterorl serve [--bind HOST:PORT]   training sessions over HTTP, an OpenAI-compatible endpoint, Tinker's API
     heterorl deploy slurm|k8s CONFIG    the files that launch a run on Slurm or Kubernetes, and the command
     heterorl tasks [--show NAME]        the tasks a run can name (heterorl's, reasoning-gym's datasets), options
+    heterorl losses [--show NAME]       the losses a run can name, one line each; --show: its formula and options
     heterorl sweep SWEEP.yaml [k=v..]   a delay sweep: losses x delays x seeds, resumable, K cells at once
     heterorl report SWEEP_DIR           tables, plots and a Markdown summary of a sweep
     heterorl compare --losses gepo,grpo --delay lag16 --seeds 0,1,2   losses side by side, online and at a delay
@@ -48,6 +50,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+import gepo
 from heterorl.config import ENGINES, packaged
 from heterorl.errors import ConfigError, HeteroRLError
 from heterorl.runs import run_header
@@ -372,7 +375,8 @@ def cmd_demo(args) -> int:
 BENCHMARKS = {"engine": "engine", "losses": "losses", "transport": "transport", "weights": "weights",
               "deltas": "deltas", "async": "async_modes", "simulate": "simulation", "service": "service",
               "reshard": "reshard", "lora": "lora", "sandbox": "sandbox",
-              "serve-load": "service_load", "wan": "wan", "learner": "learner"}
+              "serve-load": "service_load", "wan": "wan", "learner": "learner",
+              "peers": "peers"}
 
 
 def cmd_bench(args) -> int:
@@ -672,6 +676,27 @@ def cmd_tasks(args) -> int:
     return tasks_command(show_name=args.show, as_json=args.json)
 
 
+def cmd_losses(args) -> int:
+    """One line per registered loss (its docstring's first paragraph); --show: the whole docstring (the formula)
+    and the loss's options with their defaults."""
+    import dataclasses
+    import inspect
+
+    if args.show:
+        spec = gepo.get_loss(args.show)
+        print(f"{spec.name}: {inspect.getdoc(spec.fn)}")
+        print("options (loss.options.<name>; defaults):")
+        defaults = spec.config_cls()
+        for field in dataclasses.fields(defaults):
+            print(f"  {field.name}: {json.dumps(getattr(defaults, field.name))}")
+        return 0
+    names = gepo.loss_names()
+    width = max(map(len, names))
+    for name in names:
+        print(f"{name:<{width}}  {gepo.get_loss(name).description}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="heterorl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -828,6 +853,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "example problem")
     p.add_argument("--json", action="store_true", help="the whole list as JSON")
     p.set_defaults(fn=cmd_tasks)
+    p = sub.add_parser("losses", help="list the losses a run can name (loss.name=...), each with its paper and what "
+                       "it does")
+    p.add_argument("--show", metavar="NAME", choices=gepo.loss_names(), help="one loss's formula (its docstring) and "
+                   "its options with their defaults")
+    p.set_defaults(fn=cmd_losses)
     p = sub.add_parser("keys", help="make a CurveZMQ key pair (NAME.key public, NAME.key_secret secret), or "
                        "revoke a worker's key")
     p.add_argument("action", nargs="?", choices=["make", "revoke"], default="make",

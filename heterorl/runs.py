@@ -141,7 +141,8 @@ def run_header(cfg: Config, command: str, config: str | Path | None) -> str:
         how = (f"{cfg.runtime.mode}, {cfg.runtime.workers} workers simulated on a virtual clock, delay "
                f"{cfg.delay.describe()}")
     else:
-        how = f"{cfg.runtime.mode}, {cfg.runtime.workers} workers, delay {cfg.delay.describe()}"
+        workers = f"{cfg.runtime.workers} worker{'s' if cfg.runtime.workers != 1 else ''}"
+        how = f"{cfg.runtime.mode}, {workers}, delay {cfg.delay.describe()}"
     return (f"heterorl {command}: task {cfg.task.name}, base {cfg.rl.base or cfg.policy.model}, loss {cfg.loss.name}, "
             f"{shape}; {how} ({source})")
 

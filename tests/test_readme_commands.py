@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import gepo
 from heterorl.cli import BENCHMARKS, main
 from tests.conftest import ENV, REPO
 
@@ -119,6 +120,17 @@ def case_tasks(tmp_path, capsys):
     assert code == 0 and "size" in out, out
 
 
+def case_losses(tmp_path, capsys):
+    code, out = _in_process(capsys, "losses")
+    assert code == 0 and out.count("\n") == len(gepo.loss_names()), out
+    for name in gepo.loss_names():  # one line each: the name, then its docstring's first paragraph
+        assert re.search(rf"^{name} +{re.escape(gepo.get_loss(name).description)}$", out, re.M), name
+    code, out = _in_process(capsys, "losses", "--show", "dppo_tv")
+    assert code == 0 and "M_it = 1[p_it − q_it > δ_high]" in out and "  delta_high: 0.15" in out, out
+    code, out = _in_process(capsys, "losses", "--show", "nope")
+    assert code == 2 and "invalid choice: 'nope'" in out, out
+
+
 def case_sft(tmp_path, capsys):
     code, out = _in_process(capsys, "sft", "--dry-run", "sft.steps=3")
     assert code == 0 and "steps: 3" in out, out
@@ -154,8 +166,8 @@ def case_bench(name: str):
 
 
 CASES = {"demo": case_demo, "train": case_train, "learner": case_learner, "rollout": case_rollout,
-         "serve": case_serve, "deploy": case_deploy, "keys": case_keys, "tasks": case_tasks, "sft": case_sft,
-         "rl": case_rl, "sweep": case_sweep, "report": case_report, "compare": case_compare,
+         "serve": case_serve, "deploy": case_deploy, "keys": case_keys, "tasks": case_tasks, "losses": case_losses,
+         "sft": case_sft, "rl": case_rl, "sweep": case_sweep, "report": case_report, "compare": case_compare,
          **{f"bench {name}": case_bench(name) for name in BENCHMARKS}}
 
 

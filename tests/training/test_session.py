@@ -105,7 +105,7 @@ def _group_datums(tok, seed=0):
 def test_shared_prompts_give_the_same_logprobs_and_gradients(tiny_policy, attention):
     """Packing a group's completions behind one copy of their prompt is an optimisation only: log-probs and
     gradients equal those of one row per datum."""
-    from heterorl.engines.logprobs import prompt_groups, should_pack
+    from heterorl.engines.packing import plan, prompt_groups
 
     model, tok = tiny_policy
     model = copy.deepcopy(model)
@@ -113,7 +113,7 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients(tiny_policy, attent
     datums = _group_datums(tok)
     groups = prompt_groups([d.tokens for d in datums], [d.prompt_len for d in datums])
     assert sorted(len(g) for g in groups) == [1, 4, 4]
-    assert should_pack(model, [d.tokens for d in datums], [d.prompt_len for d in datums], groups)
+    assert plan(model, [d.tokens for d in datums], [d.prompt_len for d in datums]).shared_prompts
     results = {}
     for share in (False, True):
         client = TrainingClient(model, tok, share_prompts=share)
@@ -129,22 +129,22 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients(tiny_policy, attent
     assert torch.allclose(packed_grad, plain_grad, rtol=1e-4, atol=1e-7)
 
 
-def test_packing_is_skipped_where_it_cannot_help(tiny_policy, monkeypatch):
-    from heterorl.engines.logprobs import prompt_groups, should_pack
+def test_prompts_are_shared_only_where_it_helps(tiny_policy, monkeypatch):
+    from heterorl.engines.packing import plan
 
     model, tok = tiny_policy
     lone = _datums(tok)  # three different prompts: nothing to share
     tokens, lens = [d.tokens for d in lone], [d.prompt_len for d in lone]
-    assert not should_pack(model, tokens, lens, prompt_groups(tokens, lens))
+    assert not getattr(plan(model, tokens, lens), "shared_prompts", False)
     grouped = _group_datums(tok)
     shared, shared_lens = [d.tokens for d in grouped], [d.prompt_len for d in grouped]
-    groups = prompt_groups(shared, shared_lens)
-    assert should_pack(model, shared, shared_lens, groups)
+    assert plan(model, shared, shared_lens).shared_prompts
     other = copy.deepcopy(model)
-    other.config._attn_implementation = "flash_attention_2"  # takes no custom 4D mask
-    assert not should_pack(other, shared, shared_lens, groups)
-    monkeypatch.setattr("heterorl.engines.logprobs.PACK_MAX_MASK", 100)  # the mask would outgrow its memory budget
-    assert not should_pack(model, shared, shared_lens, groups)
+    other.config._attn_implementation = "flash_attention_2"  # takes no custom 4D mask: position ids, one row
+    varlen = plan(other, shared, shared_lens)
+    assert not varlen.shared_prompts and len(varlen.rows) == 1
+    monkeypatch.setattr("heterorl.engines.packing.PACK_MAX_MASK", 100)  # the mask would outgrow its memory budget
+    assert plan(model, shared, shared_lens) is None
 
 
 def test_sampling_client_is_a_frozen_versioned_snapshot(training, tiny_policy):
