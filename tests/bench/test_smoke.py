@@ -204,3 +204,23 @@ def test_the_stream_bench_weights_occupancy_by_time_not_by_how_often_it_looked(m
     occupancy.set(2)
     # 0 for 1 s, 4 for 0.5 s, 2 for 2.5 s: (0 + 2 + 5) / 4
     assert occupancy.mean() == 7 / 4
+
+
+def test_bench_learner_prints_its_paths_against_the_full_logits():
+    out = run_cli("bench", "learner", "--models", "add3-sft-base", "--groups", "2", "--group-size", "2",
+                  "--prompt-tokens", "5", "--completion-tokens", "6", "--completion-spread", "0.5", "--repeats", "1",
+                  "--threads", "1", "--tokens-per-microbatch", "12", "--paths", "chunked+micro,chunked+bf16")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if "tokens/s" in line]
+    assert len(lines) == 3 and "full logits" in lines[0] and "(1.00x)" in lines[0], out.stdout
+    deltas = [float(line.rsplit(" ", 1)[1]) for line in lines]
+    assert "micro-batches of 12 tokens" in lines[1] and deltas[1] < 1e-4, out.stdout  # float32: the same log-probs
+    assert "bfloat16" in lines[2] and deltas[2] > 0, out.stdout  # (its mismatch is printed, not asserted)
+    assert "rows of" in out.stdout and "prompts shared" in out.stdout
+
+
+def test_bench_learner_refuses_a_device_it_cannot_see():
+    out = run_cli("bench", "learner", "--device", "cuda", "--models", "add3-sft-base")
+    assert out.returncode == 2 and "torch sees no CUDA device" in out.stderr
+    out = run_cli("bench", "learner", "--paths", "chunked,fast")
+    assert out.returncode == 2 and "--paths: unknown fast" in out.stderr
