@@ -62,6 +62,7 @@ from heterorl.files import write_atomically
 from heterorl.runs import json_text, read_metrics
 from heterorl.runtime.signals import signal_handlers
 from heterorl.runtime.supervise import stop_process
+from heterorl.sweeps.environment import run_environment
 from heterorl.sweeps.report import cell_name
 
 # A loss preset is the loss with its published defaults; "tis" is GRPO with truncated importance sampling.
@@ -316,7 +317,7 @@ class SweepRunner:
         cfg = OmegaConf.load(folder / "cell_config.yaml")
         meta = {"cell": cell.name, "task": cfg.task.name, "loss": cell.variant, "loss_name": cfg.loss.name,
                 "delay": cell.delay, "seed": cell.seed, "mode": self.spec.mode, "config_sha": digest,
-                "swept": cell.extra}
+                "swept": cell.extra, "environment": run_environment(self.spec.threads_per_cell)}
         if code == 0 and path.is_file():
             summary = {**json.loads(path.read_text()), **meta, "status": "done",
                        "metric_means": metric_means(folder / "metrics.jsonl")}

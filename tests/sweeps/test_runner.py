@@ -94,6 +94,7 @@ def test_a_miniature_of_each_committed_sweep_runs_its_own_config(tmp_path, sweep
         folder = out / "cells" / f"{loss}__dlag{k}__s0"
         summary = json.loads((folder / "summary.json").read_text())
         assert (summary["status"], summary["task"], summary["loss"], summary["steps"]) == ("done", task, loss, 2)
+        assert summary["environment"]["packages"]["torch"] and summary["environment"]["threads_per_cell"] >= 1
         steps = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()][1:]
         assert [r["staleness/versions_mean"] for r in steps] == [k, k]  # from the first step: no ramp
         assert (summary["staleness_p50"], summary["staleness_p95"], summary["staleness_max"]) == (k, k, k)
@@ -277,3 +278,15 @@ def test_a_live_cell_runs_the_real_processes_with_scaled_delays(tmp_path):
     assert (cell / "logs" / "learner.log").is_file() and (cell / "logs" / "worker-1.log").is_file()
     cfg = load_config(cell / "cell_config.yaml")
     assert cfg.delay.time_scale == 10.0 and cfg.delay.down.high_s == 28.125  # compare: the paper's S
+
+
+def test_a_cells_environment_names_what_its_bits_depend_on(tmp_path):
+    from heterorl.sweeps.environment import run_environment
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 fma avx512f amx_bf16 sse\n")
+    env = run_environment(3, cpuinfo)
+    assert env["threads_per_cell"] == 3 and env["cpu"] == "Some CPU"
+    assert env["cpu_flags"] == ["avx2", "fma", "avx512f", "amx_bf16"]  # only the ones torch's kernels choose by
+    assert env["packages"]["torch"] and env["packages"]["numpy"] and env["python"].count(".") == 2
+    assert run_environment(1, tmp_path / "missing")["cpu_flags"] == []
