@@ -122,12 +122,18 @@ class CallBook:
         import asyncio
 
         if call.done_at is None and wait_s > 0:
-            # `_finish` was the future's first done callback: once this wakes, the result is in wire form
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + wait_s
             done = asyncio.wrap_future(call.future)
             try:
                 await asyncio.wait_for(asyncio.shield(done), wait_s)
             except (TimeoutError, Exception, asyncio.CancelledError):  # (a call's own error is in call.error)
                 pass
+            # the future's done callbacks run in order, and one added before `_finish` (a training call's memory
+            # accounting, which trims the allocator) may still be running: the result is in wire form once
+            # `_finish` has run, so wait for that too, within the same deadline
+            while call.done_at is None and call.future.done() and loop.time() < deadline:
+                await asyncio.sleep(0.01)
         if call.done_at is None:
             return {"status": "pending"}
         return {"status": "done", "result": call.result} if call.error is None else {"status": "done",

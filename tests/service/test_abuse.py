@@ -455,3 +455,21 @@ def test_latest_is_each_keys_own_newest_sampler_and_sessions_are_named_and_liste
             assert out.status_code == 200, out.text
         assert bob.post("/v1/completions", json={"model": "latest", "prompt": "1", "max_tokens": 1}).status_code == 200
     service.close()
+
+
+def test_a_long_poll_answers_done_even_while_an_earlier_done_callback_still_runs():
+    """A training call's future has the memory accounting's done callback before the call book's (`_finish`,
+    which puts the result in wire form); under load that callback (it trims the allocator) ran long, and a
+    long-poll that came while it ran saw the future done and answered "pending" at once, its wait unused."""
+    from heterorl.service.calls import CallBook
+
+    book = CallBook(result_ttl_s=60, max_pending_per_session=4, max_pending=4)
+    future: Future = Future()
+    future.add_done_callback(lambda _: threading.Event().wait(0.5))  # (the accounting, slow)
+    call_id = book.submit("s", "forward", None, lambda: future)
+    finishing = threading.Thread(target=future.set_result, args=(None,))
+    finishing.start()  # (done at once; its callbacks run in that thread, the slow one first)
+    threading.Event().wait(0.1)
+    answer = asyncio.run(book.poll(book.get(call_id), wait_s=30))
+    finishing.join()
+    assert answer["status"] == "done" and "error" not in answer, answer
