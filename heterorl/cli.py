@@ -376,7 +376,7 @@ BENCHMARKS = {"engine": "engine", "losses": "losses", "transport": "transport", 
               "deltas": "deltas", "async": "async_modes", "simulate": "simulation", "service": "service",
               "reshard": "reshard", "lora": "lora", "sandbox": "sandbox",
               "serve-load": "service_load", "wan": "wan", "learner": "learner",
-              "peers": "peers"}
+              "peers": "peers", "elastic": "elastic"}
 
 
 def cmd_bench(args) -> int:

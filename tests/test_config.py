@@ -48,6 +48,7 @@ def test_round_trip_through_yaml(tmp_path):
     (["runtime.permit_calls=0"], "`runtime.permit_calls` = 0: must be > 0"),
     (['runtime.worker_prefix=["ip", "netns", "exec", "{host}"]'], "only {index}, {number} and {name}"),
     (["delay.fixed_lag_steps=2", "delay.down.bandwidth_bytes_per_s=1000"], "no bandwidth limit"),
+    (["cluster.ray.workers_per_node=0"], "`cluster.ray.workers_per_node` = 0: must be >= 1"),
 ])
 def test_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

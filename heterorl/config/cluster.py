@@ -43,6 +43,10 @@ class RayConfig:
     placement: str = "STRICT_PACK"  # the placement group strategy of the learner's ranks (one bundle per rank)
     max_restarts: int = 3  # Ray restarts a rollout worker's actor this many times (-1: without limit)
     start_timeout_s: float = 120.0  # the learner's placement and its first listening line, each within this
+    # None: runtime.workers workers, scheduled SPREAD. N: elastic, N workers on every alive node that can hold
+    # cluster.worker (nodes added to the cluster mid-run included; a node lost takes its workers with it), and
+    # runtime.workers is only how many the learner waits for at its start
+    workers_per_node: Optional[int] = None
 
     def validate(self, key: str) -> None:
         if self.placement not in PLACEMENT_STRATEGIES:
@@ -51,6 +55,9 @@ class RayConfig:
             fail(f"{key}.max_restarts", self.max_restarts, "must be >= -1 (-1: without limit, 0: never)")
         if not self.start_timeout_s > 0:
             fail(f"{key}.start_timeout_s", self.start_timeout_s, "must be > 0")
+        if self.workers_per_node is not None and self.workers_per_node < 1:
+            fail(f"{key}.workers_per_node", self.workers_per_node,
+                 "must be >= 1 (workers on each node), or null for a fixed fleet of runtime.workers")
 
 
 @dataclass

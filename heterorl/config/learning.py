@@ -241,6 +241,9 @@ class LoggingConfig:
     wandb_group: Optional[str] = None  # runs of one sweep share a group
     progress: bool = True
     save_policy: bool = True  # save the trained policy folder in the run dir at the end
+    # the live learner writes RUN_DIR/groups.jsonl: a line per group trained (its worker, versions, and when it
+    # was generated, arrived and trained); `heterorl bench elastic` reads it
+    group_log: bool = False
 
     def validate(self, key: str = "logging") -> None:
         one_of(f"{key}.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))

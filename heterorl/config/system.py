@@ -419,11 +419,11 @@ class RuntimeConfig:
                 fail(f"{key}.worker_prefix", word, f"only {{index}}, {{number}} and {{name}} are filled in ({exc!r})")
 
 
-def worker_command_word(word: str, index: int) -> str:
-    """A word of `RuntimeConfig.worker_prefix` for worker ``index``."""
+def worker_command_word(word: str, index: int, name: str | None = None) -> str:
+    """A word of `RuntimeConfig.worker_prefix` for worker ``index``, named ``name`` (else ``worker-{index}``)."""
     if not isinstance(word, str):
         raise ValueError("each word of the prefix is a string")
-    return word.format(index=index, number=index + 1, name=f"worker-{index}")
+    return word.format(index=index, number=index + 1, name=name or f"worker-{index}")
 
 
 @dataclass

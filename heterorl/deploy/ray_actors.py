@@ -32,6 +32,17 @@ LISTENING = "learner listening on "  # the line a learner prints once bound (het
 _PR_SET_PDEATHSIG = 1
 
 
+def _write_private(path: Path, text: str) -> None:
+    """``text`` into ``path`` (mode 0600, its folder 0700), whole or not at all: written under another name, then
+    renamed (a learner re-reading its allowed keys never reads half a key)."""
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as f:
+        f.write(text)
+    os.replace(partial, path)
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: SIGKILL when the thread that started it (the actor's main thread) exits."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -69,11 +80,7 @@ class RunProcess:
             return None
         folder = Path(tempfile.mkdtemp(prefix="heterorl-keys-"))  # mode 0700
         for file_name, text in keys.items():
-            path = folder / file_name
-            path.parent.mkdir(mode=0o700, exist_ok=True)
-            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(descriptor, "w") as f:
-                f.write(text)
+            _write_private(folder / file_name, text)
         return folder
 
     def _start(self, argv: list[str], *, python: str | None = None, prefix: list[str] | None = None,
@@ -133,6 +140,15 @@ class LearnerRank(RunProcess):
     def __init__(self, name: str, spec: dict, rank: int, world: int) -> None:
         super().__init__(name, spec)
         self.rank, self.world, self._store = rank, world, None
+        if self.keys_dir:  # (empty when every worker's key comes later, by `allow`)
+            (self.keys_dir / "allowed").mkdir(mode=0o700, exist_ok=True)
+
+    def allow(self, name: str, public_key: str) -> None:
+        """Let worker ``name`` in: its public key written into the allowed-keys folder, which the learner re-reads
+        every ``transport.keys_reload_s`` (a worker refused until then dials again: `WorkerClient._keep_alive`)."""
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"worker name {name!r} is not a plain file name")
+        _write_private(self.keys_dir / "allowed" / f"{name}.key", public_key)
 
     def host_store(self) -> tuple[str, int]:
         from torch.distributed import TCPStore

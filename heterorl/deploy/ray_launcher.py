@@ -5,10 +5,12 @@ one, checks before anything starts that some node can hold each process's resour
 ``cluster.worker``), makes the run's CurveZMQ keys, reserves a placement group with one bundle per learner rank
 (``cluster.ray.placement``), starts the ranks (`LearnerRank`), waits for rank 0's address (a free port on its
 node) and starts ``runtime.workers`` rollout workers (`RolloutWorker`, scheduled SPREAD, restarted by Ray up to
-``cluster.ray.max_restarts`` times). It then follows the run: progress from the learner's metrics, workers
-restarted or given up, the learner's exit. Logs and metrics land in the driver's run dir: written there when the
-nodes share it, gathered from the nodes when they do not. Whatever ends the run, every actor is stopped and
-killed, the placement group removed, and a local Ray shut down.
+``cluster.ray.max_restarts`` times) — or, elastic (``cluster.ray.workers_per_node``), that many on every node that
+can hold one, each worker's key allowed by the learner as it starts. It then follows the run: progress from the
+learner's metrics, workers restarted or given up, the learner's exit; elastic, nodes added to the cluster get
+their workers and the workers of a node gone are removed. Logs and metrics land in the driver's run dir: written
+there when the nodes share it, gathered from the nodes when they do not. Whatever ends the run, every actor is
+stopped and killed, the placement group removed, and a local Ray shut down.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from heterorl.errors import HeteroRLError
 from heterorl.files import write_atomically
 from heterorl.runs import keep_metrics_until
 from heterorl.runtime import launch
-from heterorl.runtime.launch import METRICS, worker_argv, worker_engines
+from heterorl.runtime.launch import METRICS, worker_argv, worker_engine
 
 POLL_S = 0.5  # between looks at the learner and the workers
+SCALE_S = 2.0  # between looks at the cluster's nodes (elastic: cluster.ray.workers_per_node)
 GATHER_S = 2.0  # between gathers of the nodes' logs, when the run dir is not shared
 # the driver's variables the nodes get (PYTHONPATH: a task of your own, task.name=pkg.mod:Class, imports there too)
 PASSED_ENV = ("WANDB_", "HF_", "TRANSFORMERS_", "HETERORL_", "TOKENIZERS_", "PYTHONPATH")
@@ -70,6 +73,26 @@ def _shown(demand: dict[str, float]) -> str:
                      for name, amount in sorted(demand.items()))
 
 
+def _holds(node: dict, demand: dict[str, float]) -> bool:
+    """Whether a node of `ray.nodes()` has, in all, what ``demand`` asks for (whatever it runs now)."""
+    return all(node["Resources"].get(name, 0) >= amount for name, amount in demand.items())
+
+
+def fitting_nodes(nodes: list[dict], cfg: Config) -> dict[str, dict]:
+    """The alive nodes of ``nodes`` (`ray.nodes()`) that can hold a rollout worker (``cluster.worker``, its custom
+    resources included), by node id: where elastic workers go."""
+    demand = _demand(cfg.cluster.worker)
+    return {node["NodeID"]: node for node in nodes if node.get("Alive") and _holds(node, demand)}
+
+
+def _keypairs(names: list[str]) -> dict[str, tuple[str, str]]:
+    """A CurveZMQ key pair for each name: {name: (public text, secret text)}."""
+    from heterorl.transport import make_keypair
+
+    with tempfile.TemporaryDirectory() as folder:
+        return {name: tuple(path.read_text() for path in make_keypair(folder, name)) for name in names}
+
+
 def check_resources(nodes: list[dict], cfg: Config) -> None:
     """HeteroRLError, naming what is missing, when no alive node of ``nodes`` (`ray.nodes()`) could ever hold a
     rollout worker, or the learner's ranks (all on one node under STRICT_PACK, one each otherwise)."""
@@ -80,7 +103,7 @@ def check_resources(nodes: list[dict], cfg: Config) -> None:
               if pack else "a learner rank (cluster.learner)",
               _demand(cfg.cluster.learner, cfg.runtime.learner_ranks if pack else 1))]
     for who, demand in wants:
-        if any(all(node["Resources"].get(name, 0) >= amount for name, amount in demand.items()) for node in alive):
+        if any(_holds(node, demand) for node in alive):
             continue
         missing = [name for name in demand if not any(name in node["Resources"] for node in alive)]
         have = "; ".join(_shown({k: v for k, v in node["Resources"].items()
@@ -129,7 +152,8 @@ class RayRun:
     def __init__(self, ray, cfg: Config, *, resume: bool, progress, say=None) -> None:
         self.ray, self.cfg, self.resume, self.progress = ray, cfg, resume, progress
         self.run_dir = Path(cfg.logging.run_dir)
-        self.names = [f"worker-{i}" for i in range(cfg.runtime.workers)]
+        self.per_node = cfg.cluster.ray.workers_per_node  # None: the fixed fleet below; N: elastic
+        self.names = [] if self.per_node else [f"worker-{i}" for i in range(cfg.runtime.workers)]
         self.files = _Files(ray, self.run_dir)
         self.events = (self.run_dir / "logs" / "ray_events.jsonl")
         self.ranks: list = []
@@ -137,7 +161,13 @@ class RayRun:
         self.seen: dict[str, float] = {}  # each worker's actor start time (a new one: Ray restarted it)
         self.restarts: dict[str, int] = {}
         self.given_up: dict[str, str] = {}
+        self.on_node: dict[str, list[str]] = {}  # elastic: each node's workers, while the node is alive
+        self.nodes_added: list[str] = []  # elastic: the nodes that got workers after the run started
+        self.removed: list[str] = []  # elastic: the workers of nodes gone (not given up: their node left)
         self.placement = None
+        self._worker_spec: dict = {}
+        self._endpoint = ""
+        self._learner_public = ""
         self._say = say or (lambda line: print(line, file=sys.stderr, flush=True))
 
     # -- placing and starting ------------------------------------------------------------------------------------
@@ -147,20 +177,28 @@ class RayRun:
                 "files": files or {}}
 
     def _keys(self) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
-        """The run's CurveZMQ keys (none when ``transport.allow_plaintext``): the learner's files, each worker's."""
+        """The run's CurveZMQ keys (none when ``transport.allow_plaintext``): the learner's files, each worker's
+        of the fixed fleet (an elastic worker's are made as it starts: `_allow`)."""
         if self.cfg.transport.allow_plaintext:
             return {}, {name: {} for name in self.names}
-        from heterorl.transport import make_keypair
+        pairs = _keypairs(["learner", *self.names])
+        self._learner_public = pairs["learner"][0]
+        learner = {"learner.key_secret": pairs["learner"][1],
+                   **{f"allowed/{name}.key": pairs[name][0] for name in self.names}}
+        return learner, {name: self._worker_key_files(name, pairs[name][1]) for name in self.names}
 
-        with tempfile.TemporaryDirectory() as folder:
-            texts = {}
-            for name in ["learner", *self.names]:
-                public, secret = make_keypair(folder, name)
-                texts[name] = (public.read_text(), secret.read_text())
-        learner = {"learner.key_secret": texts["learner"][1],
-                   **{f"allowed/{name}.key": texts[name][0] for name in self.names}}
-        return learner, {name: {f"{name}.key_secret": texts[name][1], "learner.key": texts["learner"][0]}
-                         for name in self.names}
+    def _worker_key_files(self, name: str, secret: str) -> dict[str, str]:
+        return {f"{name}.key_secret": secret, "learner.key": self._learner_public}
+
+    def _allow(self, names: list[str]) -> dict[str, dict[str, str]]:
+        """Key pairs for workers that did not exist when the learner started, their public keys written into its
+        allowed-keys folder (`LearnerRank.allow`; it re-reads that within ``transport.keys_reload_s``, and a worker
+        refused until then dials again within its connect timeout): each worker's files."""
+        if self.cfg.transport.allow_plaintext:
+            return {name: {} for name in names}
+        pairs = _keypairs(names)
+        self.ray.get([self.ranks[0].allow.remote(name, pairs[name][0]) for name in names], timeout=30)
+        return {name: self._worker_key_files(name, pairs[name][1]) for name in names}
 
     def _place_learner(self) -> None:
         from ray.util.placement_group import placement_group
@@ -209,17 +247,82 @@ class RayRun:
             raise HeteroRLError(str(exc.cause)) from None
 
     def _start_workers(self, spec: dict, worker_keys: dict, endpoint: str) -> None:
+        """The fixed fleet, scheduled SPREAD; elastic, ``workers_per_node`` on each node that can hold them."""
+        self._worker_spec, self._endpoint = spec, endpoint
+        if self.per_node:
+            self._scale(mid_run=False)
+        for name in self.names:
+            self._start_worker(name, worker_keys[name], "SPREAD")
+
+    def _start_worker(self, name: str, keys: dict[str, str], strategy) -> None:
+        """One `RolloutWorker` actor. Its index (engine, throttle, prefix: ``runtime.engines[i % len]`` ...) is the
+        count of workers started before it in this run."""
         from heterorl.deploy.ray_actors import RolloutWorker
 
-        cfg = self.cfg
-        actor = self.ray.remote(RolloutWorker)
-        for i, (name, engine) in enumerate(zip(self.names, worker_engines(cfg))):
-            python = cfg.runtime.vllm_python if engine == "vllm" else None
-            prefix = [worker_command_word(word, i) for word in cfg.runtime.worker_prefix]
-            options = {**_options(cfg.cluster.worker), "max_restarts": cfg.cluster.ray.max_restarts}
-            self.workers[name] = actor.options(**options, scheduling_strategy="SPREAD").remote(
-                name, {**spec, "keys": worker_keys[name]}, worker_argv(cfg, i, endpoint, engine),
-                None if python is None else str(Path(python).expanduser().absolute()), prefix)
+        cfg, index = self.cfg, len(self.workers)
+        engine = worker_engine(cfg, index)
+        python = cfg.runtime.vllm_python if engine == "vllm" else None
+        prefix = [worker_command_word(word, index, name) for word in cfg.runtime.worker_prefix]
+        argv = worker_argv(cfg, index, self._endpoint, engine)
+        argv[argv.index("--worker-id") + 1] = name  # (an elastic worker is named by its node, not by its index)
+        options = {**_options(cfg.cluster.worker), "max_restarts": cfg.cluster.ray.max_restarts}
+        self.workers[name] = self.ray.remote(RolloutWorker).options(**options, scheduling_strategy=strategy).remote(
+            name, {**self._worker_spec, "keys": keys}, argv,
+            None if python is None else str(Path(python).expanduser().absolute()), prefix)
+
+    # -- elastic: a fleet that follows the cluster's nodes -------------------------------------------------------
+    def _scale(self, mid_run: bool = True) -> None:
+        """The workers of each node no longer alive removed; ``workers_per_node`` started on each alive node that
+        can hold a worker and has none yet (a node that comes back has a new node id)."""
+        nodes = self.ray.nodes()
+        alive = {node["NodeID"] for node in nodes if node.get("Alive")}
+        for node_id in [node_id for node_id in self.on_node if node_id not in alive]:
+            self._remove_node(node_id)
+        for node_id, node in fitting_nodes(nodes, self.cfg).items():
+            if node_id not in self.on_node:
+                self._add_node(node_id, node, mid_run)
+
+    def _add_node(self, node_id: str, node: dict, mid_run: bool) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        names = [f"worker-{node_id[:8]}-{k}" for k in range(self.per_node)]
+        try:
+            keys = self._allow(names)
+        except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+            return  # the learner is gone or busy: `_learner_exit` tells which; else tried again at the next look
+        for name in names:  # on that node only: Ray must not restart one elsewhere, where its node's workers run
+            self._start_worker(name, keys[name], NodeAffinitySchedulingStrategy(node_id, soft=False))
+        self.on_node[node_id] = names
+        self._event("node_added", node_id, node_id=node_id, ip=node.get("NodeManagerAddress"), workers=names)
+        if mid_run:
+            self.nodes_added.append(node_id)
+            self._say(f"heterorl train: Ray node {node_id[:12]} ({node.get('NodeManagerAddress')}) joined the "
+                      f"cluster: started {', '.join(names)}")
+
+    def _remove_node(self, node_id: str) -> None:
+        """A node gone: its workers removed from the fleet and their actors killed (not left to Ray, which may
+        keep an actor bound to a dead node restarting)."""
+        names = self.on_node.pop(node_id)
+        for name in names:
+            with contextlib.suppress(Exception):
+                self.ray.kill(self.workers[name], no_restart=True)
+            if name not in self.given_up:
+                self.removed.append(name)
+        self._event("node_removed", node_id, node_id=node_id, workers=names)
+        self._say(f"heterorl train: Ray node {node_id[:12]} is gone: {', '.join(names)} removed; the run goes on "
+                  f"with {len(self._live())} worker(s)")
+
+    def _node_lost(self, name: str) -> bool:
+        """Whether elastic worker ``name``'s node is no longer alive (its workers are then removed, not given
+        up, at the next `_scale`)."""
+        node_id = next((node_id for node_id, names in self.on_node.items() if name in names), None)
+        return node_id is not None and not any(node["NodeID"] == node_id and node.get("Alive")
+                                               for node in self.ray.nodes())
+
+    def _live(self) -> dict[str, object]:
+        """The workers neither given up nor removed."""
+        return {name: actor for name, actor in self.workers.items()
+                if name not in self.given_up and name not in self.removed}
 
     # -- following -----------------------------------------------------------------------------------------------
     def _event(self, event: str, name: str, status: dict | None = None, **more) -> None:
@@ -233,8 +336,7 @@ class RayRun:
     def _check_workers(self) -> None:
         """Note the workers Ray restarted and those it gave up (all given up: HeteroRLError)."""
         ray = self.ray
-        live = {name: actor for name, actor in self.workers.items() if name not in self.given_up}
-        refs = {name: actor.status.remote() for name, actor in live.items()}
+        refs = {name: actor.status.remote() for name, actor in self._live().items()}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=5)
         ready = set(ready)
         for name, ref in refs.items():
@@ -242,12 +344,15 @@ class RayRun:
                 continue  # restarting, or waiting for room on a node
             try:
                 status = ray.get(ref)
-            except ray.exceptions.ActorDiedError as exc:
+            except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnschedulableError) as exc:
+                # (unschedulable: an elastic worker's actor, bound to its node, restarted by Ray once the node died)
+                if self.per_node and self._node_lost(name):
+                    continue  # removed with its node by `_scale`
                 self.given_up[name] = str(exc).splitlines()[0]
                 self._event("given_up", name, reason=self.given_up[name])
                 self._say(f"heterorl train: {name}'s actor died and Ray will not restart it (cluster.ray."
                           f"max_restarts={self.cfg.cluster.ray.max_restarts}): given up; the run goes on with "
-                          f"{len(self.workers) - len(self.given_up)} worker(s). {self.given_up[name]}")
+                          f"{len(self._live())} worker(s). {self.given_up[name]}")
                 continue
             except ray.exceptions.RayActorError:
                 continue
@@ -257,7 +362,7 @@ class RayRun:
                     self._say(f"heterorl train: Ray restarted {name} on {status['hostname']} ({status['ip']})")
                 self.seen[name] = status["started_at"]
                 self._event("restarted" if status["restarted"] else "placed", name, status)
-        if len(self.given_up) == len(self.workers):
+        if not self.per_node and len(self.given_up) == len(self.workers):  # (elastic: nodes may come)
             raise HeteroRLError("every rollout worker's actor died and was given up; the last: "
                                 f"{list(self.given_up.values())[-1]}")
 
@@ -273,7 +378,7 @@ class RayRun:
     def _follow(self) -> None:
         metrics = self.run_dir / METRICS
         seen = metrics.stat().st_size if self.files.shared and metrics.exists() else 0  # (else gathered afresh)
-        gathered_at = 0.0
+        gathered_at, scaled_at = 0.0, time.monotonic()
         while True:
             self.files.gather(self.ranks[0], METRICS)
             seen = launch.follow_metrics(self.run_dir / METRICS, seen, self.progress)
@@ -289,6 +394,9 @@ class RayRun:
                     raise HeteroRLError(f"the learner failed (exit {status}); log {self.run_dir}/logs/learner.log "
                                         f"(on its node):\n{tail}")
                 return
+            if self.per_node and time.monotonic() - scaled_at > SCALE_S:
+                self._scale()
+                scaled_at = time.monotonic()
             self._check_workers()
             time.sleep(POLL_S)
 
@@ -325,13 +433,14 @@ class RayRun:
             (self.run_dir / marker).unlink(missing_ok=True)
             launch.record_restarts(self.run_dir, self.restarts, launcher={
                 "name": "ray", "nodes": sum(n.get("Alive", False) for n in ray.nodes()), "start_s": start_s,
-                "given_up": self.given_up, "shared_run_dir": self.files.shared})
+                "given_up": self.given_up, "shared_run_dir": self.files.shared, "nodes_added": self.nodes_added,
+                "workers_removed": self.removed})
 
     def _wait_for_workers(self, timeout_s: float) -> None:
         """They leave on the learner's bye; wait for them a while."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            refs = [actor.status.remote() for name, actor in self.workers.items() if name not in self.given_up]
+            refs = [actor.status.remote() for actor in self._live().values()]
             try:
                 if all(status["exit"] is not None for status in self.ray.get(refs, timeout=10)):
                     return
@@ -381,7 +490,7 @@ def ray_session(ray, address: str | None, cfg: Config):
     try:
         if started_here:
             wanted = (cfg.cluster.learner.num_cpus * cfg.runtime.learner_ranks
-                      + cfg.cluster.worker.num_cpus * cfg.runtime.workers)
+                      + cfg.cluster.worker.num_cpus * (cfg.cluster.ray.workers_per_node or cfg.runtime.workers))
             # "local": a Ray of its own, even where a cluster started by `ray start` runs on this machine (without
             # it, ray.init joins that one, and refuses the num_cpus given for a new one)
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(wanted + 0.999)),

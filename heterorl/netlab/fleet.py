@@ -99,17 +99,22 @@ class LabFleet:
 
     def times(self, name: str, pattern: str) -> list[float]:
         """Wall-clock times (seconds since the epoch) of the lines of ``name``'s log that contain ``pattern``."""
-        found = []
-        path = self.log(name)
-        if not path.is_file():
-            return found
-        for line in path.read_text(errors="replace").splitlines():
-            stamp = _STAMP.match(line)
-            if stamp and pattern in line:
-                found.append(datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp())
-        return found
+        return log_times(self.log(name), pattern)
 
     def first_after(self, name: str, pattern: str, after: float) -> float | None:
         """Seconds from ``after`` (wall clock) to the first line of ``name``'s log with ``pattern`` since."""
         later = [t - after for t in self.times(name, pattern) if t >= after - 0.001]
         return min(later) if later else None
+
+
+def log_times(path: Path, pattern: str) -> list[float]:
+    """Wall-clock times (seconds since the epoch) of the lines of the heterorl log at ``path`` (each stamped by its
+    logging format) that contain ``pattern``; none when there is no log."""
+    found = []
+    if not path.is_file():
+        return found
+    for line in path.read_text(errors="replace").splitlines():
+        stamp = _STAMP.match(line)
+        if stamp and pattern in line:
+            found.append(datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp())
+    return found

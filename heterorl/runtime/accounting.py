@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 
 from heterorl.rollout.spans import turn_metrics
-from heterorl.runs import RunResult, format_table, idle_fraction, outcomes_line, without_update_note
+from heterorl.runs import RunResult, format_table, idle_fraction, json_text, outcomes_line, without_update_note
 
 if TYPE_CHECKING:
     from heterorl.runtime.buffer import Group, GroupBuffer
@@ -236,6 +236,31 @@ def rollout_waste(*, generated: int, trained: int, buffer: GroupBuffer, left_ove
     share = (lambda n: n / generated) if generated else (lambda n: 0.0)
     return {"generated": generated, "trained": trained, "discarded": discarded, "left_over": left_over,
             "discarded_frac": share(sum(discarded.values())), "wasted_frac": share(max(0, generated - trained))}
+
+
+GROUP_LOG = "groups.jsonl"  # logging.group_log: one line per group the live learner trained
+
+
+def group_records(groups: list[Group], staleness: list[int], *, step: int, version: int, train_start: float,
+                  trained_at: float) -> list[dict]:
+    """One record per group trained at ``step`` from weights ``version``: the worker that sampled it, its id, its
+    oldest token version and staleness (versions), its trajectories, when it was generated (the worker's clock:
+    first start, last end), when its last member arrived and when the step that trained it began and ended (the
+    learner's wall clock). `heterorl bench elastic` builds its timeline from these."""
+    return [{"step": step, "version": version, "worker": g.trajectories[0].sampler_id, "group_id": g.group_id,
+             "oldest_version": g.oldest_version, "staleness": int(lag), "trajectories": len(g.trajectories),
+             "generation_start": min(t.generation_start for t in g.trajectories),
+             "generation_end": max(t.generation_end for t in g.trajectories),
+             "received_at": max(t.received_at for t in g.trajectories),
+             "train_start": train_start, "trained_at": trained_at}
+            for g, lag in zip(groups, staleness)]
+
+
+def append_group_records(path: Path, records: list[dict]) -> None:
+    """Append ``records`` to the group log at ``path``, one JSON line each, written whole and flushed (a learner
+    killed mid-step leaves at most its last line cut, which `heterorl.runs.keep_metrics_until` drops on resume)."""
+    with path.open("a") as f:
+        f.write("".join(json_text(r) + "\n" for r in records))
 
 
 def waste_line(rollouts: dict) -> str:

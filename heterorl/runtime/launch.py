@@ -29,6 +29,7 @@ from heterorl.config import Config, to_yaml, worker_command_word
 from heterorl.errors import HeteroRLError
 from heterorl.files import write_atomically
 from heterorl.runs import json_text, keep_metrics_until, setup_run
+from heterorl.runtime.accounting import GROUP_LOG
 from heterorl.runtime.signals import signal_handlers, stop_after_step
 from heterorl.runtime.supervise import Child, WorkerFleet
 
@@ -135,7 +136,8 @@ def serve_learner(cfg: Config, bind: str, *, curve=None, resume: bool = False, a
         return None
     checkpoint = read_checkpoint(run_dir, cfg.policy.device) if resume else None
     if checkpoint is not None:
-        keep_metrics_until(run_dir / METRICS, checkpoint.state.step)  # each step is logged once
+        for logged in (METRICS, GROUP_LOG):  # each step is logged once
+            keep_metrics_until(run_dir / logged, checkpoint.state.step)
     task, training, logger, run_dir = setup_run(cfg, "learner", cfg.rl.base or cfg.policy.model, append=resume,
                                                 data_parallel=True)
     server = _learner_server(cfg, learner_addresses(cfg, bind, resume), training, curve=curve,

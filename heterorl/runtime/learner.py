@@ -35,7 +35,16 @@ from heterorl.errors import HeteroRLError
 from heterorl.rollout.episodes import EpisodeLimits
 from heterorl.rollout.spans import policy_token_weights
 from heterorl.runs import StepRecorder, finish_run, idle_fraction
-from heterorl.runtime.accounting import LearnerResult, RunTally, rollout_waste, step_metrics, weights_summary
+from heterorl.runtime.accounting import (
+    GROUP_LOG,
+    LearnerResult,
+    RunTally,
+    append_group_records,
+    group_records,
+    rollout_waste,
+    step_metrics,
+    weights_summary,
+)
 from heterorl.runtime.buffer import Group, Pacer
 from heterorl.runtime.checkpoints import (
     CHECKPOINTS,
@@ -339,8 +348,9 @@ class Learner:
 
     def optimise(self, groups: list[Group], staleness: list[int], version: int) -> dict:
         """Train every rank on the batch (`optimize_batch`); tally it by engine, keep what the loss refused, note
-        its trajectories as trained; the optimiser's and the engines' metrics."""
-        cfg = self.cfg
+        its trajectories as trained (and, under ``logging.group_log``, each group in ``RUN_DIR/groups.jsonl``); the
+        optimiser's and the engines' metrics."""
+        cfg, train_start = self.cfg, time.time()
         _, datums, _ = self.ranks.share(("train", group_datums(groups), self.training.version))
         skipped: list[SkippedUpdate] = []
         fresh: dict[int, list[float]] = {}
@@ -351,6 +361,10 @@ class Learner:
         self._keep_skipped(groups, skipped)
         self.inbox.mark_trained(groups)
         self._trained_here += len(datums)
+        if cfg.logging.group_log:
+            append_group_records(self.run_dir / GROUP_LOG, group_records(
+                groups, staleness, step=self.state.step + 1, version=version, train_start=train_start,
+                trained_at=time.time()))
         return metrics
 
     def _keep_skipped(self, groups: list[Group], skipped: list[SkippedUpdate]) -> None:

@@ -41,6 +41,26 @@ def permit_share(rate: float | None, fleet: tuple[float, int] | None, ahead: int
     return max(1, round(ahead * workers * rate / total))
 
 
+def share_out(wants: list[int], pool: int, turn: int) -> tuple[list[int], int]:
+    """``pool`` permits shared among workers wanting ``wants``, and whose turn is next: each its want when the
+    pool has them all; otherwise in proportion to the wants (so to speed: a want is a share of the cap less what
+    is held unused), the remainder one each in turn from the worker at ``turn`` (modulo their number), the turn
+    passing on with each. Before, the pool went to the workers in the registry's order: while the learner was
+    the bottleneck and the pool short, the first to join took most of it."""
+    total = sum(wants)
+    if total <= pool:
+        return list(wants), turn
+    given = [pool * want // total for want in wants]
+    left = pool - sum(given)
+    while left > 0:  # ends: the wants exceed the pool
+        turn %= len(wants)
+        if given[turn] < wants[turn]:
+            given[turn] += 1
+            left -= 1
+        turn += 1
+    return given, turn
+
+
 class Admission:
     """The fleet's permits: ``cap`` groups in all (None: no admission control), ``granted`` so far, ``refused``
     (started on a permit of the cap, never to be trained), ``ahead`` unused ones per delivering worker at most;
@@ -56,6 +76,7 @@ class Admission:
         self.ahead, self.local_threads = 1, 0  # permits a worker may hold; threads advised (0: none)
         self.max_lag: int | None = None  # versions a worker's weights may lag its newest and still get permits
         self.awaited_version = -1  # sync mode: the version every worker waits for before it may sample again
+        self._turn = 0  # whose turn it is to get a permit first when the pool is short (`share_out`)
         self._granted_at: float | None = None  # when `grant_all` last ran (the lease clocks' tick)
 
     def set(self, cap: int | None, ahead: int, max_lag: int | None = None) -> None:
@@ -276,13 +297,16 @@ class Admission:
                 self.reclaim_cap_permits(worker)
         fleet = self.fleet_rate(delivering)
         out = sum(w.probation_since >= 0 for w in live)
+        topped, wants = [], []
         for worker in delivering:
             if worker.probation_since >= 0 and not worker.probation_group:  # delivering now: the cap is its share
                 self.reclaim(worker)
-            if self.lagging(worker):
-                continue
-            want = permit_share(worker.start_rate(), fleet, self.ahead) - self._unused(worker)
-            self._give(worker, min(want, self.pool()))
+            if not self.lagging(worker):
+                topped.append(worker)
+                wants.append(max(0, permit_share(worker.start_rate(), fleet, self.ahead) - self._unused(worker)))
+        counts, self._turn = share_out(wants, max(0, self.pool()), self._turn)
+        for worker, count in zip(topped, counts):
+            self._give(worker, count)
         for worker in on_probation:
             if out >= self.config.probation_permits:
                 break

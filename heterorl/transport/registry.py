@@ -231,6 +231,8 @@ class WorkerRegistry:
                 self.by_routing.pop(worker.routing_id, None)
                 self.events("rejoined", "worker %s rejoined from %s (pid %d)", hello.worker_id, hello.host,
                             hello.pid)
+            elif not worker.alive:  # taken for dead, it said hello again on its connection (a frozen host thawed)
+                self.events("back", "worker %s is back (hello again)", hello.worker_id)
             worker.routing_id, worker.host, worker.pid = routing_id, hello.host, hello.pid
         self.by_routing[routing_id] = hello.worker_id
         worker.last_seen, worker.alive, worker.version_held = now, True, hello.version_held

@@ -15,7 +15,7 @@ import pytest
 
 from heterorl.config import load_config
 from heterorl.deploy import ray_launcher
-from heterorl.deploy.ray_launcher import check_resources
+from heterorl.deploy.ray_launcher import check_resources, fitting_nodes
 from heterorl.errors import HeteroRLError
 from tests.conftest import ENV, REPO, maze_run, run_cli, wait_until
 
@@ -127,6 +127,87 @@ def test_a_failed_worker_is_restarted_by_ray_and_a_learner_that_dies_stops_the_w
     assert processes_of(run) == []
 
 
+def groups_of(run_dir: Path) -> list[dict]:
+    path = run_dir / "groups.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_an_elastic_fleet_grows_onto_an_added_node_and_shrinks_with_a_removed_one(tmp_path, monkeypatch):
+    """cluster.ray.workers_per_node=1 on the drill's cluster with one rollout node: after step 2 a second rollout
+    node is added, and the driver starts a worker there (its CURVE key allowed by the running learner) that joins
+    and is trained from; then the first node is removed without warning, and its worker is removed from the fleet
+    (not restarted, not given up) while the run goes on. Nothing generated is lost, no group is trained twice."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from ray_cluster_drill import OVERRIDES, learner_step
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    run = tmp_path / "run"
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"learner_node": 1},
+        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
+    head, driver = cluster.head_node.node_id, None
+    try:
+        first = cluster.add_node(num_cpus=2, resources={"rollout_node": 2})
+        cluster.wait_for_nodes()
+        with (tmp_path / "driver.log").open("wb") as log:
+            driver = subprocess.Popen([sys.executable, "-m", "heterorl.cli", "train", "--launcher", "ray",
+                                       "--address", cluster.address, "--config", "maze_rl.yaml", *OVERRIDES,
+                                       f"logging.run_dir={run}", "cluster.ray.workers_per_node=1", "runtime.workers=1",
+                                       "logging.group_log=true"],
+                                      stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=REPO)
+
+        def running(what: str):
+            return lambda: f"{what}; driver exit {driver.poll()}:\n{(tmp_path / 'driver.log').read_text()[-3000:]}"
+
+        def placed_on(node_id: str):
+            return next((e["name"] for e in events(run) if e["event"] == "placed" and e["node_id"] == node_id), None)
+
+        wait_until(lambda: learner_step(run) >= 2, 240, running("learner step 2"), step_s=0.2)
+        second = cluster.add_node(num_cpus=2, resources={"rollout_node": 2})
+        joiner = wait_until(lambda: placed_on(second.node_id), 120, running("a worker on the added node"), step_s=0.2)
+        wait_until(lambda: f"worker {joiner} joined" in (run / "logs" / "learner.log").read_text(), 120,
+                   running(f"{joiner} joining the learner"), step_s=0.2)
+        wait_until(lambda: any(g["worker"] == joiner for g in groups_of(run)), 120,
+                   running(f"a group of {joiner} trained"), step_s=0.2)
+        cluster.remove_node(first, allow_graceful=False)
+        removed = wait_until(lambda: next((e for e in events(run) if e["event"] == "node_removed"), None), 120,
+                             running("the first node's workers removed"), step_s=0.2)
+        step = learner_step(run)
+        wait_until(lambda: learner_step(run) >= step + 2, 120, running("2 steps after the removal"), step_s=0.2)
+        driver.send_signal(signal.SIGINT)  # as Ctrl-C
+        assert driver.wait(120) == 130, (tmp_path / "driver.log").read_text()[-3000:]
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            alive = [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
+        finally:
+            ray.shutdown()
+    finally:
+        if driver is not None and driver.poll() is None:
+            driver.kill()
+        cluster.shutdown()
+    names = {node.node_id: f"worker-{node.node_id[:8]}-0" for node in (first, second)}
+    placed = {e["name"]: e["node_id"] for e in events(run) if e["event"] == "placed"}
+    assert placed == {"learner": head, **{name: node for node, name in names.items()}}
+    added = {e["node_id"]: e["workers"] for e in events(run) if e["event"] == "node_added"}
+    assert added == {node: [name] for node, name in names.items()} and joiner == names[second.node_id]
+    assert removed["node_id"] == first.node_id and removed["workers"] == [names[first.node_id]]
+    groups = groups_of(run)
+    assert sum(g["worker"] == joiner for g in groups) >= 1
+    assert len({(g["worker"], g["group_id"]) for g in groups}) == len(groups)  # none trained twice
+    summary = json.loads((run / "summary.json").read_text())
+    rollouts, launcher = summary["rollouts"], summary["launcher"]
+    lost = rollouts["generated"] - rollouts["trained"] - sum(rollouts["discarded"].values()) - rollouts["left_over"]
+    assert max(0, lost) == 0, rollouts
+    assert summary["worker_restarts"] == {} and launcher["given_up"] == {}, summary
+    assert launcher["nodes_added"] == [second.node_id] and launcher["workers_removed"] == [names[first.node_id]]
+    assert alive == []
+    wait_until(lambda: processes_of(run) == [], 30, lambda: processes_of(run))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1): a node in "
                     "its own mount namespace")
@@ -232,3 +313,11 @@ def test_check_resources_names_what_no_node_has():
     check_resources([node(), node(rollout_node=1.0)], labelled)
     with pytest.raises(HeteroRLError, match="CPU=1, memory=32 GiB: no node has that much of it .* CPU=4, memory=8 GiB"):
         check_resources([node()], load_config(overrides=["cluster.worker.memory_gib=32"]))
+
+
+def test_elastic_workers_go_to_every_alive_node_that_can_hold_one():
+    cfg = load_config(overrides=["cluster.worker.resources.rollout_node=1", "cluster.worker.num_cpus=2"])
+    nodes = [{**node(learner_node=1.0), "NodeID": "head"}, {**node(rollout_node=2.0), "NodeID": "rollout"},
+             {**node(rollout_node=1.0), "NodeID": "dead", "Alive": False},
+             {**node(rollout_node=1.0, CPU=1.0), "NodeID": "small"}]
+    assert list(fitting_nodes(nodes, cfg)) == ["rollout"]

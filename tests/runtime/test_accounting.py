@@ -1,12 +1,17 @@
 """A run's accounting: the tally of what it trained, the staleness histograms and the weights block."""
 
+import json
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from heterorl.errors import HeteroRLError
+from heterorl.runs import keep_metrics_until
 from heterorl.runtime.accounting import (
+    append_group_records,
+    group_records,
     run_staleness,
     seconds_histogram,
     seconds_label,
@@ -14,6 +19,8 @@ from heterorl.runtime.accounting import (
     weights_line,
     weights_summary,
 )
+from heterorl.runtime.buffer import Group
+from tests.conftest import trajectory
 
 
 def test_seconds_fall_in_doubling_bins_listed_in_order_with_zeros():
@@ -114,3 +121,22 @@ def test_the_summary_of_a_run_stopped_before_it_measured_anything_renders(tmp_pa
                            "arrival_s_mean": nothing, "arrival_s_max": nothing}}
     text = summary_text(summary, tmp_path)
     assert "staleness mean nan versions" in text and "weights: 1 versions of 4.22 MB in float32;" in text
+
+
+def test_a_group_record_names_its_worker_versions_and_the_times_it_was_generated_arrived_and_trained(tmp_path):
+    members = [trajectory(trajectory_id=f"w3-5-{i}", group_id="w3-5", sampler_id="w3", group_size=2,
+                          policy_versions=np.array([4, 4 + i, 6], dtype=np.int32), generation_start=10.0 + i,
+                          generation_end=12.0 + 3 * i, received_at=20.0 + i) for i in range(2)]
+    other = [trajectory(group_id="w1-0", sampler_id="w1", group_size=1, version=7, received_at=21.0)]
+    records = group_records([Group("w3-5", members, 0.0), Group("w1-0", other, 0.0)], [3, 0], step=9, version=7,
+                            train_start=30.0, trained_at=31.5)
+    assert records[0] == {"step": 9, "version": 7, "worker": "w3", "group_id": "w3-5", "oldest_version": 4,
+                          "staleness": 3, "trajectories": 2, "generation_start": 10.0, "generation_end": 15.0,
+                          "received_at": 21.0, "train_start": 30.0, "trained_at": 31.5}
+    assert records[1]["worker"] == "w1" and records[1]["oldest_version"] == 7 and records[1]["staleness"] == 0
+    log = tmp_path / "groups.jsonl"
+    append_group_records(log, records[:1])
+    append_group_records(log, [dict(records[1], step=10)])
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [9, 10]
+    keep_metrics_until(log, 9)  # a learner resumed from step 9's checkpoint logs step 10 again
+    assert [json.loads(line)["group_id"] for line in log.read_text().splitlines()] == ["w3-5"]

@@ -305,6 +305,24 @@ def test_a_revoked_key_is_refused_without_a_restart_live_connections_included(tm
         revoke_key(allowed, "w9")
 
 
+def test_a_worker_that_dials_before_its_key_is_allowed_joins_once_the_learner_reads_it(tmp_path):
+    """How `heterorl train --launcher ray` lets in a worker of a node added mid-run: its key is written into the
+    running learner's allowed-keys folder as the worker starts, and a worker refused until the learner re-reads
+    that folder (``keys_reload_s``) dials again (ZeroMQ does not retry a refused CURVE handshake)."""
+    curve, curves, allowed = curve_keys(tmp_path, ("late",))
+    held = shutil.move(allowed / "late.key", tmp_path / "late.key")
+    config = TransportConfig(**QUICK, keys_reload_s=0.5)
+    with LearnerServer("tcp://127.0.0.1:0", config, curve=curve) as server:
+        client = WorkerClient(server.control_endpoint, "late", config, curve=curves["late"])
+        try:
+            wait_until(lambda: client.handshake_refused, 10, "the refused handshake")
+            shutil.move(held, allowed / "late.key")
+            client.wait_ready(20)
+            assert client.stats["redialled"] >= 1 and [w.worker_id for w in server.workers()] == ["late"]
+        finally:
+            client.close()
+
+
 def test_keys_revoke_on_the_command_line(tmp_path):
     make_keypair(tmp_path / "allowed", "w1")
     done = run_cli("keys", "revoke", "--name", "w1", "--allow-keys", str(tmp_path / "allowed"), timeout=60)

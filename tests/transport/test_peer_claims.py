@@ -2,12 +2,13 @@
 share of the permits follows the groups the learner saw arrive, and the timings its heartbeats say are clipped
 to what the learner can check before they reach the run's summary."""
 
+import logging
 from collections import Counter
 
 import pytest
 
 from heterorl.config import TransportConfig
-from heterorl.transport.admission import Admission
+from heterorl.transport.admission import Admission, share_out
 from heterorl.transport.protocol import Heartbeat, Hello
 from heterorl.transport.registry import WorkerRegistry
 
@@ -69,3 +70,47 @@ def test_the_timings_a_heartbeat_says_are_clipped_to_the_time_that_passed_and_th
     assert registry.stats["heartbeats/timings_clipped"] >= 9
     totals = registry.fleet_totals()
     assert totals["idle_s"] <= 10 + 2 * registry.config.heartbeat_timeout_s + 2.0
+
+
+def test_a_worker_taken_for_dead_that_says_hello_again_on_its_connection_is_logged_as_back(caplog):
+    """A frozen host thawed (SIGSTOP, then SIGCONT): its worker says hello again on the connection it had. The
+    learner's log says it is back (before, nothing: only a hello on a new connection was logged, as a rejoin)."""
+    registry, _, (worker,) = fleet(["frozen"])
+    assert registry.mark_dead_if_silent(worker, TransportConfig().heartbeat_timeout_s + 1.0)
+    with caplog.at_level(logging.INFO, logger="heterorl.transport"):
+        again = registry.join(Hello("frozen", "h", 1), b"frozen", None, 20.0)
+    assert again is worker and worker.alive
+    assert "worker frozen is back (hello again)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="heterorl.transport"):
+        registry.join(Hello("frozen", "h", 1), b"frozen", None, 21.0)  # alive: a hello repeated is not news
+    assert "frozen" not in caplog.text
+
+
+def test_a_short_pool_is_shared_in_proportion_to_the_wants_the_remainder_in_turn():
+    assert share_out([2, 1, 0], 5, 0) == ([2, 1, 0], 0)  # enough for all
+    assert share_out([4, 4, 2], 5, 0) == ([2, 2, 1], 0)
+    given, turn = share_out([2, 2, 2], 1, 1)
+    assert given == [0, 1, 0] and turn == 2
+    assert share_out([2, 2, 2], 1, turn) == ([0, 0, 1], 3)  # the turn passes on
+    assert share_out([0, 3], 1, 0) == ([0, 1], 0)  # a worker that wants nothing gets nothing
+
+
+def test_workers_of_one_speed_get_as_many_groups_in_whatever_order_they_joined_while_the_learner_is_the_bottleneck():
+    """The learner takes a group every 0.1 s; four workers could each finish one every 0.1 s. Each gets about
+    a quarter of the groups (before: the pool went in the registry's order, and the first to join took most)."""
+    registry, admission, workers = fleet(["first", "second", "third", "fourth"])
+    cap, now = 4, 0.0
+    admission.set(cap, 2)
+    for tick in range(1, 801):  # 40 s of 50 ms ticks
+        now = tick * 0.05
+        if tick % 2 == 0:
+            cap += 1
+            admission.set(cap, 2)
+        admission.grant_all(now, lambda worker: False)
+        for worker in workers:
+            if tick % 2 == 0 and worker.starts_granted_session - worker.permits_voided > worker.groups_session:
+                deliver(admission, worker, f"{worker.worker_id}-{tick}", now)
+    groups = [worker.groups_session for worker in workers]
+    assert sum(groups) >= 380
+    assert min(groups) >= 0.8 * max(groups), groups
