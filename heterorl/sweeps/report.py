@@ -22,6 +22,7 @@ from heterorl.sweeps.mechanism import markdown_section, plot_mechanism
 from heterorl.sweeps.plots import pyplot as _pyplot
 from heterorl.sweeps.plots import save as _save
 from heterorl.sweeps.stats import LAST_EVALS, eval_auc, last_evals_mean, mean_ci, paired_ci
+from heterorl.sweeps.tuning import tuning_section
 
 _CELL_KEYS = ("task", "loss", "delay", "seed", "base_success", "best_success", "final_success")
 
@@ -410,7 +411,9 @@ def _markdown_report(sweep: SweepResults, rows: dict[str, list[SummaryRow]], cla
         parts += markdown_section(sweep, task, plot)
     if not rows:
         parts += ["No finished cells yet.", ""]
-    parts += [*(f"- {line}" for line in _footer(sweep)), "", "## Missing or unfinished cells", ""]
+    parts += [*(f"- {line}" for line in _footer(sweep)), ""]
+    parts += tuning_section([c.summary for c in sweep.cells], sweep.losses)  # none unless labels are LOSS@SETTING
+    parts += ["## Missing or unfinished cells", ""]
     parts += [f"- `{name}`: {status}" for name, status in sweep.missing()] or ["None."]
     parts += ["", "## Plots", "", *(f"- [{p.stem}]({p.name})" for p in plots)]
     return "\n".join(parts) + "\n"
