@@ -116,6 +116,9 @@ class Loopback:
         return self.procs[name].proc.poll() is None
 
     def stop_all(self) -> None:
+        for name in self.procs:  # (a worker frozen when the scenario failed takes no SIGTERM until thawed)
+            if name != "learner":
+                self.heal(name)
         for name in ["learner", *(n for n in self.procs if n != "learner")]:
             self.procs[name].stop(timeout_s=120 if name == "learner" else 30)
 
@@ -145,9 +148,6 @@ class Lab(Loopback):
                                                               "--connect", address, "--worker-id", worker,
                                                               "--allow-plaintext", "--throttle", f"{throttle:g}"],
                                           log=self.log(worker))
-
-    def log(self, name: str) -> Path:
-        return self.folder / f"{name}.log"
 
     def kill(self, worker: str) -> None:
         self.lab.kill_host(f"worker-{LAB_HOSTS[worker]}")
