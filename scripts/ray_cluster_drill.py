@@ -35,6 +35,8 @@ from pathlib import Path
 
 from drill_support import wait
 
+from heterorl.runtime.accounting import rollouts_lost
+
 OVERRIDES = ["loss.name=gepo", "runtime.mode=async", "task.options.eval_size=8", "rollout.group_size=4",
              "rl.prompts_per_step=4", "rl.eval_every=100000", "runtime.workers=2", "runtime.groups_per_call=2",
              "runtime.checkpoint_every=5", "delay.up.kind=none", "delay.down.kind=none",
@@ -143,8 +145,7 @@ def drill(out: Path, kill_at_step: int, steps_after: int, timeout_s: float, heal
         report["rollouts"] = {"generated": rollouts["generated"], "trained": rollouts["trained"],
                               "discarded": {k: v for k, v in rollouts["discarded"].items() if v},
                               "left_over": rollouts["left_over"],
-                              "lost": max(0, rollouts["generated"] - rollouts["trained"]
-                                          - sum(rollouts["discarded"].values()) - rollouts["left_over"])}
+                              "lost": rollouts_lost(rollouts)}
         # groups the dead worker was let start and never delivered (those under way died with it), re-permitted
         report["permits_reclaimed"] = transport.get("permits_reclaimed", 0)
         report["permits_expired"] = transport.get("permits_expired", 0)

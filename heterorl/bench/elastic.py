@@ -44,8 +44,9 @@ from pathlib import Path
 
 from heterorl.bench.elastic_timeline import Action, plot, totals, windows
 from heterorl.config import load_config, packaged, to_yaml
-from heterorl.netlab.fleet import log_times
+from heterorl.netlab.fleet import await_learner_address, log_tail, log_times
 from heterorl.runs import format_table, read_metrics
+from heterorl.runtime.accounting import GROUP_LOG
 
 BASE = ["loss.name=gepo", "runtime.mode=async", "rollout.group_size=4", "rl.prompts_per_step=4",
         "runtime.groups_per_call=2", "runtime.workers=2", "rl.steps=100000", "rl.eval_every=100000",
@@ -83,7 +84,7 @@ class Loopback:
 
         self.procs["learner"] = Child("learner", ["learner", "--config", str(self.config), "--bind",
                                                   "tcp://127.0.0.1:0"], self.log("learner"))
-        return _await_address(run_dir, self.procs["learner"].proc, self.log("learner"))
+        return await_learner_address(run_dir, self.procs["learner"].proc, self.log("learner"))
 
     def start_worker(self, worker: str, address: str, throttle: float) -> None:
         from heterorl.runtime.supervise import Child
@@ -181,36 +182,10 @@ def _stop(proc, timeout_s: float) -> None:
         stop_process(proc, timeout_s)
 
 
-def _await_address(run_dir: Path, proc, log: Path, timeout_s: float = 180) -> str:
-    """The learner's control address once it listens (``RUN_DIR/endpoints.json``)."""
-    endpoints, deadline = run_dir / "endpoints.json", time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if endpoints.is_file():
-            try:
-                return json.loads(endpoints.read_text())["control"]
-            except (ValueError, KeyError):
-                pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"the learner exited ({proc.poll()}) before listening:\n{_tail(log)}")
-        time.sleep(0.1)
-    raise RuntimeError(f"the learner did not listen within {timeout_s:.0f} s:\n{_tail(log)}")
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
-
-
 def read_records(run_dir: Path) -> list[dict]:
-    path = run_dir / "groups.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:  # a line the learner was writing as it was read
-            pass
-    return records
+    """The learner's group log (`heterorl.runtime.accounting.group_records`), the lines written whole."""
+    path = run_dir / GROUP_LOG
+    return read_metrics(path) if path.is_file() else []
 
 
 class Scenario:
@@ -260,7 +235,7 @@ class Scenario:
         deadline = time.monotonic() + args.phase_timeout_s
         while True:
             if not self.hosts.alive("learner"):
-                raise RuntimeError(f"the learner exited during '{verb}':\n{_tail(self.hosts.log('learner'))}")
+                raise RuntimeError(f"the learner exited during '{verb}':\n{log_tail(self.hosts.log('learner'))}")
             if args.steps_per_phase is None:
                 if time.time() >= since + seconds:
                     return
@@ -268,7 +243,7 @@ class Scenario:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"phase '{verb} {' '.join(workers)}' did not end within {args.phase_timeout_s} s "
-                                   f"(learner step {self.steps()}):\n{_tail(self.hosts.log('learner'))}")
+                                   f"(learner step {self.steps()}):\n{log_tail(self.hosts.log('learner'))}")
             time.sleep(0.25)
 
     def run(self) -> tuple[float, float]:

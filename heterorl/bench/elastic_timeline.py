@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from heterorl.runtime.accounting import rollouts_lost
+
 # a worker's state after each action: live (generating and heard), or not
 OPENS, CLOSES = frozenset({"start", "heal"}), frozenset({"kill", "partition", "remove"})
 SETTLE_S = 10.0  # a window is steady when no action came within this long before it, nor during it
@@ -135,14 +137,6 @@ def first_trained(records: list[dict], actions: list[Action]) -> list[dict]:
     return found
 
 
-def lost(rollouts: dict) -> int:
-    """Trajectories that reached the learner and are neither trained, discarded (by reason) nor left over. The
-    learner reads the fleet's count just before what is left over, so a group arriving in between would count
-    as left over without being generated: hence the floor at 0 (scripts/ray_cluster_drill.py reads it so too)."""
-    return max(0, rollouts["generated"] - rollouts["trained"] - sum(rollouts["discarded"].values())
-               - rollouts["left_over"])
-
-
 def trained_twice(records: list[dict], dropped_trained: int) -> int:
     """Groups the log shows trained more than once, and ids the learner refused as trained already."""
     return len(records) - len({(r["worker"], r["group_id"]) for r in records}) + dropped_trained
@@ -171,7 +165,7 @@ def totals(records: list[dict], actions: list[Action], rows: list[dict], waits: 
     capacity_steady = sum(r["capacity"] * r["seconds"] for r in steady)
     ceiling = learner_rate(records, waits)
     reachable = sum(min(r["capacity"], ceiling) * r["seconds"] for r in steady)
-    twice, gone = trained_twice(records, dropped_trained), lost(rollouts)
+    twice, gone = trained_twice(records, dropped_trained), rollouts_lost(rollouts)
     waits = [j["first_trained_s"] for j in joins]
     slowest = None if None in waits or not waits else max(waits)
 

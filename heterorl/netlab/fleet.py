@@ -60,19 +60,8 @@ class LabFleet:
         self.learner = self.lab.run("learner", [*CLI, "learner", "--config", str(self.config), "--bind",
                                                 f"tcp://{LEARNER_ADDRESS}:0", *keys, *extra],
                                     log=self.log("learner"), env=self.env, cwd=self.cwd)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if endpoints.is_file() and endpoints.stat().st_mtime_ns != before:
-                try:
-                    self.address = json.loads(endpoints.read_text())["control"]
-                    return self.address
-                except (ValueError, KeyError):
-                    pass
-            if self.learner.poll() is not None:
-                raise RuntimeError(f"the learner exited ({self.learner.returncode}) before listening:\n"
-                                   f"{self.tail('learner')}")
-            time.sleep(0.1)
-        raise RuntimeError(f"the learner did not listen within {timeout_s:.0f} s:\n{self.tail('learner')}")
+        self.address = await_learner_address(self.run_dir(), self.learner, self.log("learner"), timeout_s, before)
+        return self.address
 
     def start_worker(self, k: int, *extra: str) -> subprocess.Popen:
         keys = (["--curve-secret", str(self.keys / f"w{k}.key_secret"), "--server-key",
@@ -83,8 +72,7 @@ class LabFleet:
         return self.workers[k]
 
     def tail(self, name: str, lines: int = 40) -> str:
-        path = self.log(name)
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
+        return log_tail(self.log(name), lines)
 
     def learner_step(self) -> int:
         """The learner's last logged step (-1: none yet)."""
@@ -118,3 +106,26 @@ def log_times(path: Path, pattern: str) -> list[float]:
         if stamp and pattern in line:
             found.append(datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp())
     return found
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of the log at ``path`` (none when there is no log)."""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
+
+
+def await_learner_address(run_dir: Path, learner, log: Path, timeout_s: float = 180,
+                          before: int | None = None) -> str:
+    """The control address of the ``learner`` process (its log at ``log``) once it listens: what it writes into
+    ``RUN_DIR/endpoints.json`` (a file newer than ``before``, its mtime in ns when a resumed learner starts over an
+    old one). RuntimeError with its log's tail when it exits first or does not listen within ``timeout_s``."""
+    endpoints, deadline = run_dir / "endpoints.json", time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if endpoints.is_file() and endpoints.stat().st_mtime_ns != before:
+            try:
+                return json.loads(endpoints.read_text())["control"]
+            except (ValueError, KeyError):
+                pass
+        if learner.poll() is not None:
+            raise RuntimeError(f"the learner exited ({learner.poll()}) before listening:\n{log_tail(log)}")
+        time.sleep(0.1)
+    raise RuntimeError(f"the learner did not listen within {timeout_s:.0f} s:\n{log_tail(log)}")

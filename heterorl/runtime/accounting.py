@@ -263,6 +263,14 @@ def append_group_records(path: Path, records: list[dict]) -> None:
         f.write("".join(json_text(r) + "\n" for r in records))
 
 
+def rollouts_lost(rollouts: dict) -> int:
+    """Trajectories of a run's ``rollouts`` block (`rollout_waste`) that reached the learner and are neither
+    trained, discarded (by reason) nor left over. The learner reads the fleet's count just before what is left
+    over, so a group arriving in between counts as left over without being generated: hence the floor at 0."""
+    return max(0, rollouts["generated"] - rollouts["trained"] - sum(rollouts["discarded"].values())
+               - rollouts["left_over"])
+
+
 def waste_line(rollouts: dict) -> str:
     """One line on the rollouts generated, trained and not trained, by reason; a resumed learner's are those of
     its own leg (``since_step``), and the line says so."""

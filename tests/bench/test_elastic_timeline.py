@@ -9,12 +9,12 @@ from heterorl.bench.elastic_timeline import (
     learner_rate,
     learner_waits,
     live_intervals,
-    lost,
     totals,
     trained_twice,
     windows,
     worker_rates,
 )
+from heterorl.runtime.accounting import rollouts_lost
 
 
 def record(worker: str, group: str, step: int, *, generated: tuple[float, float], trained: tuple[float, float],
@@ -78,8 +78,8 @@ def test_a_join_waits_for_the_first_group_generated_after_it_and_a_rejoin_counts
 
 def test_the_accounting_floors_what_is_lost_at_zero_and_counts_a_group_trained_twice():
     rollouts = {"generated": 100, "trained": 80, "discarded": {"stale": 8, "partial": 2}, "left_over": 10}
-    assert lost(rollouts) == 0 and lost({**rollouts, "generated": 103}) == 3
-    assert lost({**rollouts, "generated": 99}) == 0  # (the fleet counted a moment before what was left over)
+    assert rollouts_lost(rollouts) == 0 and rollouts_lost({**rollouts, "generated": 103}) == 3
+    assert rollouts_lost({**rollouts, "generated": 99}) == 0  # (the fleet counted a moment before what was left over)
     one = record("a", "a-0", 1, generated=(0, 1), trained=(1, 2))
     assert trained_twice([one, record("b", "a-0", 1, generated=(0, 1), trained=(1, 2))], 0) == 0
     assert trained_twice([one, one], 0) == 1 and trained_twice([one], 2) == 2

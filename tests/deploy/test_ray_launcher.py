@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from heterorl.bench.elastic import read_records
 from heterorl.config import load_config
 from heterorl.deploy import ray_launcher
 from heterorl.deploy.ray_launcher import check_resources, fitting_nodes
 from heterorl.errors import HeteroRLError
+from heterorl.runtime.accounting import rollouts_lost
 from tests.conftest import ENV, REPO, maze_run, run_cli, wait_until
 
 pytest.importorskip("ray")
@@ -127,11 +129,6 @@ def test_a_failed_worker_is_restarted_by_ray_and_a_learner_that_dies_stops_the_w
     assert processes_of(run) == []
 
 
-def groups_of(run_dir: Path) -> list[dict]:
-    path = run_dir / "groups.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 @pytest.mark.slow
 def test_an_elastic_fleet_grows_onto_an_added_node_and_shrinks_with_a_removed_one(tmp_path, monkeypatch):
     """cluster.ray.workers_per_node=1 on the drill's cluster with one rollout node: after step 2 a second rollout
@@ -171,7 +168,7 @@ def test_an_elastic_fleet_grows_onto_an_added_node_and_shrinks_with_a_removed_on
         joiner = wait_until(lambda: placed_on(second.node_id), 120, running("a worker on the added node"), step_s=0.2)
         wait_until(lambda: f"worker {joiner} joined" in (run / "logs" / "learner.log").read_text(), 120,
                    running(f"{joiner} joining the learner"), step_s=0.2)
-        wait_until(lambda: any(g["worker"] == joiner for g in groups_of(run)), 120,
+        wait_until(lambda: any(g["worker"] == joiner for g in read_records(run)), 120,
                    running(f"a group of {joiner} trained"), step_s=0.2)
         cluster.remove_node(first, allow_graceful=False)
         removed = wait_until(lambda: next((e for e in events(run) if e["event"] == "node_removed"), None), 120,
@@ -195,13 +192,12 @@ def test_an_elastic_fleet_grows_onto_an_added_node_and_shrinks_with_a_removed_on
     added = {e["node_id"]: e["workers"] for e in events(run) if e["event"] == "node_added"}
     assert added == {node: [name] for node, name in names.items()} and joiner == names[second.node_id]
     assert removed["node_id"] == first.node_id and removed["workers"] == [names[first.node_id]]
-    groups = groups_of(run)
+    groups = read_records(run)
     assert sum(g["worker"] == joiner for g in groups) >= 1
     assert len({(g["worker"], g["group_id"]) for g in groups}) == len(groups)  # none trained twice
     summary = json.loads((run / "summary.json").read_text())
     rollouts, launcher = summary["rollouts"], summary["launcher"]
-    lost = rollouts["generated"] - rollouts["trained"] - sum(rollouts["discarded"].values()) - rollouts["left_over"]
-    assert max(0, lost) == 0, rollouts
+    assert rollouts_lost(rollouts) == 0, rollouts
     assert summary["worker_restarts"] == {} and launcher["given_up"] == {}, summary
     assert launcher["nodes_added"] == [second.node_id] and launcher["workers_removed"] == [names[first.node_id]]
     assert alive == []
